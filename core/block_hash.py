@@ -1,0 +1,26 @@
+"""Chained hashes of full KV blocks: a block's hash covers its tokens and every token before it."""
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+
+class BlockHasher:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def hash_block(self, parent: bytes | None, token_ids: list[int]) -> bytes:
+        # blake2b-128 over the parent digest and the raw token bytes: collision-safe, and about
+        # a microsecond per 16-token block.
+        h = hashlib.blake2b(digest_size=16)
+        if parent is not None:
+            h.update(parent)
+        h.update(array("q", token_ids).tobytes())
+        return h.digest()
+
+    def extend(self, hashes: list[bytes], token_ids: list[int]) -> None:
+        """Append the hashes of blocks of token_ids that became full since `hashes` was last extended."""
+        bs = self.block_size
+        for start in range(len(hashes) * bs, len(token_ids) - bs + 1, bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(self.hash_block(parent, token_ids[start:start + bs]))

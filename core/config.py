@@ -1,0 +1,209 @@
+"""User-facing EngineArgs and the frozen configs the engine is built from."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.core.model_files import ModelSource, load_hf_config, resolve_model
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    source: ModelSource
+    hf_config: Any = field(repr=False, compare=False)
+    dtype: str                      # resolved: "float32" | "bfloat16" | "float16"
+    device: str                     # "cpu" | "cuda"
+    max_model_len: int
+    seed: int = 0
+    served_model_name: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+    @property
+    def num_heads(self) -> int:
+        return self.hf_config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.hf_config, "head_dim", None) or self.hf_config.hidden_size // self.num_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_gib: float | None = None    # CPU budget; None = default
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_blocks_override: int | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 8192
+    policy: str = "fcfs"             # "fcfs" | "priority"
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    # "uni" (in-process) | "mp" (one process per rank) | "torchrun" (ranks started by torchrun)
+    distributed_executor_backend: str = "uni"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    # The EngineArgs this was built from, as plain data: another process rebuilds the same config
+    # from it (configs hold a transformers object, which must not cross a socket).
+    source_args: dict = field(default_factory=dict, compare=False)
+
+
+@dataclass
+class EngineArgs:
+    """The knobs a user sets (mirrors `vllm serve` flags); `create_engine_config` validates them."""
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: float | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    scheduling_policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    def create_engine_config(self) -> EngineConfig:
+        self._validate()
+        source = resolve_model(self.model)
+        hf_config = load_hf_config(source)
+        device = _resolve_device(self.device)
+        max_len = _resolve_max_model_len(self.max_model_len, hf_config)
+        model = ModelConfig(
+            source=source, hf_config=hf_config, dtype=_resolve_dtype(self.dtype, device),
+            device=device, max_model_len=max_len, seed=self.seed,
+            served_model_name=self.served_model_name or source.name)
+        cache = CacheConfig(
+            block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_blocks_override=self.num_gpu_blocks_override)
+        batched = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill else max_len)
+        if not self.enable_chunked_prefill and batched < max_len:
+            raise ValueError(f"max_num_batched_tokens ({batched}) must be >= max_model_len ({max_len}) "
+                             "when chunked prefill is disabled")
+        scheduler = SchedulerConfig(
+            max_num_batched_tokens=batched, max_num_seqs=self.max_num_seqs, max_model_len=max_len,
+            policy=self.scheduling_policy, enable_chunked_prefill=self.enable_chunked_prefill)
+        tp = self.tensor_parallel_size
+        backend = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
+        parallel = ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend)
+        _check_parallel(parallel, model)
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler, parallel=parallel,
+                            source_args=dataclasses.asdict(self))
+
+    def _validate(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive(name, value)
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.distributed_executor_backend not in (None, "uni", "mp", "torchrun"):
+            raise ValueError("distributed_executor_backend must be 'uni', 'mp' or 'torchrun', "
+                             f"got {self.distributed_executor_backend!r}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        if device == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                raise ValueError("device: 'cuda' requested but no CUDA device is available")
+        return device
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _resolve_dtype(dtype: str, device: str) -> str:
+    if dtype != "auto":
+        return dtype
+    # bfloat16 everywhere: on GPU it is the native fast type; on CPU it halves memory traffic
+    # and this CPU's bf16 matmul beats fp32 at batch (see benchmarks/).
+    return "bfloat16"
+
+
+def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if requested is None:
+        return int(limit or 2048)
+    if limit is not None and requested > limit:
+        raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings ({limit})")
+    return requested
+
+
+def _check_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
+    tp = parallel.tensor_parallel_size
+    if model.num_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the model's {model.num_heads} attention heads")
+    kv = model.num_kv_heads
+    if (kv % tp) and (tp % kv):
+        raise ValueError(f"tensor_parallel_size={tp} and the model's {kv} KV heads: one must divide the other")
+    inter = getattr(model.hf_config, "intermediate_size", tp)
+    if inter % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size ({inter})")

@@ -1,0 +1,96 @@
+"""EngineCore: schedule -> execute -> update, one step at a time."""
+from __future__ import annotations
+
+import logging
+import time
+
+from pagedserve.core.block_hash import BlockHasher
+from pagedserve.core.config import EngineConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        from pagedserve.executor.executor import Executor
+        self.config = config
+        start = time.perf_counter()
+        self.executor = Executor.get_class(config)(config)
+        try:
+            self.num_blocks = self._init_kv_cache()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        cache = config.cache
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.block_hasher = BlockHasher(cache.block_size) if cache.enable_prefix_caching else None
+        self.eos_token_ids = config.model.eos_token_ids
+        logger.info("engine core ready in %.1f s: %d KV blocks", time.perf_counter() - start, self.num_blocks)
+
+    def _init_kv_cache(self) -> int:
+        num_blocks = self.executor.determine_num_blocks()
+        block_size = self.config.cache.block_size
+        needed = cdiv(self.config.model.max_model_len, block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens), fewer than one "
+                f"request of max_model_len={self.config.model.max_model_len} needs ({needed} blocks): "
+                "raise kv_cache_memory / gpu_memory_utilization or lower max_model_len")
+        self.executor.initialize_cache(num_blocks)
+        return num_blocks
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Validate and queue a request; ValueError (naming the field) if it can never run."""
+        max_tokens = self._validate(req)
+        request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params, self.eos_token_ids,
+                          max_tokens, self.block_hasher, req.arrival_time, req.priority, req.client_index)
+        self.scheduler.add_request(request)
+
+    def _validate(self, req: EngineCoreRequest) -> int:
+        prompt_len = len(req.prompt_token_ids)
+        max_len = self.config.model.max_model_len
+        vocab = self.config.model.vocab_size
+        if prompt_len == 0:
+            raise ValueError("prompt must contain at least one token")
+        if any(not 0 <= t < vocab for t in req.prompt_token_ids):
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab}) for this model")
+        if prompt_len >= max_len:
+            raise ValueError(f"prompt is {prompt_len} tokens, but max_model_len is {max_len}: "
+                             "it leaves no room to generate")
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is None:
+            return max_len - prompt_len
+        if prompt_len + max_tokens > max_len:
+            raise ValueError(f"max_tokens ({max_tokens}) plus the prompt ({prompt_len} tokens) exceeds "
+                             f"max_model_len ({max_len})")
+        return max_tokens
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [EngineCoreOutput(request_id=r.request_id, new_token_ids=[], finish_reason="abort") for r in done]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---------------------------------------------------------------- the step
+
+    def step(self) -> EngineCoreOutputs:
+        sched = self.scheduler.schedule()
+        outputs: list[EngineCoreOutput] = []
+        if sched.total_num_scheduled_tokens > 0 or sched.finished_req_ids:
+            result = self.executor.execute_model(sched)
+            outputs = self.scheduler.update_from_output(sched, result)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats())
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

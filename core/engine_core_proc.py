@@ -1,0 +1,263 @@
+"""The engine core in its own process: socket threads around the schedule -> execute -> update loop.
+
+Input thread: recv + auth + decode -> queue -> busy loop -> queue -> output thread: encode + send.
+Serialization overlaps model execution, and a stuck client socket never stalls a step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import logging
+import os
+import queue
+import signal
+import threading
+import traceback
+from collections import defaultdict
+
+import msgspec
+import zmq
+
+from pagedserve.core.config import EngineArgs
+from pagedserve.core.engine_core import EngineCore
+from pagedserve.ipc.messages import (AbortRequests, EngineCoreInput, EngineCoreOutput, EngineCoreOutputs,
+                                     EngineCoreRequest, EngineReady, EngineStartupFailed, UtilityCall,
+                                     UtilityResult)
+from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
+from pagedserve.ipc.sockets import make_socket
+
+logger = logging.getLogger(__name__)
+
+# Utility methods a client may call by name; nothing else is reachable.
+UTILITY_METHODS = ("ping", "reset_prefix_cache", "get_stats", "get_engine_args")
+_POLL_MS = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreAddresses:
+    input: str           # ROUTER, clients send [token, *message frames]
+    output: str          # ROUTER, clients receive EngineCoreOutputs
+    handshake: str       # PUSH from the core to the process that started it
+
+
+def engine_args_to_json(args: EngineArgs) -> bytes:
+    return msgspec.json.encode(dataclasses.asdict(args))
+
+
+def engine_args_from_json(data: bytes) -> EngineArgs:
+    return EngineArgs(**msgspec.json.decode(data))
+
+
+def run_engine_core(args_json: bytes, addresses: CoreAddresses, token: str, parent_pid: int,
+                    log_level: int = logging.INFO) -> None:
+    """Entry point of the engine core process."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
+    _die_with_parent(parent_pid)
+    ctx = zmq.Context()
+    handshake = make_socket(ctx, addresses.handshake, zmq.PUSH, bind=False)
+    encoder = MsgpackEncoder()
+    try:
+        core = EngineCore(engine_args_from_json(args_json).create_engine_config())
+    except BaseException as exc:  # the parent needs the reason, whatever it is
+        logger.error("engine core failed to start: %s", exc)
+        handshake.send_multipart(encoder.encode(EngineStartupFailed(error=_describe(exc))))
+        handshake.close(linger=2000)
+        ctx.term()
+        raise SystemExit(1)
+    proc = EngineCoreProc(core, ctx, addresses, token)
+    cfg = core.config
+    handshake.send_multipart(encoder.encode(EngineReady(
+        num_blocks=core.num_blocks, max_model_len=cfg.model.max_model_len, vocab_size=cfg.model.vocab_size,
+        block_size=cfg.cache.block_size)))
+    handshake.close(linger=2000)
+    code = proc.run()
+    raise SystemExit(code)
+
+
+def _describe(exc: BaseException) -> str:
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Exit when the parent dies: the kernel's parent-death signal, plus a watchdog for other OSes."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)          # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+    def watch() -> None:
+        while True:
+            threading.Event().wait(1.0)
+            if os.getppid() != parent_pid:
+                logger.error("parent process %d is gone; engine core exits", parent_pid)
+                os._exit(1)
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+class EngineCoreProc:
+    def __init__(self, core: EngineCore, ctx: zmq.Context, addresses: CoreAddresses, token: str) -> None:
+        self.core = core
+        self.ctx = ctx
+        self.addresses = addresses
+        self._token = token.encode()
+        self.inputs: queue.Queue[tuple[bytes, EngineCoreInput]] = queue.Queue()
+        self.outputs: queue.Queue[tuple[bytes, EngineCoreOutputs] | None] = queue.Queue()
+        self.owner: dict[str, bytes] = {}          # request id -> client identity
+        self.clients: set[bytes] = set()
+        self._stop = threading.Event()
+        # Bind before the handshake goes out, so clients can connect as soon as they hear "ready".
+        self.input_socket = make_socket(ctx, addresses.input, zmq.ROUTER, bind=True)
+        self.output_socket = make_socket(ctx, addresses.output, zmq.ROUTER, bind=True)
+        signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
+        signal.signal(signal.SIGINT, lambda *_: self._stop.set())
+
+    def run(self) -> int:
+        threads = [threading.Thread(target=self._input_loop, name="core-input", daemon=True),
+                   threading.Thread(target=self._output_loop, name="core-output", daemon=True)]
+        for t in threads:
+            t.start()
+        code = 0
+        try:
+            self._busy_loop()
+        except BaseException as exc:
+            code = 1
+            reason = f"engine core died: {_describe(exc)}"
+            logger.error(reason)
+            self._fail_everything(reason)
+        finally:
+            self._stop.set()
+            self.outputs.put(None)
+            threads[1].join(timeout=5)
+            self.core.shutdown()
+        return code
+
+    # ---------------------------------------------------------------- busy loop
+
+    def _busy_loop(self) -> None:
+        while not self._stop.is_set():
+            self.core.executor.check_health()       # a dead worker surfaces even while idle
+            self._drain_inputs(block=not self.core.has_unfinished_requests())
+            if self.core.has_unfinished_requests():
+                self._send(self.core.step())
+
+    def _drain_inputs(self, block: bool) -> None:
+        try:
+            item = self.inputs.get(timeout=_POLL_MS / 1000) if block else self.inputs.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self.inputs.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, client: bytes, msg: EngineCoreInput) -> None:
+        if isinstance(msg, EngineCoreRequest):
+            self._add_request(client, msg)
+        elif isinstance(msg, AbortRequests):
+            ids = [rid for rid in msg.request_ids if self.owner.get(rid) == client]
+            self._send(EngineCoreOutputs(outputs=self.core.abort_requests(ids)))
+        elif isinstance(msg, UtilityCall):
+            self._utility(client, msg)
+
+    def _add_request(self, client: bytes, req: EngineCoreRequest) -> None:
+        if req.request_id in self.owner:
+            error = f"request_id {req.request_id!r} is already in use"
+        else:
+            try:
+                self.core.add_request(req)
+                self.owner[req.request_id] = client
+                return
+            except ValueError as exc:
+                error = str(exc)
+        out = EngineCoreOutput(request_id=req.request_id, new_token_ids=[], finish_reason="error", error=error)
+        self.outputs.put((client, EngineCoreOutputs(outputs=[out])))
+
+    def _utility(self, client: bytes, call: UtilityCall) -> None:
+        result = UtilityResult(call_id=call.call_id)
+        if call.method == "ping":
+            result.result = "pong"
+        elif call.method == "reset_prefix_cache":
+            result.result = self.core.reset_prefix_cache()
+        elif call.method == "get_engine_args":
+            result.result = self.core.config.source_args
+        elif call.method == "get_stats":
+            result.result = msgspec.to_builtins(self.core.scheduler.make_stats())
+        else:
+            result.error = f"unknown utility method {call.method!r} (allowed: {', '.join(UTILITY_METHODS)})"
+        self.outputs.put((client, EngineCoreOutputs(utility_results=[result])))
+
+    def _send(self, outputs: EngineCoreOutputs) -> None:
+        """Route each output to the client that owns its request; stats go to every client."""
+        per_client: dict[bytes, list[EngineCoreOutput]] = defaultdict(list)
+        for out in outputs.outputs:
+            client = self.owner.get(out.request_id)
+            if client is None:
+                continue
+            per_client[client].append(out)
+            if out.finish_reason is not None:
+                del self.owner[out.request_id]
+        for client in self.clients | set(per_client):
+            self.outputs.put((client, EngineCoreOutputs(outputs=per_client.get(client, []),
+                                                        scheduler_stats=outputs.scheduler_stats)))
+
+    def _fail_everything(self, reason: str) -> None:
+        per_client: dict[bytes, list[EngineCoreOutput]] = defaultdict(list)
+        for rid, client in self.owner.items():
+            per_client[client].append(EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error",
+                                                       error=reason))
+        self.owner.clear()
+        for client in self.clients | set(per_client):
+            self.outputs.put((client, EngineCoreOutputs(outputs=per_client.get(client, []), engine_dead=reason)))
+
+    # ---------------------------------------------------------------- socket threads
+
+    def _input_loop(self) -> None:
+        decoder = MsgpackDecoder(EngineCoreInput)
+        poller = zmq.Poller()
+        poller.register(self.input_socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(_POLL_MS):
+                continue
+            frames = self.input_socket.recv_multipart(copy=False)
+            if len(frames) < 3 or not hmac.compare_digest(frames[1].bytes, self._token):
+                logger.warning("dropped a message with a missing or wrong engine token")
+                continue
+            client = frames[0].bytes
+            try:
+                msg = decoder.decode([f.buffer for f in frames[2:]])
+            except Exception as exc:   # hostile or corrupt frames must not take the core down
+                logger.warning("dropped an undecodable message from a client: %s", type(exc).__name__)
+                continue
+            if client not in self.clients:
+                self.clients.add(client)
+            self.inputs.put((client, msg))
+
+    def _output_loop(self) -> None:
+        encoder = MsgpackEncoder()
+        while True:
+            item = self.outputs.get()
+            if item is None:
+                self._flush_remaining(encoder)
+                return
+            self._send_frames(encoder, *item)
+
+    def _flush_remaining(self, encoder: MsgpackEncoder) -> None:
+        while True:
+            try:
+                item = self.outputs.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                self._send_frames(encoder, *item)
+
+    def _send_frames(self, encoder: MsgpackEncoder, client: bytes, outputs: EngineCoreOutputs) -> None:
+        try:
+            self.output_socket.send_multipart([client, *encoder.encode(outputs)], copy=False)
+        except zmq.ZMQError as exc:
+            logger.warning("could not send outputs to a client: %s", exc)

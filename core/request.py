@@ -1,0 +1,95 @@
+"""A request as the engine core tracks it: tokens, progress, status."""
+from __future__ import annotations
+
+import enum
+import time
+
+from pagedserve.core.block_hash import BlockHasher
+from pagedserve.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH_CAPPED = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: tuple[int, ...], max_tokens: int, block_hasher: BlockHasher | None,
+                 arrival_time: float | None = None, priority: int = 0, client_index: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_ids = () if sampling_params.ignore_eos else eos_token_ids
+        self.max_tokens = max_tokens
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.client_index = client_index
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1       # prefix-cache hit at first scheduling; -1 until then
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | None = None
+        self.block_hashes: list[bytes] = []
+        self._hasher = block_hasher
+        self._stop_ids = frozenset(self.eos_token_ids) | frozenset(sampling_params.stop_token_ids or ())
+        self._update_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._update_hashes()
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The finished status after the last appended token, or None to keep going."""
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= self.sampling_params.min_tokens and last in self._stop_ids:
+            if last not in self.eos_token_ids:
+                self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _update_hashes(self) -> None:
+        if self._hasher is not None:
+            self._hasher.extend(self.block_hashes, self.all_token_ids)
+
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.arrival_time)

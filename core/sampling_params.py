@@ -1,0 +1,95 @@
+"""SamplingParams: how to pick tokens and when to stop (vLLM-compatible fields)."""
+from __future__ import annotations
+
+import enum
+from typing import Optional, Union
+
+import msgspec
+
+_GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0   # every output holds all text so far
+    DELTA = 1        # every output holds only what is new
+    FINAL_ONLY = 2   # one output when the request ends
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                   # 0 or -1: no top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16   # None: up to max_model_len
+    min_tokens: int = 0
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None   # number of top logprobs per sampled token
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+        if self.temperature < _GREEDY_EPS:
+            # Greedy: the other truncations cannot change the argmax.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _validate(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
+               f"must be >= 0, got {self.temperature!r}")
+        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k",
+               f"must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
+        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_num(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
+        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               f"must be > 0, got {self.repetition_penalty!r}")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+               f"must be at least 1, got {self.max_tokens!r}")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+               f"must be >= 0, got {self.min_tokens!r}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
+               f"must be an integer in [0, 20], got {self.logprobs!r}")
+        _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be non-negative integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def clone(self, **changes: object) -> "SamplingParams":
+        return msgspec.structs.replace(self, **changes)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{field} {message}")

@@ -1,0 +1,222 @@
+"""V1-style scheduler: one token budget per step, running requests first, chunked prefill, preemption."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from pagedserve.core.config import SchedulerConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request_queue import make_queue
+from pagedserve.ipc.messages import (CachedRequestData, EngineCoreOutput, LogprobsEntry, ModelRunnerOutput,
+                                     NewRequestData, SchedulerOutput, SchedulerStats)
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Owns every unfinished request and the KV cache manager. Knows nothing of tensors.
+
+    Each step every request simply gets tokens until its num_computed_tokens catches up with its
+    tokens: a prompt is a run of tokens like any other, so prefill chunks and decodes share a batch.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        self._sent_to_workers: set[str] = set()
+        self._finished_ids: list[str] = []       # to drop from the workers' batch next step
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- requests in and out
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort, error). Unknown or finished ids are ignored."""
+        done = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            done.append(request)
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._sent_to_workers:
+            self._sent_to_workers.discard(request.request_id)
+            self._finished_ids.append(request.request_id)
+
+    # ---------------------------------------------------------------- one step
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted_any = False
+
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new <= 0:
+                idx += 1
+                continue
+            while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
+                victim = self._pick_victim()
+                if self.running.index(victim) < idx:
+                    idx -= 1
+                if victim.request_id in num_scheduled:   # priority policy may pick one already scheduled
+                    budget += num_scheduled.pop(victim.request_id)
+                    self._unemit(victim, new_reqs, cached)
+                self._preempt(victim)
+                preempted_any = True
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            self._emit(request, [b.block_id for b in new_blocks], new_reqs, cached)
+            idx += 1
+
+        # Admit waiting requests only when nothing was preempted: otherwise the victim would be
+        # admitted again at once and the two would thrash.
+        while (not preempted_any and budget > 0 and len(self.waiting)
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting.peek()
+            scheduled = self._admit(request, budget)
+            if scheduled is None:
+                break
+            self.waiting.pop()
+            new_block_ids, num_new = scheduled
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            self._emit(request, new_block_ids, new_reqs, cached)
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        # The tokens count as computed from now on: the next schedule() builds on this step.
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        return out
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        if not self.config.enable_chunked_prefill and num_new > budget:
+            return 0
+        return min(num_new, budget)
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=Request.sort_key)
+        return self.running[-1]          # FCFS: the latest arrival gives way
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0  # recompute: prefix caching usually makes this cheap
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if request.request_id in self._sent_to_workers:
+            self._sent_to_workers.discard(request.request_id)
+            self._finished_ids.append(request.request_id)
+        self.waiting.add_preempted(request)
+        logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
+
+    def _admit(self, request: Request, budget: int) -> tuple[list[int], int] | None:
+        hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+        num_new = request.num_tokens - num_hit
+        if not self.config.enable_chunked_prefill and num_new > budget:
+            return None
+        num_new = min(num_new, budget)
+        new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks, num_hit)
+        if new_blocks is None:
+            return None
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        request.num_computed_tokens = num_hit
+        return [b.block_id for b in new_blocks], num_new
+
+    def _emit(self, request: Request, new_block_ids: list[int], new_reqs: list[NewRequestData],
+              cached: CachedRequestData) -> None:
+        rid = request.request_id
+        if rid in self._sent_to_workers:
+            cached.req_ids.append(rid)
+            cached.new_block_ids.append(new_block_ids)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            return
+        self._sent_to_workers.add(rid)
+        new_reqs.append(NewRequestData(
+            req_id=rid, prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids), sampling_params=request.sampling_params,
+            block_ids=self.kv.get_block_ids(rid), num_computed_tokens=request.num_computed_tokens))
+
+    def _unemit(self, request: Request, new_reqs: list[NewRequestData], cached: CachedRequestData) -> None:
+        rid = request.request_id
+        for i, data in enumerate(new_reqs):
+            if data.req_id == rid:       # the workers never saw it: nothing for them to drop
+                del new_reqs[i]
+                self._sent_to_workers.discard(rid)
+                return
+        i = cached.req_ids.index(rid)
+        for column in (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            del column[i]
+
+    # ---------------------------------------------------------------- results of a step
+
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        logprobs = result.logprobs
+        for i, rid in enumerate(result.req_ids):
+            token = result.sampled_token_ids[i]
+            request = self.requests.get(rid)
+            if token < 0 or request is None:
+                continue                 # a prefill chunk, or aborted while the step ran
+            request.append_output_token(token)
+            status = request.check_stop(self.config.max_model_len)
+            entry = logprobs[i] if logprobs is not None else None
+            out = EngineCoreOutput(request_id=rid, new_token_ids=[token],
+                                   new_logprobs=[entry] if entry is not None else None,
+                                   num_cached_tokens=max(request.num_cached_tokens, 0))
+            if status is not None:
+                self.running.remove(request)
+                request.status = status
+                out.finish_reason = status.finish_reason
+                out.stop_reason = request.stop_reason
+                self._free(request)
+            outputs.append(out)
+        return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        stats = self.kv.prefix_stats
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=stats.queries, prefix_cache_hits=stats.hits,
+            num_preemptions=self.num_preemptions)

@@ -1,0 +1,48 @@
+"""The Executor interface the engine core drives, whatever runs the workers."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from pagedserve.core.config import EngineConfig
+from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type["Executor"]:
+        backend = config.parallel.distributed_executor_backend
+        if backend == "uni":
+            from pagedserve.executor.uniproc_executor import UniProcExecutor
+            return UniProcExecutor
+        if backend == "mp":
+            from pagedserve.executor.multiproc_executor import MultiProcExecutor
+            return MultiProcExecutor
+        if backend == "torchrun":
+            from pagedserve.executor.torchrun_executor import TorchrunExecutor
+            return TorchrunExecutor
+        raise ValueError(f"distributed_executor_backend {backend!r} is not available")
+
+    @abstractmethod
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """Call Worker.<method>(*args) on every rank; one result per rank."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        ...
+
+    def determine_num_blocks(self) -> int:
+        # Every rank must fit the same block count.
+        return min(self.collective_rpc("determine_num_blocks"))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_cache", (num_blocks,))
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass

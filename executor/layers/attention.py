@@ -1,0 +1,31 @@
+"""Paged attention layer: writes this step's K/V into the cache, then attends over the cache."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.kernels import ops
+from pagedserve.kernels.metadata import AttentionMetadata
+
+
+class PagedAttention(nn.Module):
+    """Holds no weights. `kv_cache` is bound by the model runner after the cache is allocated:
+    a tensor [2, num_blocks, block_size, num_kv_heads, head_dim] (index 0 = K, 1 = V)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, num_heads*head_dim], k/v [T, num_kv_heads*head_dim] -> [T, num_heads*head_dim]."""
+        if self.kv_cache is None:
+            raise RuntimeError("PagedAttention.kv_cache is not bound; the model runner allocates it")
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
+        ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return out.reshape(-1, self.num_heads * self.head_dim)

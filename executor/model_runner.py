@@ -1,0 +1,85 @@
+"""Runs one scheduled step: update the persistent batch, prepare inputs, forward, sample."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from pagedserve.core.config import EngineConfig
+from pagedserve.executor.input_prep import prepare_inputs
+from pagedserve.executor.request_state import CachedRequestState
+from pagedserve.executor.sampler import Sampler
+from pagedserve.executor.sampling_inputs import build_sampling_metadata
+from pagedserve.ipc.messages import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.cache.block_size
+        self.vocab_size = config.model.vocab_size
+        self.eos_token_ids = config.model.eos_token_ids
+        self.sampler = Sampler()
+        self.states: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        layers = self.model.attention_layers()
+        shape = (2, num_blocks, self.block_size, layers[0].num_kv_heads, layers[0].head_dim)
+        # torch.empty: pages are only touched as blocks get used, so a large CPU budget is cheap.
+        self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        for layer, cache in zip(layers, self.kv_caches):
+            layer.kv_cache = cache
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for rid in sched.finished_req_ids:
+            self.states.pop(rid, None)
+        for data in sched.scheduled_new_reqs:
+            self.states[data.req_id] = CachedRequestState.from_new(data)
+        cached = sched.scheduled_cached_reqs
+        for rid, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            state = self.states[rid]
+            state.block_ids.extend(new_blocks)
+            state.num_computed_tokens = num_computed
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        batch = prepare_inputs(self.states, sched.num_scheduled_tokens, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        sampled = [-1] * len(batch.req_ids)
+        logprobs = None
+        if batch.sample_rows:
+            states = [self.states[batch.req_ids[i]] for i in batch.sample_rows]
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            meta = build_sampling_metadata(states, self.eos_token_ids, self.device)
+            out = self.sampler(logits, meta)
+            tokens = out.sampled_token_ids.tolist()
+            for row, state, token in zip(batch.sample_rows, states, tokens):
+                state.append(token)
+                sampled[row] = token
+            if out.logprobs is not None:
+                logprobs = self._logprobs_entries(out, states, batch.sample_rows, len(batch.req_ids))
+        return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _logprobs_entries(out, states: list[CachedRequestState], rows: list[int],
+                          num_rows: int) -> list[LogprobsEntry | None]:
+        entries: list[LogprobsEntry | None] = [None] * num_rows
+        ids = out.logprob_token_ids.tolist()
+        lps = out.logprobs.tolist()
+        ranks = out.sampled_ranks.tolist()
+        for k, (row, state) in enumerate(zip(rows, states)):
+            wanted = state.sampling_params.logprobs
+            if wanted is not None:
+                entries[row] = LogprobsEntry(token_ids=ids[k][:wanted + 1], logprobs=lps[k][:wanted + 1],
+                                             sampled_rank=ranks[k])
+        return entries

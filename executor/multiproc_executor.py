@@ -1,0 +1,152 @@
+"""One worker process per rank; the engine core broadcasts each step and rank 0 answers."""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagedserve.core.config import EngineConfig
+from pagedserve.executor.executor import Executor
+from pagedserve.executor.worker_proc import run_worker
+from pagedserve.ipc.broadcast import BroadcastWriter
+from pagedserve.ipc.messages import (ExecuteModel, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerResponse,
+                                     WorkerShutdown)
+from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
+from pagedserve.ipc.sockets import IpcPaths, free_tcp_port, make_socket
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_STARTUP_TIMEOUT", "900"))
+MAX_MESSAGE_BYTES = 64 << 20
+_POLL_MS = 50
+
+
+class WorkerDiedError(RuntimeError):
+    pass
+
+
+class MultiProcExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.world_size = config.parallel.tensor_parallel_size
+        self.paths = IpcPaths("exec")
+        self.ctx = zmq.Context()
+        self.responses = make_socket(self.ctx, self.paths.new("resp"), zmq.PULL, bind=True)
+        self.writer = BroadcastWriter(num_readers=self.world_size, max_message_bytes=MAX_MESSAGE_BYTES)
+        self.encoder = MsgpackEncoder()
+        self.decoder = MsgpackDecoder(WorkerResponse)
+        self.dead: str | None = None
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self._closing = False
+        try:
+            self._start_workers()
+        except BaseException:
+            self.shutdown()
+            raise
+        threading.Thread(target=self._monitor, name="worker-monitor", daemon=True).start()
+
+    def _start_workers(self) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+        args_json = msgspec.json.encode(self.config.source_args)
+        handle = msgspec.msgpack.encode(self.writer.handle())
+        level = logging.getLogger().getEffectiveLevel()
+        for rank in range(self.world_size):
+            proc = spawn.Process(target=run_worker, name=f"pagedserve-worker-{rank}", args=(
+                args_json, rank, init_method, handle, self.responses.getsockopt_string(zmq.LAST_ENDPOINT),
+                os.getpid(), level))
+            proc.start()
+            self.procs.append(proc)
+        ready: set[int] = set()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(ready) < self.world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers {sorted(set(range(self.world_size)) - ready)} did not start in time")
+            resp = self._recv_response()
+            if resp is None:
+                continue
+            if resp.kind == "error":
+                raise RuntimeError(f"worker rank {resp.rank} failed to start: {resp.error}")
+            ready.add(resp.rank)
+
+    # ---------------------------------------------------------------- health
+
+    def _monitor(self) -> None:
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
+        died = multiprocessing.connection.wait(list(sentinels))
+        if self._closing:
+            return
+        rank = sentinels[died[0]]
+        self.dead = f"worker rank {rank} died (exit code {self.procs[rank].exitcode})"
+        logger.error(self.dead)
+
+    def check_health(self) -> None:
+        if self.dead is not None:
+            raise WorkerDiedError(self.dead)
+        for rank, proc in enumerate(self.procs):   # the monitor thread may not have woken yet
+            if not proc.is_alive():
+                self.dead = f"worker rank {rank} died (exit code {proc.exitcode})"
+                raise WorkerDiedError(self.dead)
+
+    def _recv_response(self) -> WorkerResponse | None:
+        if self.responses.poll(_POLL_MS):
+            return self.decoder.decode(self.responses.recv_multipart(copy=False))
+        self.check_health()
+        return None
+
+    # ---------------------------------------------------------------- calls
+
+    def _broadcast(self, msg: Any) -> None:
+        self.check_health()
+        self.writer.broadcast(self.encoder.encode(msg), timeout_s=60.0)
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        self._broadcast(WorkerCall(method, list(args)))
+        results: dict[int, Any] = {}
+        while len(results) < self.world_size:
+            resp = self._recv_response()
+            if resp is None:
+                continue
+            if resp.kind == "error":
+                raise RuntimeError(f"worker rank {resp.rank}: {resp.error}")
+            results[resp.rank] = resp.result
+        return [results[r] for r in range(self.world_size)]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._broadcast(ExecuteModel(scheduler_output))
+        while True:
+            resp = self._recv_response()
+            if resp is None:
+                continue
+            if resp.kind == "error":
+                raise RuntimeError(f"worker rank {resp.rank} failed: {resp.error}")
+            if resp.kind == "output" and resp.output is not None:
+                return resp.output
+
+    def shutdown(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            if self.dead is None and all(p.is_alive() for p in self.procs):
+                self.writer.broadcast(self.encoder.encode(WorkerShutdown()), timeout_s=2.0)
+        except Exception:   # a stuck or dead worker is killed below anyway
+            pass
+        deadline = time.monotonic() + 5
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        self.writer.close()
+        self.responses.close(linger=0)
+        self.ctx.term()
+        self.paths.close()

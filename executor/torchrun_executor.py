@@ -1,0 +1,103 @@
+"""Executor for a torchrun launch: every torchrun rank is a worker, rank 0 also runs the engine core.
+
+Control messages (scheduler outputs, calls) go from rank 0 to every rank as msgpack bytes over a gloo
+broadcast, so multi-node works through torchrun's own rendezvous and needs no extra sockets.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from pagedserve.core.config import EngineConfig
+from pagedserve.executor.executor import Executor
+from pagedserve.executor.worker import Worker
+from pagedserve.executor.worker_proc import WORKER_METHODS
+from pagedserve.ipc.messages import (ExecuteModel, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerInput,
+                                     WorkerShutdown)
+
+logger = logging.getLogger(__name__)
+
+
+class ControlChannel:
+    """Rank 0 -> all ranks message broadcast, and an all-gather of small results, on a gloo group."""
+
+    def __init__(self) -> None:
+        # gloo even when tensors use NCCL: control bytes live on the host.
+        self.group = dist.new_group(backend="gloo")
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(WorkerInput)
+
+    def broadcast(self, msg: Any | None) -> Any:
+        """Rank 0 passes the message; other ranks pass None and get it back."""
+        size = torch.zeros(1, dtype=torch.int64)
+        data = self.encoder.encode(msg) if dist.get_rank() == 0 else b""
+        size[0] = len(data)
+        dist.broadcast(size, 0, group=self.group)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(buf, 0, group=self.group)
+        return msg if dist.get_rank() == 0 else self.decoder.decode(buf.numpy().tobytes())
+
+    def gather_results(self, result: Any) -> list[Any]:
+        data = msgspec.msgpack.encode(result)
+        world = dist.get_world_size()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([len(data)]), group=self.group)
+        width = int(max(s.item() for s in sizes))
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
+        dist.all_gather(parts, mine, group=self.group)
+        return [msgspec.msgpack.decode(p[:int(s.item())].numpy().tobytes()) for p, s in zip(parts, sizes)]
+
+
+def _call(worker: Worker, call: WorkerCall) -> Any:
+    if call.method not in WORKER_METHODS:
+        raise ValueError(f"worker method {call.method!r} is not callable remotely")
+    return getattr(worker, call.method)(*call.args)
+
+
+class TorchrunExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        if not dist.is_initialized() or dist.get_rank() != 0:
+            raise RuntimeError("TorchrunExecutor runs on rank 0 of an initialized torchrun process group")
+        if dist.get_world_size() != config.parallel.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size ({config.parallel.tensor_parallel_size}) must equal the "
+                             f"torchrun world size ({dist.get_world_size()})")
+        self.channel = ControlChannel()
+        self.worker = Worker(config, rank=0)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        call = self.channel.broadcast(WorkerCall(method, list(args)))
+        return self.channel.gather_results(_call(self.worker, call))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.channel.broadcast(ExecuteModel(scheduler_output))
+        return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            self.channel.broadcast(WorkerShutdown())
+
+
+def serve_torchrun_worker(config: EngineConfig) -> None:
+    """The loop of ranks > 0: follow rank 0's broadcasts until it says shut down."""
+    rank = dist.get_rank()
+    channel = ControlChannel()
+    worker = Worker(config, rank=rank)
+    worker.init_device()
+    worker.load_model()
+    while True:
+        msg = channel.broadcast(None)
+        if isinstance(msg, WorkerShutdown):
+            return
+        if isinstance(msg, ExecuteModel):
+            worker.execute_model(msg.scheduler_output)
+        elif isinstance(msg, WorkerCall):
+            channel.gather_results(_call(worker, msg))

@@ -1,0 +1,97 @@
+"""Entry point of a worker process: build the Worker, then serve broadcast calls until shutdown."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import traceback
+
+import msgspec
+import zmq
+
+from pagedserve.core.config import EngineArgs
+from pagedserve.executor.worker import Worker
+from pagedserve.ipc.broadcast import BroadcastReader
+from pagedserve.ipc.messages import ExecuteModel, WorkerCall, WorkerInput, WorkerResponse, WorkerShutdown
+from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
+from pagedserve.ipc.sockets import make_socket
+
+logger = logging.getLogger(__name__)
+
+# What the executor may call by name on a worker; nothing else is reachable.
+WORKER_METHODS = ("determine_num_blocks", "initialize_cache", "ping")
+
+
+def run_worker(args_json: bytes, rank: int, init_method: str, broadcast_handle: bytes, response_addr: str,
+               parent_pid: int, log_level: int = logging.INFO) -> None:
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [worker {rank}] %(name)s: %(message)s")
+    _exit_with_parent(parent_pid)
+    ctx = zmq.Context()
+    sock = make_socket(ctx, response_addr, zmq.PUSH, bind=False)
+    encoder = MsgpackEncoder()
+
+    def reply(resp: WorkerResponse) -> None:
+        sock.send_multipart(encoder.encode(resp), copy=False)
+
+    try:
+        config = EngineArgs(**msgspec.json.decode(args_json)).create_engine_config()
+        worker = Worker(config, rank=rank, distributed_init_method=init_method)
+        worker.init_device()
+        worker.load_model()
+        reader = BroadcastReader.connect(broadcast_handle, rank)
+    except BaseException as exc:
+        reply(WorkerResponse(rank=rank, kind="error", error=_describe(exc)))
+        sock.close(linger=2000)
+        raise SystemExit(1)
+    reply(WorkerResponse(rank=rank, kind="ready"))
+    code = _serve(worker, reader, reply, rank)
+    reader.close()
+    sock.close(linger=1000)
+    raise SystemExit(code)
+
+
+def _serve(worker: Worker, reader: BroadcastReader, reply, rank: int) -> int:
+    decoder = MsgpackDecoder(WorkerInput)
+    while True:
+        try:
+            frames = reader.recv(timeout_s=1.0)
+        except TimeoutError:
+            continue
+        msg = decoder.decode(frames)
+        if isinstance(msg, WorkerShutdown):
+            return 0
+        try:
+            if isinstance(msg, ExecuteModel):
+                output = worker.execute_model(msg.scheduler_output)
+                if rank == 0:                # every rank computes the same tokens; one answer is enough
+                    reply(WorkerResponse(rank=rank, kind="output", output=output))
+            elif isinstance(msg, WorkerCall):
+                if msg.method not in WORKER_METHODS:
+                    raise ValueError(f"worker method {msg.method!r} is not callable remotely")
+                reply(WorkerResponse(rank=rank, kind="result", result=getattr(worker, msg.method)(*msg.args)))
+        except BaseException as exc:
+            logger.exception("worker %d failed", rank)
+            reply(WorkerResponse(rank=rank, kind="error", error=_describe(exc)))
+            return 1
+
+
+def _describe(exc: BaseException) -> str:
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno})" if tb else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+    def watch() -> None:
+        while True:
+            threading.Event().wait(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

@@ -1,0 +1,103 @@
+"""`engine-serve`: the OpenAI-compatible daemon, with `vllm serve`-style flags."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import stat
+import sys
+
+from pagedserve.core.config import EngineArgs
+
+logger = logging.getLogger("pagedserve.serve")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="engine-serve", description="Serve a model over an OpenAI-compatible API.")
+    p.add_argument("model_tag", nargs="?", default=None, help="model path (same as --model)")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB (CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (or env PAGEDSERVE_API_KEY)")
+    p.add_argument("--engine-address", default=None,
+                   help="where AsyncEngineClient.connect() reaches the engine core: ipc://PATH (default: a "
+                        "private path) or tcp://HOST:PORT (needs a token; uses PORT and PORT+1)")
+    p.add_argument("--engine-token", default=os.environ.get("PAGEDSERVE_ENGINE_TOKEN"),
+                   help="secret clients must present to the engine core (or env PAGEDSERVE_ENGINE_TOKEN)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    if ns.model_tag and ns.model and ns.model_tag != ns.model:
+        raise ValueError("give the model once: positionally or with --model")
+    return EngineArgs(
+        model=ns.model or ns.model_tag, served_model_name=ns.served_model_name, dtype=ns.dtype, seed=ns.seed,
+        max_model_len=ns.max_model_len, block_size=ns.block_size, kv_cache_memory=ns.kv_cache_memory,
+        gpu_memory_utilization=ns.gpu_memory_utilization, enable_prefix_caching=ns.enable_prefix_caching,
+        max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+        scheduling_policy=ns.scheduling_policy, tensor_parallel_size=ns.tensor_parallel_size)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = make_parser().parse_args(argv)
+    level = getattr(logging, ns.log_level.upper())
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ns.engine_address and ns.engine_address.startswith("tcp://") and not ns.engine_token:
+        sys.exit("engine-serve: a tcp:// --engine-address requires --engine-token (or PAGEDSERVE_ENGINE_TOKEN)")
+    try:
+        args = engine_args_from(ns)
+        args.create_engine_config()          # fail fast, in this process, on bad flags or model paths
+    except ValueError as exc:
+        sys.exit(f"engine-serve: {exc}")
+    serve(args, ns, level)
+
+
+def serve(args: EngineArgs, ns: argparse.Namespace, level: int) -> None:
+    import uvicorn
+
+    from pagedserve.frontend.api_server import ServerSettings, build_app
+    from pagedserve.frontend.async_client import AsyncEngineClient
+    from pagedserve.frontend.core_client import AsyncMPClient, CoreProcess
+
+    proc = CoreProcess(args, level, address=ns.engine_address, token=ns.engine_token)
+    engine = AsyncEngineClient(args.create_engine_config(), AsyncMPClient(proc.addresses, proc.token, proc))
+    _announce(proc, bool(ns.engine_token))
+    settings = ServerSettings(served_model_name=engine.model_config.served_model_name, api_key=ns.api_key,
+                              max_body_bytes=ns.max_body_bytes)
+    app = build_app(engine, settings)
+    try:
+        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, loop="uvloop",
+                    timeout_graceful_shutdown=10)
+    finally:
+        engine.shutdown()
+        logger.info("engine-serve stopped")
+
+
+def _announce(proc, token_given: bool) -> None:
+    if token_given:
+        logger.info("engine core at %s (token from --engine-token)", proc.addresses.input)
+        return
+    # A generated token is written to a private file, never to the log.
+    path = os.path.join(proc.paths.root, "engine-token")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, stat.S_IRUSR | stat.S_IWUSR), "w") as f:
+        f.write(proc.token)
+    logger.info("engine core at %s (token in %s)", proc.addresses.input, path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""Clients of an engine core process: start and supervise it, send requests, receive outputs."""
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import secrets
+import time
+import uuid
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pagedserve.core.config import EngineArgs
+from pagedserve.core.engine_core_proc import CoreAddresses, engine_args_to_json, run_engine_core
+from pagedserve.ipc.messages import (AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineHandshake,
+                                     EngineReady, EngineStartupFailed, UtilityCall)
+from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
+from pagedserve.ipc.sockets import IpcPaths, make_socket
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_STARTUP_TIMEOUT", "900"))
+_POLL_MS = 100
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core (or one of its workers) died; no request can complete."""
+
+
+def split_engine_address(address: str) -> tuple[str, str]:
+    """One user-facing engine address -> the core's (input, output) socket addresses."""
+    if address.startswith("tcp://"):
+        host, _, port = address[len("tcp://"):].rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65535:
+            raise ValueError(f"engine address {address!r} must look like tcp://HOST:PORT")
+        return address, f"tcp://{host}:{int(port) + 1}"
+    if address.startswith("ipc://"):
+        return address, address + "-out"
+    raise ValueError(f"engine address {address!r} must start with ipc:// or tcp://")
+
+
+class CoreProcess:
+    """Starts the engine core in a child process and waits for its handshake.
+
+    A failed start surfaces as an exception carrying the child's own message, as soon as the child
+    reports it or dies, not after a timeout.
+    """
+
+    def __init__(self, engine_args: EngineArgs, log_level: int = logging.INFO, address: str | None = None,
+                 token: str | None = None) -> None:
+        self.paths = IpcPaths("core")
+        inp, out = split_engine_address(address) if address else (self.paths.new("in"), self.paths.new("out"))
+        self.addresses = CoreAddresses(input=inp, output=out, handshake=self.paths.new("hs"))
+        self.token = token or secrets.token_hex(16)
+        ctx = zmq.Context.instance()
+        handshake = make_socket(ctx, self.addresses.handshake, zmq.PULL, bind=True)
+        spawn = multiprocessing.get_context("spawn")
+        self.proc = spawn.Process(target=run_engine_core, name="pagedserve-engine-core",
+                                  args=(engine_args_to_json(engine_args), self.addresses, self.token,
+                                        os.getpid(), log_level))
+        self.proc.start()
+        try:
+            self.ready = self._wait_ready(handshake)
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:
+            handshake.close(linger=0)
+
+    def _wait_ready(self, sock: zmq.Socket) -> EngineReady:
+        decoder = MsgpackDecoder(EngineHandshake)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if sock.poll(_POLL_MS):
+                msg = decoder.decode(sock.recv_multipart())
+                if isinstance(msg, EngineStartupFailed):
+                    raise RuntimeError(f"engine core failed to start: {msg.error}")
+                return msg
+            if not self.proc.is_alive():
+                raise RuntimeError(f"engine core process exited during startup (exit code {self.proc.exitcode})")
+        raise TimeoutError(f"engine core did not become ready within {STARTUP_TIMEOUT_S:.0f} s")
+
+    def is_alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout_s)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+        self.paths.close()
+
+
+class _ClientBase:
+    def __init__(self, addresses: CoreAddresses, token: str, proc: CoreProcess | None) -> None:
+        self.addresses = addresses
+        self.token = token.encode()
+        self.proc = proc
+        self.identity = uuid.uuid4().bytes
+        self.encoder = MsgpackEncoder()
+        self.decoder = MsgpackDecoder(EngineCoreOutputs)
+        self.dead: str | None = None
+        self._call_ids = itertools.count()
+
+    def _frames(self, msg: Any) -> list:
+        return [self.token, *self.encoder.encode(msg)]
+
+    def _check_alive(self) -> None:
+        if self.dead is None and self.proc is not None and not self.proc.is_alive():
+            self.dead = f"engine core process died (exit code {self.proc.proc.exitcode})"
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+
+    def _decode(self, frames: list) -> EngineCoreOutputs:
+        outputs = self.decoder.decode(frames)
+        if outputs.engine_dead:
+            self.dead = outputs.engine_dead
+        return outputs
+
+
+class SyncMPClient(_ClientBase):
+    """Blocking client (offline LLM)."""
+
+    def __init__(self, addresses: CoreAddresses, token: str, proc: CoreProcess | None = None) -> None:
+        super().__init__(addresses, token, proc)
+        ctx = zmq.Context.instance()
+        self.input = make_socket(ctx, addresses.input, zmq.DEALER, bind=False, identity=self.identity)
+        self.output = make_socket(ctx, addresses.output, zmq.DEALER, bind=False, identity=self.identity)
+        self._pending: list[EngineCoreOutputs] = []
+        self._wait_connected()
+
+    def _wait_connected(self, timeout_s: float = 30.0) -> None:
+        # A reply to a peer the core's output ROUTER has not seen yet is dropped: ping until one returns.
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                self.call_utility("ping", timeout_s=0.5)
+                return
+            except TimeoutError:
+                continue
+        raise TimeoutError(f"could not reach the engine core at {self.addresses.input} within {timeout_s} s")
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._check_alive()
+        self.input.send_multipart(self._frames(request), copy=False)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead is None:
+            self.input.send_multipart(self._frames(AbortRequests(request_ids)), copy=False)
+
+    def get_output(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:
+        if self._pending:
+            return self._pending.pop(0)
+        return self._recv(timeout_s)
+
+    def _recv(self, timeout_s: float | None) -> EngineCoreOutputs | None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while deadline is None or time.monotonic() < deadline:
+            self._check_alive()
+            if self.output.poll(_POLL_MS if deadline is None else
+                                max(1, min(_POLL_MS, int((deadline - time.monotonic()) * 1000)))):
+                return self._decode(self.output.recv_multipart(copy=False))
+        return None
+
+    def call_utility(self, method: str, *args: Any, timeout_s: float = 30.0) -> Any:
+        call_id = next(self._call_ids)
+        self._check_alive()
+        self.input.send_multipart(self._frames(UtilityCall(call_id, method, list(args))), copy=False)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            out = self._recv(timeout_s=min(_POLL_MS / 1000, timeout_s))
+            if out is None:
+                continue
+            for result in out.utility_results:
+                if result.call_id == call_id:
+                    if result.error:
+                        raise RuntimeError(result.error)
+                    return result.result
+            if out.outputs or out.engine_dead:
+                self._pending.append(out)      # keep request outputs for get_output
+        raise TimeoutError(f"engine core did not answer {method!r} within {timeout_s} s")
+
+    def close(self) -> None:
+        self.input.close(linger=0)
+        self.output.close(linger=0)
+        if self.proc is not None:
+            self.proc.shutdown()
+
+
+class AsyncMPClient(_ClientBase):
+    """asyncio client (AsyncEngineClient); `get_output` awaits the next batch of outputs."""
+
+    def __init__(self, addresses: CoreAddresses, token: str, proc: CoreProcess | None = None) -> None:
+        super().__init__(addresses, token, proc)
+        self.ctx = zmq.asyncio.Context()
+        self.input = make_socket(self.ctx, addresses.input, zmq.DEALER, bind=False, identity=self.identity)
+        self.output = make_socket(self.ctx, addresses.output, zmq.DEALER, bind=False, identity=self.identity)
+
+    async def add_request(self, request: EngineCoreRequest) -> None:
+        self._check_alive()
+        await self.input.send_multipart(self._frames(request), copy=False)
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead is None:
+            await self.input.send_multipart(self._frames(AbortRequests(request_ids)), copy=False)
+
+    async def send_utility(self, method: str, *args: Any) -> int:
+        call_id = next(self._call_ids)
+        self._check_alive()
+        await self.input.send_multipart(self._frames(UtilityCall(call_id, method, list(args))), copy=False)
+        return call_id
+
+    async def get_output(self, timeout_s: float = _POLL_MS / 1000) -> EngineCoreOutputs | None:
+        self._check_alive()
+        if await self.output.poll(int(timeout_s * 1000)):
+            return self._decode(await self.output.recv_multipart(copy=False))
+        return None
+
+    def close(self) -> None:
+        self.input.close(linger=0)
+        self.output.close(linger=0)
+        self.ctx.term()
+        if self.proc is not None:
+            self.proc.shutdown()

@@ -1,0 +1,85 @@
+"""Prompts in, EngineCoreRequests out: tokenization, chat templates, validation, n-way fan-out."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Union
+
+from pagedserve.core.config import ModelConfig
+from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.ipc.messages import EngineCoreRequest
+
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, model_config: ModelConfig) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = model_config.max_model_len
+        self.vocab_size = model_config.vocab_size
+
+    def parse_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+        if isinstance(prompt, str):
+            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return ProcessedPrompt(prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"]))
+            if isinstance(prompt.get("prompt"), str):
+                return self.parse_prompt(prompt["prompt"])
+            raise ValueError("prompt: a dict prompt needs 'prompt' (str) or 'prompt_token_ids' (list of int)")
+        if isinstance(prompt, (list, tuple)):
+            return ProcessedPrompt(None, self._check_ids(prompt))
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}) for this model")
+        return list(ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, **kwargs: Any) -> ProcessedPrompt:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        if getattr(self.tokenizer, "chat_template", None) is None and chat_template is None:
+            raise ValueError("messages: this model's tokenizer has no chat template; pass chat_template")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
+                                                  add_generation_prompt=add_generation_prompt, **kwargs)
+        # The template already placed any BOS: do not add special tokens again.
+        return ProcessedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+
+    def validate_length(self, prompt_len: int, params: SamplingParams) -> None:
+        if prompt_len == 0:
+            raise ValueError("prompt must not be empty")
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"prompt: {prompt_len} tokens, but this model's maximum context length "
+                             f"(max_model_len) is {self.max_model_len}")
+        if params.max_tokens is not None and prompt_len + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: {params.max_tokens} requested, but the prompt uses {prompt_len} of "
+                             f"the {self.max_model_len} tokens of max_model_len")
+
+    def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                      priority: int = 0, arrival_time: float | None = None,
+                      client_index: int = 0) -> tuple[list[str], list[EngineCoreRequest]]:
+        """One engine request per sample: n > 1 fans out into children that share the prompt's
+        blocks through the prefix cache."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        self.validate_length(len(prompt.prompt_token_ids), params)
+        arrival = time.time() if arrival_time is None else arrival_time
+        if params.n == 1:
+            children = [(request_id, params)]
+        else:
+            children = [(f"{request_id}#{i}", params.clone(
+                n=1, seed=None if params.seed is None else params.seed + i)) for i in range(params.n)]
+        requests = [EngineCoreRequest(cid, prompt.prompt_token_ids, p, arrival, priority, client_index)
+                    for cid, p in children]
+        return [c for c, _ in children], requests

@@ -1,0 +1,146 @@
+"""Offline inference: `LLM(...).generate(prompts, sampling_params)`, shaped like vLLM's."""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedserve.core.config import EngineArgs
+from pagedserve.core.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.frontend.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from pagedserve.frontend.output_processor import OutputProcessor
+from pagedserve.frontend.outputs import RequestOutput
+from pagedserve.frontend.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """Offline engine. `multiprocess_core=True` runs the engine core in its own process (as the
+    server does); otherwise it runs here. tensor_parallel_size > 1 always uses worker processes."""
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
+                 multiprocess_core: bool = False, **kwargs: Any) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise ValueError(f"LLM got unknown argument(s): {', '.join(sorted(unknown))}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.config = self.engine_args.create_engine_config()
+        self.tokenizer = load_tokenizer(self.config.model.source, tokenizer)
+        self.input_processor = InputProcessor(self.tokenizer, self.config.model)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        if multiprocess_core:
+            from pagedserve.frontend.core_client import CoreProcess, SyncMPClient
+            proc = CoreProcess(self.engine_args, logging.getLogger().getEffectiveLevel())
+            self.client = SyncMPClient(proc.addresses, proc.token, proc)
+        else:
+            from pagedserve.frontend.inproc_client import InprocClient
+            self.client = InprocClient(self.config)
+        self._ids = itertools.count()
+
+    @property
+    def engine(self):
+        """The in-process EngineCore (None when it runs in its own process)."""
+        return getattr(self.client, "core", None)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        items = _as_prompt_list(prompts)
+        parsed = [self.input_processor.parse_prompt(p) for p in items]
+        return self._run(parsed, sampling_params, use_tqdm, priority)
+
+    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        parsed = [self.input_processor.apply_chat_template(c, add_generation_prompt, chat_template,
+                                                           **(chat_template_kwargs or {}))
+                  for c in conversations]
+        return self._run(parsed, sampling_params, use_tqdm, None)
+
+    def _run(self, prompts: list[ProcessedPrompt], sampling_params: Any, use_tqdm: bool,
+             priority: Sequence[int] | None) -> list[RequestOutput]:
+        params = _per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams())
+        priorities = _per_prompt(list(priority) if priority is not None else None, len(prompts), "priority", 0)
+        batch = []
+        for prompt, p, prio in zip(prompts, params, priorities):
+            # Offline callers want one result per prompt: only the final output is needed.
+            p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            rid = str(next(self._ids))
+            batch.append((rid, prompt, self.input_processor.make_requests(rid, prompt, p, prio)))
+        for rid, prompt, (child_ids, requests) in batch:   # validated all before queueing any
+            self.output_processor.add_request(rid, prompt.prompt, prompt.prompt_token_ids, child_ids,
+                                              [r.sampling_params for r in requests])
+            for request in requests:
+                self.client.add_request(request)
+        return self._run_engine([rid for rid, _, _ in batch], use_tqdm)
+
+    def _run_engine(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        out_tokens = 0
+        try:
+            while self.output_processor.num_unfinished():
+                step = self.client.get_output()
+                if step is None:
+                    continue
+                processed = self.output_processor.process_outputs(step.outputs)
+                if processed.reqs_to_abort:
+                    self.client.abort_requests(processed.reqs_to_abort)
+                for output in processed.request_outputs:
+                    if output.error:
+                        raise ValueError(f"request {output.request_id} failed: {output.error}")
+                    if output.finished:
+                        results[output.request_id] = output
+                        out_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"{out_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
+                stats = step.scheduler_stats
+                if stats is not None and stats.num_running == 0 and stats.num_waiting > 0 and not step.outputs:
+                    raise RuntimeError("the scheduler could not admit any waiting request: "
+                                       "the KV cache is too small for the queued requests")
+        except BaseException:
+            pending = self.output_processor.unfinished_ids()
+            self.output_processor.abort_request(pending)
+            self.client.abort_requests(pending)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in order]
+
+    def shutdown(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]            # one prompt given as token ids
+        return list(prompts)
+    raise ValueError(f"prompts must be a string, token ids, or a list of them, got {type(prompts).__name__}")
+
+
+def _per_prompt(value: Any, n: int, name: str, default: Any) -> list[Any]:
+    if value is None:
+        return [default] * n
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name}: got {len(value)} values for {n} prompts")
+        return list(value)
+    return [value] * n

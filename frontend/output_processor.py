@@ -1,0 +1,155 @@
+"""Turn engine-core outputs (token ids) into RequestOutputs (text, logprobs, stop strings, n > 1)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.core.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.frontend.detokenizer import IncrementalDetokenizer
+from pagedserve.frontend.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.ipc.messages import EngineCoreOutput, LogprobsEntry
+
+
+@dataclass
+class _Sequence:
+    """One engine request: a whole user request, or one of its n samples."""
+    parent: "_Parent"
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0          # for delta outputs
+    sent_logprobs: int = 0
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    kind: RequestOutputKind
+    children: list[_Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    arrival_time: float = field(default_factory=time.time)
+    first_token_time: float | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]      # engine request ids that hit a stop string: the core must drop them
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._seqs: dict[str, _Sequence] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    child_ids: list[str], params: list[SamplingParams]) -> None:
+        parent = _Parent(request_id, prompt, prompt_token_ids, params[0].output_kind)
+        for index, (cid, p) in enumerate(zip(child_ids, params)):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, list(p.stop or ()),
+                                           p.include_stop_str_in_output, p.skip_special_tokens)
+            seq = _Sequence(parent, index, p, detok, logprobs=[] if p.logprobs is not None else None,
+                            cumulative_logprob=0.0 if p.logprobs is not None else None)
+            parent.children.append(seq)
+            self._seqs[cid] = seq
+
+    def has_request(self, child_id: str) -> bool:
+        return child_id in self._seqs
+
+    def num_unfinished(self) -> int:
+        return len(self._seqs)
+
+    def unfinished_ids(self) -> list[str]:
+        return list(self._seqs)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        touched: dict[int, _Parent] = {}
+        to_abort: list[str] = []
+        now = time.time()
+        for out in outputs:
+            seq = self._seqs.get(out.request_id)
+            if seq is None:
+                continue                       # already finished here (e.g. stop string), core caught up
+            parent = seq.parent
+            if parent.first_token_time is None and out.new_token_ids:
+                parent.first_token_time = now
+            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            self._update_sequence(seq, out)
+            if seq.detok.stop_hit is not None and out.finish_reason is None:
+                seq.finish_reason, seq.stop_reason = "stop", seq.detok.stop_hit
+                to_abort.append(out.request_id)
+            elif out.finish_reason is not None:
+                seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+                if out.error:
+                    parent.error = out.error
+            if seq.finish_reason is not None:
+                del self._seqs[out.request_id]
+            touched[id(parent)] = parent
+        results = [r for p in touched.values() if (r := self._make_output(p, now)) is not None]
+        return ProcessedOutputs(results, to_abort)
+
+    def _update_sequence(self, seq: _Sequence, out: EngineCoreOutput) -> None:
+        new_ids = out.new_token_ids
+        seq.token_ids.extend(new_ids)
+        seq.detok.add_tokens(new_ids)
+        if seq.logprobs is not None and out.new_logprobs:
+            for entry in out.new_logprobs:
+                seq.logprobs.append(self._logprob_dict(seq.detok, entry))
+                seq.cumulative_logprob += entry.logprobs[0]
+
+    @staticmethod
+    def _logprob_dict(detok: IncrementalDetokenizer, entry: LogprobsEntry) -> dict[int, Logprob]:
+        result: dict[int, Logprob] = {}
+        for rank, (tid, lp) in enumerate(zip(entry.token_ids, entry.logprobs)):
+            if tid not in result:
+                result[tid] = Logprob(lp, entry.sampled_rank if rank == 0 else rank, detok.decode_token(tid))
+        return result
+
+    def _make_output(self, parent: _Parent, now: float) -> RequestOutput | None:
+        finished = parent.finished
+        if parent.kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = parent.kind == RequestOutputKind.DELTA
+        completions = [self._completion(c, delta) for c in parent.children]
+        if delta:
+            completions = [c for c in completions if c.text or c.token_ids or c.finish_reason]
+        metrics = {"arrival_time": parent.arrival_time, "last_token_time": now,
+                   "num_generation_tokens": float(sum(len(c.token_ids) for c in parent.children))}
+        if parent.first_token_time is not None:
+            metrics["first_token_time"] = parent.first_token_time
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
+                             parent.num_cached_tokens, metrics, parent.error)
+
+    @staticmethod
+    def _completion(seq: _Sequence, delta: bool) -> CompletionOutput:
+        finished = seq.finish_reason is not None
+        text = seq.detok.delta(finished)
+        if not delta:
+            text = seq.detok.text[:seq.detok.emitted]
+        token_ids = seq.token_ids[seq.sent_tokens:] if delta else list(seq.token_ids)
+        logprobs = seq.logprobs
+        if delta and logprobs is not None:
+            logprobs = logprobs[seq.sent_logprobs:]
+            seq.sent_logprobs = len(seq.logprobs or [])
+        if delta:
+            seq.sent_tokens = len(seq.token_ids)
+        return CompletionOutput(seq.index, text, token_ids, seq.cumulative_logprob,
+                                list(logprobs) if logprobs is not None else None,
+                                seq.finish_reason, seq.stop_reason)
+
+    def abort_request(self, child_ids: list[str]) -> None:
+        for cid in child_ids:
+            self._seqs.pop(cid, None)

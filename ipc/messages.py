@@ -1,0 +1,152 @@
+"""Everything that crosses a process boundary, as msgspec Structs (no pickle anywhere)."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import msgspec
+
+from pagedserve.core.sampling_params import SamplingParams
+
+# ---------------------------------------------------------------- frontend -> engine core
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    client_index: int = 0
+
+
+class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, array_like=True, tag="utility"):
+    call_id: int
+    method: str
+    args: list[Union[int, float, str, bool, None]] = []
+
+
+EngineCoreInput = Union[EngineCoreRequest, AbortRequests, UtilityCall]
+
+# ---------------------------------------------------------------- engine core -> frontend
+
+
+class LogprobsEntry(msgspec.Struct, array_like=True):
+    """Logprobs for one sampled position: ids[0]/logprobs[0] are the sampled token, then the top-k."""
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: Optional[str] = None     # "stop" | "length" | "abort" | "error"
+    stop_reason: Optional[int] = None       # the stop token id, when one (not EOS) ended it
+    new_logprobs: Optional[list[LogprobsEntry]] = None
+    num_cached_tokens: int = 0
+    error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: Optional[SchedulerStats] = None
+    utility_results: list["UtilityResult"] = []
+    engine_dead: Optional[str] = None       # set once, as the core's last words: why it died
+
+
+class EngineReady(msgspec.Struct, array_like=True, tag="ready"):
+    """Startup handshake from the engine core process: what the frontend needs to know."""
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+
+
+class EngineStartupFailed(msgspec.Struct, array_like=True, tag="failed"):
+    error: str
+
+
+EngineHandshake = Union[EngineReady, EngineStartupFailed]
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    result: Union[int, float, str, bool, None, list, dict] = None
+    error: Optional[str] = None
+
+# ---------------------------------------------------------------- engine core -> workers
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """A request the workers have not seen (or one resuming after preemption, with its outputs)."""
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """Requests the workers already hold, column by column: only what changed."""
+    req_ids: list[str] = []
+    new_block_ids: list[list[int]] = []
+    num_computed_tokens: list[int] = []
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True):
+    """One step's work, as a diff against the persistent batch the workers keep."""
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str]          # finished, aborted or preempted: drop from the batch
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True):
+    req_ids: list[str]
+    sampled_token_ids: list[int]         # one per req_ids entry; -1 where a prefill chunk sampled nothing
+    logprobs: Optional[list[Optional[LogprobsEntry]]] = None
+
+# ---------------------------------------------------------------- executor <-> worker processes
+
+
+class ExecuteModel(msgspec.Struct, array_like=True, tag="exec"):
+    scheduler_output: SchedulerOutput
+
+
+class WorkerCall(msgspec.Struct, array_like=True, tag="call"):
+    method: str
+    args: list[Union[int, float, str, bool, None]] = []
+
+
+class WorkerShutdown(msgspec.Struct, array_like=True, tag="shutdown"):
+    pass
+
+
+WorkerInput = Union[ExecuteModel, WorkerCall, WorkerShutdown]
+
+
+class WorkerResponse(msgspec.Struct, array_like=True, omit_defaults=True):
+    rank: int
+    kind: str                                   # "ready" | "result" | "output" | "error"
+    result: Union[int, float, str, bool, None, list, dict] = None
+    output: Optional[ModelRunnerOutput] = None
+    error: Optional[str] = None

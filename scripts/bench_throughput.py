@@ -1,0 +1,188 @@
+"""Offline throughput on workload W1: pagedserve vs HF transformers static batches, in one run.
+
+W1: 64 requests from random.Random(0); per request L = randint(32, 512) prompt ids in [100, 49000),
+max_tokens = randint(32, 256), ignore_eos, all submitted at once. Each engine runs in its own
+subprocess so that peak memory (max RSS) is its own.
+
+    python scripts/bench_throughput.py --dtype bfloat16 --engines pagedserve,hf --out benchmarks/throughput_cpu.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+
+def workload_w1(num_requests: int = 64, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(num_requests):
+        length = rng.randint(32, 512)
+        prompt = [rng.randrange(100, 49000) for _ in range(length)]
+        reqs.append((prompt, rng.randint(32, 256)))
+    return reqs
+
+
+class StepProfile:
+    """Wall time per engine phase, gathered by wrapping the phase functions (benchmark-only)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.steps = 0
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def wrap(self, obj: object, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            with self.phase(name):
+                return fn(*args, **kwargs)
+        setattr(obj, attr, timed)
+
+
+def run_pagedserve(args: argparse.Namespace) -> dict:
+    import torch
+    from pagedserve import LLM, SamplingParams
+    import pagedserve.executor.model_runner as mr
+
+    reqs = workload_w1(args.num_requests)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    prof = StepProfile()
+    runner = llm.engine.executor.worker.runner
+    core = llm.engine
+    prof.wrap(core.scheduler, "schedule", "schedule")
+    prof.wrap(core.scheduler, "update_from_output", "update")
+    prof.wrap(mr, "prepare_inputs", "prepare_inputs")
+    prof.wrap(mr, "build_sampling_metadata", "sampling_metadata")
+    prof.wrap(runner, "model", "model_forward")
+    prof.wrap(runner.model, "compute_logits", "lm_head")
+    prof.wrap(runner, "sampler", "sampler")
+    prof.wrap(llm.output_processor, "process_outputs", "detokenize")
+    prof.wrap(core, "step", "step_total")
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
+    prompts = [p for p, _ in reqs]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    if tokens != sum(m for _, m in reqs):
+        raise RuntimeError("pagedserve returned the wrong number of tokens")
+    return {"engine": "pagedserve", "seconds": elapsed, "output_tokens": tokens,
+            "preemptions": core.scheduler.num_preemptions, "threads": torch.get_num_threads(),
+            "profile": {k: round(v, 3) for k, v in sorted(prof.seconds.items())}}
+
+
+def run_hf(args: argparse.Namespace) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from pagedserve.core.model_files import resolve_model
+
+    source = resolve_model(args.model)
+    dtype = getattr(torch, args.dtype)
+    if source.format == "gguf":
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(source.path),
+                                                     gguf_file=os.path.basename(source.path), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
+    model.eval()
+    model.generation_config.eos_token_id = None      # ignore_eos: every batch runs its full length
+    pad = 0
+    reqs = workload_w1(args.num_requests)
+    start = time.perf_counter()
+    tokens = 0
+    with torch.inference_mode():
+        for i in range(0, len(reqs), args.hf_batch):
+            batch = reqs[i:i + args.hf_batch]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+            longest = max(m for _, m in batch)
+            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                           do_sample=False, pad_token_id=pad)
+            tokens += sum(m for _, m in batch)       # only the tokens that were requested count
+    elapsed = time.perf_counter() - start
+    return {"engine": f"hf-static-{args.hf_batch}", "seconds": elapsed, "output_tokens": tokens,
+            "threads": torch.get_num_threads()}
+
+
+def child_main(args: argparse.Namespace) -> None:
+    result = run_pagedserve(args) if args.child == "pagedserve" else run_hf(args)
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["tok_per_s"] = result["output_tokens"] / result["seconds"]
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def parent_main(args: argparse.Namespace) -> None:
+    results = []
+    for engine in args.engines.split(","):
+        cmd = [sys.executable, __file__, "--child", engine] + _forward_args(args)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            sys.exit(f"{engine} failed:\n{proc.stderr[-4000:]}")
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+        print(json.dumps(results[-1]), flush=True)
+    table = format_table(args, results)
+    print(table)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(table + "\n")
+
+
+def _forward_args(args: argparse.Namespace) -> list[str]:
+    out = ["--dtype", args.dtype, "--num-requests", str(args.num_requests), "--hf-batch", str(args.hf_batch),
+           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    return out + (["--model", args.model] if args.model else [])
+
+
+def format_table(args: argparse.Namespace, results: list[dict]) -> str:
+    base = next((r for r in results if r["engine"].startswith("hf")), None)
+    lines = [f"\n### W1, {args.num_requests} requests, dtype {args.dtype} "
+             f"({time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
+             f"torch threads {results[0].get('threads')})\n",
+             "| engine | output tokens | seconds | output tok/s | vs HF | peak RSS MiB |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        ratio = f"{r['tok_per_s'] / base['tok_per_s']:.2f}x" if base else "-"
+        lines.append(f"| {r['engine']} | {r['output_tokens']} | {r['seconds']:.1f} | {r['tok_per_s']:.1f} | "
+                     f"{ratio} | {r['peak_rss_mib']:.0f} |")
+    for r in results:
+        if "profile" in r:
+            lines.append(f"\npagedserve step-time breakdown (s): {json.dumps(r['profile'])}; "
+                         f"preemptions: {r['preemptions']}")
+    return "\n".join(lines)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--engines", default="pagedserve,hf")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--hf-batch", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--out", default=None, help="append the result table to this markdown file")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    ns = parse_args()
+    child_main(ns) if ns.child else parent_main(ns)

@@ -1,0 +1,54 @@
+"""Shared fixtures: the embedded SmolLM2, tiny random models, and HF transformers as the oracle."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from pagedserve.core.model_files import embedded_model_path
+
+# Two cores: keep torch from oversubscribing when tests start engine processes.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path),
+                                                 gguf_file=os.path.basename(smollm2_path), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    from tiny_models import make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")), arch="llama")
+
+
+@pytest.fixture(scope="session")
+def hf_tiny_llama(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+def random_prompts(seed: int, lengths: list[int], vocab: int, low: int = 100) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(low, vocab) for _ in range(n)] for n in lengths]
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF transformers greedy continuation, one prompt at a time (no padding effects)."""
+    outs = []
+    for ids in prompts:
+        seq = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
+        outs.append(seq[0, len(ids):].tolist())
+    return outs

@@ -1,0 +1,77 @@
+"""The PyTorch paged attention (CPU path and kernel oracle) against plain dense attention."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedserve.kernels import reference
+from pagedserve.kernels.metadata import AttentionMetadata
+
+
+def dense_attention(q, k, v, scale):
+    """q [n, Hq, D] at the last n positions of k/v [L, Hkv, D]; causal."""
+    n, hq, _ = q.shape
+    L, hkv, _ = k.shape
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    q_pos = torch.arange(L - n, L)[:, None]
+    scores = scores.masked_fill(torch.arange(L)[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def build_batch(seqs, block_size, num_blocks, hkv, d, gen):
+    """seqs: list of (context_len, query_len), decodes first. Random non-contiguous block tables."""
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, starts, lens = [], [0], []
+    for ctx, ql in seqs:
+        nb = -(-ctx // block_size)
+        tables.append([perm.pop() for _ in range(nb)])
+        starts.append(starts[-1] + ql)
+        lens.append(ctx)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=bt, num_decodes=sum(1 for _, ql in seqs if ql == 1),
+        max_query_len=max(ql for _, ql in seqs), max_seq_len=max(lens),
+        query_start_loc_cpu=starts, seq_lens_cpu=lens)
+    return k_cache, v_cache, tables, meta
+
+
+def gather(cache, table, ctx):
+    return torch.cat([cache[b] for b in table])[:ctx]
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 2)])
+def test_paged_attention_matches_dense(block_size, hq, hkv):
+    gen = torch.Generator().manual_seed(0)
+    d = 32
+    seqs = [(1, 1), (37, 1), (5, 1), (20, 20), (50, 13), (9, 2)]   # decodes, a fresh prefill, continuations
+    k_cache, v_cache, tables, meta = build_batch(seqs, block_size, 64, hkv, d, gen)
+    q = torch.randn(meta.query_start_loc_cpu[-1], hq, d, generator=gen)
+    scale = 1 / math.sqrt(d)
+    out = reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    for i, (ctx, ql) in enumerate(seqs):
+        lo, hi = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        want = dense_attention(q[lo:hi], gather(k_cache, tables[i], ctx), gather(v_cache, tables[i], ctx), scale)
+        torch.testing.assert_close(out[lo:hi], want, rtol=1e-4, atol=1e-5)
+
+
+def test_write_kv_cache_skips_padding_slots():
+    k_cache = torch.zeros(4, 4, 2, 8)
+    v_cache = torch.zeros(4, 4, 2, 8)
+    key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    slots = torch.tensor([3, -1, 9, -1, 15])
+    reference.write_kv_cache(key, value, k_cache, v_cache, slots)
+    flat_k = k_cache.view(-1, 2, 8)
+    torch.testing.assert_close(flat_k[[3, 9, 15]], key[[0, 2, 4]])
+    torch.testing.assert_close(v_cache.view(-1, 2, 8)[[3, 9, 15]], value[[0, 2, 4]])
+    untouched = [s for s in range(16) if s not in (3, 9, 15)]
+    assert flat_k[untouched].abs().sum() == 0

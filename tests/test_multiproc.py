@@ -1,0 +1,151 @@
+"""The process split: engine core process, worker processes, tensor parallelism, faults."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from conftest import random_prompts
+from pagedserve import LLM, SamplingParams
+from pagedserve.core.config import EngineArgs
+from pagedserve.frontend.core_client import CoreProcess, EngineDeadError, SyncMPClient
+from pagedserve.ipc.messages import EngineCoreRequest
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+LENGTHS = [5, 40, 17, 90, 1, 63]
+
+
+def children() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def wait_no_children(timeout=10.0) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in children() if "resource_tracker" not in " ".join(p.cmdline())]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return left
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens(tiny_llama_dir):
+    prompts = random_prompts(3, LENGTHS, 512)
+    with LLM(tiny_llama_dir, dtype="float32") as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return prompts, [o.outputs[0].token_ids for o in outs]
+
+
+def test_tp2_matches_tp1(tiny_llama_dir, tp1_tokens):
+    prompts, expected = tp1_tokens
+    with LLM(tiny_llama_dir, dtype="float32", tensor_parallel_size=2) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert wait_no_children() == []
+
+
+def test_core_process_matches_inprocess(tiny_llama_dir, tp1_tokens):
+    prompts, expected = tp1_tokens
+    with LLM(tiny_llama_dir, dtype="float32", multiprocess_core=True) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    assert wait_no_children() == []
+
+
+def test_tp_divisibility_refused_with_message(smollm2_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide the model's 9 attention heads"):
+        EngineArgs(model=smollm2_path, tensor_parallel_size=2).create_engine_config()
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_matches_tp1(smollm2_path):
+    prompts = random_prompts(4, [12, 70, 33], 49152)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    with LLM(smollm2_path, dtype="float32", max_model_len=256) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(smollm2_path, dtype="float32", max_model_len=256, tensor_parallel_size=3) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+
+
+def test_worker_startup_failure_reaches_caller(tiny_llama_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, broken)
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker rank 0 failed to start"):
+        LLM(str(broken), dtype="float32", tensor_parallel_size=2)
+    assert time.monotonic() - start < 60
+    assert wait_no_children() == []
+
+
+def test_core_startup_failure_reaches_caller(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchModel"], "model_type": "llama"}')
+    with pytest.raises(RuntimeError, match="engine core failed to start"):
+        LLM(str(tmp_path), multiprocess_core=True)
+    assert wait_no_children() == []
+
+
+def _worker_pids() -> list[int]:
+    return [p.pid for p in children() if "pagedserve-worker" in p.name() or
+            any("worker_proc" in c or "run_worker" in c for c in p.cmdline())]
+
+
+def test_sigkill_worker_fails_requests_fast(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, dtype="float32", tensor_parallel_size=2, multiprocess_core=True)
+    prompts = random_prompts(5, [30] * 4, 512)
+    params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+    core_pid = llm.client.proc.proc.pid
+    workers = [p for p in psutil.Process(core_pid).children() if p.is_running()]
+    assert len(workers) == 2
+    timer = threading.Timer(2.0, lambda: os.kill(workers[1].pid, signal.SIGKILL))
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises((EngineDeadError, ValueError), match="worker rank 1 died"):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert time.monotonic() - start < 2.0 + 5.0
+    llm.shutdown()
+    assert wait_no_children() == []
+
+
+def test_sigkill_core_raises_engine_dead(tiny_llama_dir):
+    proc = CoreProcess(EngineArgs(model=tiny_llama_dir, dtype="float32"))
+    client = SyncMPClient(proc.addresses, proc.token, proc)
+    client.add_request(EngineCoreRequest("a", [1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True), 0.0))
+    assert client.get_output(timeout_s=30) is not None
+    os.kill(proc.proc.pid, signal.SIGKILL)
+    with pytest.raises(EngineDeadError):
+        for _ in range(100):
+            client.get_output(timeout_s=0.2)
+    client.close()
+    assert wait_no_children() == []
+
+
+def test_two_engines_side_by_side(tiny_llama_dir, tp1_tokens):
+    prompts, expected = tp1_tokens
+    a = LLM(tiny_llama_dir, dtype="float32", multiprocess_core=True)
+    b = LLM(tiny_llama_dir, dtype="float32", multiprocess_core=True)
+    try:
+        assert a.client.addresses.input != b.client.addresses.input
+        results = {}
+        threads = [threading.Thread(target=lambda n, e: results.__setitem__(n, e.generate(prompts, GREEDY,
+                                                                                          use_tqdm=False)),
+                                    args=(name, eng)) for name, eng in (("a", a), ("b", b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for name in "ab":
+            assert [o.outputs[0].token_ids for o in results[name]] == expected
+    finally:
+        a.shutdown()
+        b.shutdown()
+    assert wait_no_children() == []
