@@ -33,19 +33,21 @@ def check(llm: LLM, prompts: list[list[int]], expected: list[list[int]]) -> None
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.num_blocks
 
 
+@pytest.fixture(scope="class")
+def setup(request):
+    """(model path, prompts, HF tokens, shared-prefix prompts, HF tokens) for the class's model."""
+    path = request.getfixturevalue(request.cls.model_fixture)
+    hf = request.getfixturevalue(request.cls.hf_fixture)
+    vocab = hf.config.vocab_size
+    prompts = random_prompts(1, LENGTHS, vocab)
+    shared = shared_prefix_prompts(vocab)
+    return path, prompts, hf_greedy(hf, prompts, NEW_TOKENS), shared, hf_greedy(hf, shared, NEW_TOKENS)
+
+
 class ParitySuite:
     """Shared cases; subclasses bind a model path and its HF reference."""
     model_fixture = ""
     hf_fixture = ""
-
-    @pytest.fixture(scope="class")
-    def setup(self, request):
-        path = request.getfixturevalue(self.model_fixture)
-        hf = request.getfixturevalue(self.hf_fixture)
-        vocab = hf.config.vocab_size
-        prompts = random_prompts(1, LENGTHS, vocab)
-        shared = shared_prefix_prompts(vocab)
-        return path, prompts, hf_greedy(hf, prompts, NEW_TOKENS), shared, hf_greedy(hf, shared, NEW_TOKENS)
 
     @pytest.mark.parametrize("name", list(CONFIGS))
     def test_batch_parity(self, setup, name):

@@ -1,7 +1,6 @@
 """Tiny random-weight models saved as HF safetensors folders (loaded through the real loader)."""
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -29,6 +28,8 @@ def make_tiny_model(path: str, arch: str = "llama", sharded: bool = False, seed:
     model.save_pretrained(path, max_shard_size="100KB" if sharded else "10GB")
     if sharded and not os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
         raise RuntimeError("expected a sharded checkpoint")
-    with open(os.path.join(path, "config.json")) as f:
-        json.load(f)
+    # Any tokenizer covering the tiny vocabulary will do: reuse the embedded model's.
+    from pagedserve.core.model_files import resolve_model
+    from pagedserve.frontend.tokenizer import load_tokenizer
+    load_tokenizer(resolve_model(None)).save_pretrained(path)
     return path
