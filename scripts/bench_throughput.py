@@ -70,7 +70,7 @@ def run_pagedserve(args: argparse.Namespace) -> dict:
     prof.wrap(core.scheduler, "update_from_output", "update")
     prof.wrap(mr, "prepare_inputs", "prepare_inputs")
     prof.wrap(mr, "build_sampling_metadata", "sampling_metadata")
-    prof.wrap(runner, "model", "model_forward")
+    prof.wrap(runner.model, "forward", "model_forward")
     prof.wrap(runner.model, "compute_logits", "lm_head")
     prof.wrap(runner, "sampler", "sampler")
     prof.wrap(llm.output_processor, "process_outputs", "detokenize")

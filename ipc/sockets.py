@@ -1,0 +1,65 @@
+"""ZeroMQ socket helpers: unique ipc paths per engine instance, tcp ports, sane options."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import uuid
+
+import zmq
+
+
+class IpcPaths:
+    """A private temp folder holding one engine instance's ipc socket files; removed on close."""
+
+    def __init__(self, prefix: str) -> None:
+        # Short: unix socket paths are limited to 107 bytes.
+        self.root = tempfile.mkdtemp(prefix=f"ps-{prefix}-{uuid.uuid4().hex[:6]}-")
+
+    def new(self, name: str) -> str:
+        return f"ipc://{os.path.join(self.root, name)}"
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> "IpcPaths":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def make_socket(ctx: zmq.Context, path: str, socket_type: int, bind: bool, *, identity: bytes | None = None,
+                linger: int = 0, hwm: int = 0) -> zmq.Socket:
+    """hwm=0: unbounded queues, the default for request/response paths whose callers bound them."""
+    sock = ctx.socket(socket_type)
+    sock.setsockopt(zmq.LINGER, linger)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if path.startswith("tcp://[") or path.startswith("tcp://::"):
+        sock.setsockopt(zmq.IPV6, 1)
+    if path.startswith("ipc://"):
+        sock.setsockopt(zmq.SNDBUF, 8 << 20)
+        sock.setsockopt(zmq.RCVBUF, 8 << 20)
+    if bind:
+        sock.bind(path)
+    else:
+        sock.connect(path)
+    return sock
+
+
+def cleanup_ipc_path(path: str) -> None:
+    if path.startswith("ipc://"):
+        try:
+            os.unlink(path[len("ipc://"):])
+        except FileNotFoundError:
+            pass
