@@ -95,6 +95,12 @@ class MultiProcExecutor(Executor):
                 self.dead = f"worker rank {rank} died (exit code {proc.exitcode})"
                 raise WorkerDiedError(self.dead)
 
+    def _raise_worker_error(self, resp: WorkerResponse) -> None:
+        # A rank that lost its peer fails in its collective; the peer's death is the real cause.
+        multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=1.0)
+        self.check_health()
+        raise RuntimeError(f"worker rank {resp.rank} failed: {resp.error}")
+
     def _recv_response(self) -> WorkerResponse | None:
         if self.responses.poll(_POLL_MS):
             return self.decoder.decode(self.responses.recv_multipart(copy=False))
@@ -115,7 +121,7 @@ class MultiProcExecutor(Executor):
             if resp is None:
                 continue
             if resp.kind == "error":
-                raise RuntimeError(f"worker rank {resp.rank}: {resp.error}")
+                self._raise_worker_error(resp)
             results[resp.rank] = resp.result
         return [results[r] for r in range(self.world_size)]
 
@@ -126,7 +132,7 @@ class MultiProcExecutor(Executor):
             if resp is None:
                 continue
             if resp.kind == "error":
-                raise RuntimeError(f"worker rank {resp.rank} failed: {resp.error}")
+                self._raise_worker_error(resp)
             if resp.kind == "output" and resp.output is not None:
                 return resp.output
 
