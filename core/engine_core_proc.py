@@ -161,7 +161,9 @@ class EngineCoreProc:
             self._add_request(client, msg)
         elif isinstance(msg, AbortRequests):
             ids = [rid for rid in msg.request_ids if self.owner.get(rid) == client]
-            self._send(EngineCoreOutputs(outputs=self.core.abort_requests(ids)))
+            # Fresh stats too: with nothing left to run, no step would report the change.
+            self._send(EngineCoreOutputs(outputs=self.core.abort_requests(ids),
+                                         scheduler_stats=self.core.scheduler.make_stats()))
         elif isinstance(msg, UtilityCall):
             self._utility(client, msg)
 

@@ -1,4 +1,8 @@
-"""Build a model on its device and stream its weights in, one tensor at a time."""
+"""Build a model on its device and stream its weights in, one tensor at a time.
+
+Sources: an HF folder (*.safetensors, sharded or not; *.bin as a fallback) or a GGUF file
+(dequantized to float32 tensor by tensor, renamed to HF names, Q/K rows un-permuted).
+"""
 from __future__ import annotations
 
 import glob
@@ -6,8 +10,12 @@ import json
 import logging
 import os
 import re
+import struct
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,11 +27,13 @@ from pagedserve.executor.models import get_model_class
 from pagedserve.executor.parallel_state import TPGroup
 
 logger = logging.getLogger(__name__)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Weights = Iterator[tuple[str, torch.Tensor]]
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype):
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -33,32 +43,57 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(model_config: ModelConfig, tp: TPGroup) -> nn.Module:
+    """The model for this rank, on model_config.device in model_config.dtype, weights loaded, eval mode."""
+    if model_config.dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {model_config.dtype!r}")
     cls = get_model_class(model_config.hf_config)
-    device = torch.device(model_config.device)
-    with torch.device(device), _default_dtype(_DTYPES[model_config.dtype]):
+    start = time.perf_counter()
+    # Parameters are allocated directly on the target device in the target dtype: no CPU fp32 detour.
+    with torch.device(model_config.device), _default_dtype(_DTYPES[model_config.dtype]):
         model = cls(model_config.hf_config, tp)
-    source = model_config.source
-    weights, count = (_gguf_weights(source.path, model_config.hf_config) if source.format == "gguf"
-                      else _hf_weights(source.path))
-    bar = tqdm(weights, total=count, desc="Loading weights", unit="tensor", disable=tp.rank != 0)
-    loaded = model.load_weights(bar)
-    missing = model.expected_parameters() - loaded
-    if missing:
-        raise ValueError(f"the checkpoint at {source.path} lacks weights for: {', '.join(sorted(missing)[:10])}"
-                         + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+    weights, count = open_weights(model_config)
+    progress = tqdm(weights, total=count or None, desc="Loading weights", unit="tensor",
+                    disable=tp.rank != 0, leave=False)
+    loaded = model.load_weights(progress)
+    _check_complete(model.expected_weights() - loaded, model_config.source.path)
+    logger.info("loaded %s (%s, %s) on rank %d in %.1f s", model_config.source.name, cls.__name__,
+                model_config.dtype, tp.rank, time.perf_counter() - start)
     return model.eval()
+
+
+def _check_complete(missing: set[str], path: str) -> None:
+    if not missing:
+        return
+    names = sorted(missing)
+    more = f" (+{len(names) - 10} more)" if len(names) > 10 else ""
+    raise ValueError(f"checkpoint {path} lacks weights: {', '.join(names[:10])}{more}")
+
+
+def open_weights(model_config: ModelConfig) -> tuple[Weights, int]:
+    """(iterator of (HF name, tensor), number of tensors or 0 if unknown) for the model's source."""
+    source = model_config.source
+    if source.format == "gguf":
+        return gguf_weights(source.path, model_config.hf_config)
+    return hf_weights(source.path)
 
 
 # ---------------------------------------------------------------- HF folders
 
 
-def _hf_weights(folder: str) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+def _safetensors_files(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
-        files = [os.path.join(folder, s) for s in shards]
+        return [os.path.join(folder, shard) for shard in shards]
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    # Mistral repos ship consolidated.safetensors (original naming) next to the HF-named files.
+    hf_named = [f for f in files if not os.path.basename(f).startswith("consolidated")]
+    return hf_named or files
+
+
+def hf_weights(folder: str) -> tuple[Weights, int]:
+    files = _safetensors_files(folder)
     if files:
         return _safetensors_iter(files), _safetensors_count(files)
     bins = sorted(glob.glob(os.path.join(folder, "*.bin")))
@@ -72,14 +107,14 @@ def _safetensors_count(files: list[str]) -> int:
     total = 0
     for path in files:
         try:
-            with safe_open(path, framework="pt") as f:
+            with safe_open(path, framework="pt") as f:       # reads the header only
                 total += len(f.keys())
         except Exception as exc:
             raise ValueError(f"cannot read weights file {path}: {exc}") from exc
     return total
 
 
-def _safetensors_iter(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_iter(files: list[str]) -> Weights:
     from safetensors import safe_open
     for path in files:
         with safe_open(path, framework="pt") as f:
@@ -87,9 +122,12 @@ def _safetensors_iter(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _bin_iter(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _bin_iter(files: list[str]) -> Weights:
     for path in files:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:
+            raise ValueError(f"cannot read weights file {path}: {exc}") from exc
         yield from state.items()
         del state
 
@@ -97,51 +135,95 @@ def _bin_iter(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 # ---------------------------------------------------------------- GGUF
 
 _GGUF_NAMES = [
-    (r"^token_embd\.weight$", "model.embed_tokens.weight"),
-    (r"^output_norm\.weight$", "model.norm.weight"),
-    (r"^output\.weight$", "lm_head.weight"),
-    (r"^blk\.(\d+)\.attn_norm\.weight$", r"model.layers.\1.input_layernorm.weight"),
-    (r"^blk\.(\d+)\.ffn_norm\.weight$", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"^blk\.(\d+)\.attn_(q|k|v)\.(weight|bias)$", r"model.layers.\1.self_attn.\2_proj.\3"),
-    (r"^blk\.(\d+)\.attn_output\.weight$", r"model.layers.\1.self_attn.o_proj.weight"),
-    (r"^blk\.(\d+)\.attn_(q|k)_norm\.weight$", r"model.layers.\1.self_attn.\2_norm.weight"),
-    (r"^blk\.(\d+)\.ffn_(gate|up|down)\.weight$", r"model.layers.\1.mlp.\2_proj.weight"),
+    (re.compile(r"^token_embd\.weight$"), "model.embed_tokens.weight"),
+    (re.compile(r"^output_norm\.weight$"), "model.norm.weight"),
+    (re.compile(r"^output\.weight$"), "lm_head.weight"),
+    (re.compile(r"^blk\.(\d+)\.attn_norm\.weight$"), r"model.layers.\1.input_layernorm.weight"),
+    (re.compile(r"^blk\.(\d+)\.ffn_norm\.weight$"), r"model.layers.\1.post_attention_layernorm.weight"),
+    (re.compile(r"^blk\.(\d+)\.attn_(q|k|v)\.(weight|bias)$"), r"model.layers.\1.self_attn.\2_proj.\3"),
+    (re.compile(r"^blk\.(\d+)\.attn_output\.(weight|bias)$"), r"model.layers.\1.self_attn.o_proj.\2"),
+    (re.compile(r"^blk\.(\d+)\.attn_(q|k)_norm\.weight$"), r"model.layers.\1.self_attn.\2_norm.weight"),
+    (re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.weight$"), r"model.layers.\1.mlp.\2_proj.weight"),
 ]
+# llama.cpp's converter permutes Q/K rows for these architectures only.
+_PERMUTED_ARCHS = ("llama", "mistral")
 
 
 def gguf_to_hf_name(name: str) -> str | None:
-    for pattern, repl in _GGUF_NAMES:
-        if re.match(pattern, name):
-            return re.sub(pattern, repl, name)
+    for pattern, replacement in _GGUF_NAMES:
+        if pattern.match(name):
+            return pattern.sub(replacement, name)
     return None
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's conversion-time permutation of Q/K rows (interleaved -> rotate-half order)."""
-    dim = w.shape[0] // n_head // 2
-    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def reverse_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (it interleaves each head's two rotary halves)."""
+    dim = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, dim, 2, *weight.shape[1:]).swapaxes(2, 1).reshape(weight.shape)
 
 
-def _gguf_weights(path: str, hf_config) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+# GGUFValueType ids: scalar byte sizes, string, array.
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _skip_gguf_value(buf: memoryview, offs: int, value_type: int) -> int:
+    """Offset just past a little-endian GGUF metadata value of value_type starting at offs."""
+    if value_type == _GGUF_STRING:
+        return offs + 8 + struct.unpack_from("<Q", buf, offs)[0]
+    if value_type == _GGUF_ARRAY:
+        item_type, count = struct.unpack_from("<IQ", buf, offs)
+        offs += 12
+        if item_type in _GGUF_SCALAR_SIZES:
+            return offs + count * _GGUF_SCALAR_SIZES[item_type]
+        for _ in range(count):
+            offs = _skip_gguf_value(buf, offs, item_type)
+        return offs
+    if value_type not in _GGUF_SCALAR_SIZES:
+        raise ValueError(f"GGUF metadata: unknown value type {value_type}")
+    return offs + _GGUF_SCALAR_SIZES[value_type]
+
+
+def _tensor_reader(path: str) -> Any:
+    """A GGUFReader that steps over metadata arrays instead of parsing them.
+
+    The stock reader builds numpy views for each of the ~50k tokenizer strings (seconds);
+    weights never need them. Config fields are read elsewhere (core.model_files).
+    """
     from gguf import GGUFReader
-    reader = GGUFReader(path)
+
+    class TensorReader(GGUFReader):
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:
+            if raw_type != _GGUF_ARRAY or self.byte_order != "I" or sys.byteorder != "little":
+                return super()._get_field_parts(orig_offs, raw_type)
+            size = _skip_gguf_value(memoryview(self.data), orig_offs, raw_type) - orig_offs
+            return size, [self._get(orig_offs, np.uint8, size)], [], [raw_type]
+
+    return TensorReader(path)
+
+
+def gguf_weights(path: str, hf_config: Any) -> tuple[Weights, int]:
+    reader = _tensor_reader(path)        # memory-mapped: nothing is read until a tensor is touched
     return _gguf_iter(reader, hf_config), len(reader.tensors)
 
 
-def _gguf_iter(reader, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf import dequantize
-    permuted = hf_config.model_type in ("llama", "mistral")
+def _gguf_iter(reader: Any, hf_config: Any) -> Weights:
+    from gguf.quants import dequantize
+    permuted = getattr(hf_config, "model_type", None) in _PERMUTED_ARCHS
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     for tensor in reader.tensors:
         name = gguf_to_hf_name(tensor.name)
         if name is None:
-            logger.debug("skipping GGUF tensor %s", tensor.name)
+            logger.debug("skipping GGUF tensor %s (no HF counterpart)", tensor.name)
             continue
-        w = dequantize(tensor.data, tensor.tensor_type)
+        weight = dequantize(tensor.data, tensor.tensor_type)
+        # GGUF lists dimensions innermost first; torch wants them outermost first.
+        weight = weight.reshape(tuple(int(d) for d in np.flip(tensor.shape)))
         if permuted and ".self_attn.q_proj." in name:
-            w = _unpermute(w, heads)
+            weight = reverse_permute(weight, heads)
         elif permuted and ".self_attn.k_proj." in name:
-            w = _unpermute(w, kv_heads)
-        # A copy: F32 tensors come back as read-only views of the memory-mapped file.
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+            weight = reverse_permute(weight, kv_heads)
+        if not weight.flags.writeable:   # F32 tensors are read-only views of the mapped file
+            weight = weight.copy()
+        yield name, torch.from_numpy(weight)

@@ -32,8 +32,9 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
         shape = (2, num_blocks, self.block_size, layers[0].num_kv_heads, layers[0].head_dim)
-        # torch.empty: pages are only touched as blocks get used, so a large CPU budget is cheap.
-        self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        # Zeros, not empty: attention reads whole blocks and masks the tail, and a masked NaN in V
+        # still poisons the output (0 * NaN).
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
         for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache
 

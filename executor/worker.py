@@ -13,7 +13,7 @@ from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_CACHE_GIB = 4.0
+DEFAULT_CPU_KV_CACHE_GIB = 2.0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -154,9 +154,9 @@ def test_n2_logprobs_and_stop_strings(server, offline_reference):
 def test_32_concurrent_streams(server):
     async def one(client, i):
         stream = await client.completions.create(model="SmolLM2-135M-Instruct", prompt=f"Story {i}:",
-                                                 max_tokens=10 + i % 5, temperature=0.7, seed=i,
-                                                 ignore_eos=True, stream=True,
-                                                 stream_options={"include_usage": True}, extra_body={})
+                                                 max_tokens=10 + i % 5, temperature=0.7, seed=i, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
         pieces, usage = 0, None
         async for chunk in stream:
             pieces += 1

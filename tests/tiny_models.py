@@ -1,35 +1,95 @@
-"""Tiny random-weight models saved as HF safetensors folders (loaded through the real loader)."""
+"""Tiny random-weight models saved as HF safetensors folders, and helpers to run our model directly."""
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
 import torch
 
+from pagedserve.kernels.metadata import AttentionMetadata
+
+# initializer_range 0.2 (HF default 0.02): peaky logits, so greedy argmax has no near-ties.
 _DEFAULTS: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                  intermediate_size=128, vocab_size=512, max_position_embeddings=1024,
                                  initializer_range=0.2, rms_norm_eps=1e-5, tie_word_embeddings=False,
                                  bos_token_id=1, eos_token_id=2)
 
 
-def make_tiny_model(path: str, arch: str = "llama", sharded: bool = False, seed: int = 0, **overrides: Any) -> str:
-    """Write config.json + safetensors for a random model of `arch` (llama, mistral, qwen2, qwen3)."""
+def _config_class(arch: str) -> Any:
     import transformers
+    classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+               "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+    if arch not in classes:
+        raise ValueError(f"arch must be one of {sorted(classes)}, got {arch!r}")
+    return classes[arch]
+
+
+def make_tiny_model(path: str, arch: str = "llama", sharded: bool = False, seed: int = 0,
+                    **overrides: Any) -> str:
+    """Write config.json + safetensors (2 shards + index when `sharded`) for a random `arch` model."""
     from transformers import AutoModelForCausalLM
-    config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
     fields = {**_DEFAULTS, **overrides}
     if arch == "qwen3":
         fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
-    config = config_cls(**fields)
+    config = _config_class(arch)(**fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, max_shard_size="100KB" if sharded else "10GB")
-    if sharded and not os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
-        raise RuntimeError("expected a sharded checkpoint")
+    model.save_pretrained(path)
+    if sharded:
+        _split_in_two(path)
     # Any tokenizer covering the tiny vocabulary will do: reuse the embedded model's.
     from pagedserve.core.model_files import resolve_model
     from pagedserve.frontend.tokenizer import load_tokenizer
     load_tokenizer(resolve_model(None)).save_pretrained(path)
     return path
+
+
+def _split_in_two(path: str) -> None:
+    """Rewrite model.safetensors as two shards plus model.safetensors.index.json (HF layout)."""
+    from safetensors.torch import load_file, save_file
+    single = os.path.join(path, "model.safetensors")
+    tensors = load_file(single)
+    names = list(tensors)
+    halves = [names[: len(names) // 2], names[len(names) // 2:]]
+    weight_map = {}
+    for i, part in enumerate(halves, start=1):
+        shard = f"model-{i:05d}-of-00002.safetensors"
+        save_file({n: tensors[n].contiguous() for n in part}, os.path.join(path, shard), metadata={"format": "pt"})
+        weight_map.update({n: shard for n in part})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    os.remove(single)
+
+
+def dense_prefill_metadata(num_tokens: int, block_size: int, num_blocks: int) -> AttentionMetadata:
+    """Metadata for ONE sequence prefilled from position 0: block table [0..num_blocks), slot i = token i."""
+    if num_tokens > block_size * num_blocks:
+        raise ValueError(f"num_tokens ({num_tokens}) exceeds the cache ({num_blocks} blocks of {block_size})")
+    return AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None, :],
+        num_decodes=0, max_query_len=num_tokens, max_seq_len=num_tokens,
+        query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens])
+
+
+def bind_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int,
+                  dtype: torch.dtype = torch.float32) -> None:
+    """Give every attention layer its own zeroed cache [2, num_blocks, block_size, kv_heads, head_dim]."""
+    for layer in model.attention_layers():
+        layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype=dtype)
+
+
+@torch.inference_mode()
+def prefill_logits(model: torch.nn.Module, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Float32 logits [len(token_ids), vocab] from one dense prefill through our model."""
+    num_blocks = -(-len(token_ids) // block_size)
+    bind_kv_cache(model, num_blocks, block_size, next(model.parameters()).dtype)   # fresh: tests stay independent
+    meta = dense_prefill_metadata(len(token_ids), block_size, num_blocks)
+    ids = torch.tensor(token_ids, dtype=torch.long)
+    hidden = model(ids, torch.arange(len(token_ids)), meta)
+    return model.compute_logits(hidden)

@@ -8,5 +8,6 @@ from torch import nn
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        """x [..., 2 * d] = [gate | up] -> [..., d]."""
+        half = x.shape[-1] // 2
+        return F.silu(x[..., :half]) * x[..., half:]

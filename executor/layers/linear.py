@@ -1,4 +1,8 @@
-"""Linear layers split across tensor-parallel ranks; each parameter knows how to load its shard."""
+"""Linear layers split across tensor-parallel ranks; each parameter knows how to load its shard.
+
+Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`: the model hands it the
+full checkpoint tensor and the layer copies out the slice this rank owns.
+"""
 from __future__ import annotations
 
 import torch
@@ -8,99 +12,132 @@ from torch import nn
 from pagedserve.executor.parallel_state import TPGroup, split_evenly
 
 
-class _Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__()
-        # torch.empty: the loader fills every value, so no random init work.
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        for p in (self.weight, self.bias):
-            if p is not None:
-                p.weight_loader = self.weight_loader
+def copy_weight(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    """dst.copy_(src) after a shape check; copy_ also converts dtype and device."""
+    if dst.shape != src.shape:
+        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not match the parameter's "
+                         f"{tuple(dst.shape)}")
+    dst.copy_(src)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        _copy(param.data, loaded)
+
+def _empty_param(*shape: int) -> nn.Parameter:
+    # torch.empty: the loader overwrites every value, so random init would be wasted work.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) over this rank's slice of W; subclasses decide the slice."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _empty_param(out_features, in_features)
+        self.bias = _empty_param(out_features) if bias else None
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"weight shape {tuple(src.shape)} does not match the parameter's {tuple(dst.shape)}")
-    dst.copy_(src)
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole matrix."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp: TPGroup | None = None) -> None:
+        super().__init__(in_features, out_features, bias, tp or TPGroup())
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        copy_weight(param.data, loaded_weight, type(self).__name__)
 
 
-class ReplicatedLinear(_Linear):
-    pass
-
-
-class ColumnParallelLinear(_Linear):
-    """Output features split across ranks; no communication."""
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; each rank's output is its slice (no communication)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
-        self.tp = tp
-        super().__init__(in_features, split_evenly(out_features, tp, "output features"), bias)
+        super().__init__(in_features, split_evenly(out_features, tp, "output features"), bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
         size = param.shape[0]
-        _copy(param.data, loaded.narrow(0, self.tp.rank * size, size))
+        copy_weight(param.data, loaded_weight.narrow(0, self.tp.rank * size, size), type(self).__name__)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs in one matmul (gate and up projections)."""
+    """Several column-parallel projections in one matmul (gate and up): shard i fills block i."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPGroup) -> None:
-        self.out_sizes = out_sizes
-        super().__init__(in_features, sum(out_sizes), bias, tp)
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup) -> None:
+        self.local_sizes = [split_evenly(size, tp, "merged output features") for size in output_sizes]
+        super().__init__(in_features, sum(output_sizes), bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        if not isinstance(shard_id, int):
-            raise ValueError("MergedColumnParallelLinear needs an integer shard id")
-        size = self.out_sizes[shard_id] // self.tp.size
-        offset = sum(self.out_sizes[:shard_id]) // self.tp.size
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size))
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.local_sizes):
+            raise ValueError(f"MergedColumnParallelLinear: shard_id must be an int in "
+                             f"[0, {len(self.local_sizes)}), got {shard_id!r}")
+        size = self.local_sizes[shard_id]
+        dst = param.data.narrow(0, sum(self.local_sizes[:shard_id]), size)
+        copy_weight(dst, loaded_weight.narrow(0, self.tp.rank * size, size), f"merged shard {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v in one matmul. With more ranks than KV heads, KV heads are replicated."""
+    """q, k and v in one matmul, heads split across ranks.
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+    With more ranks than KV heads each KV head is replicated: rank r holds KV head
+    r * num_kv_heads // tp_size (the query heads it serves belong to that KV head's group).
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  tp: TPGroup) -> None:
+        if num_kv_heads % tp.size and tp.size % num_kv_heads:
+            raise ValueError(f"num_key_value_heads ({num_kv_heads}) and tensor_parallel_size ({tp.size}): "
+                             "one must divide the other")
         self.head_dim = head_dim
+        self.total_kv_heads = num_kv_heads
         self.num_heads = split_evenly(num_heads, tp, "attention heads")
         self.num_kv_heads = max(1, num_kv_heads // tp.size)
-        self.kv_replicas = max(1, tp.size // num_kv_heads)
-        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        self.tp = tp
-        _Linear.__init__(self, hidden, out, bias)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        out = (num_heads + 2 * self.num_kv_heads * tp.size) * head_dim   # split back to q + 2 kv per rank
+        super().__init__(hidden_size, out, bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
         if shard_id == "q":
-            dst, start = param.data.narrow(0, 0, q_size), self.tp.rank * q_size
+            offset, size, start = 0, self.q_size, self.tp.rank * self.q_size
         elif shard_id in ("k", "v"):
-            offset = q_size if shard_id == "k" else q_size + kv_size
-            dst, start = param.data.narrow(0, offset, kv_size), (self.tp.rank // self.kv_replicas) * kv_size
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            first_head = self.tp.rank * self.total_kv_heads // self.tp.size
+            size, start = self.kv_size, first_head * self.head_dim
         else:
-            raise ValueError(f"QKVParallelLinear shard id must be q, k or v, got {shard_id!r}")
-        _copy(dst, loaded.narrow(0, start, dst.shape[0]))
+            raise ValueError(f"QKVParallelLinear: shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        copy_weight(param.data.narrow(0, offset, size), loaded_weight.narrow(0, start, size),
+                    f"qkv shard {shard_id}")
 
 
-class RowParallelLinear(_Linear):
-    """Input features split across ranks; partial outputs are summed with an all-reduce."""
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; the partial products are summed with an all-reduce."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
-        self.tp = tp
-        super().__init__(split_evenly(in_features, tp, "input features"), out_features, bias)
+        super().__init__(split_evenly(in_features, tp, "input features"), out_features, bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        if param.dim() == 1:                  # the bias is added once, after the reduce
-            _copy(param.data, loaded)
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        if param.dim() == 1:            # the bias is whole on every rank: added once, after the reduce
+            copy_weight(param.data, loaded_weight, "RowParallelLinear bias")
             return
         size = param.shape[1]
-        _copy(param.data, loaded.narrow(1, self.tp.rank * size, size))
+        copy_weight(param.data, loaded_weight.narrow(1, self.tp.rank * size, size), "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
         out = self.tp.all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias

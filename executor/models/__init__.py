@@ -1,4 +1,4 @@
-"""Model registry: architecture name -> our implementation."""
+"""Model registry: HF architecture name -> our implementation."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,23 +8,36 @@ from torch import nn
 from pagedserve.executor.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                               Qwen3ForCausalLM)
 
-_REGISTRY: dict[str, type[nn.Module]] = {
+_BY_ARCHITECTURE: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
-_BY_MODEL_TYPE = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM,
-                  "qwen3": Qwen3ForCausalLM}
+# Configs built from GGUF metadata carry no `architectures`, only `model_type`.
+_BY_MODEL_TYPE: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": MistralForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return list(_BY_ARCHITECTURE)
 
 
 def get_model_class(hf_config: Any) -> type[nn.Module]:
-    for arch in getattr(hf_config, "architectures", None) or []:
-        if arch in _REGISTRY:
-            return _REGISTRY[arch]
-        raise ValueError(f"model architecture {arch!r} is not supported (supported: {', '.join(_REGISTRY)})")
-    cls = _BY_MODEL_TYPE.get(getattr(hf_config, "model_type", None))
+    architectures = getattr(hf_config, "architectures", None) or []
+    if architectures:
+        cls = _BY_ARCHITECTURE.get(architectures[0])
+        if cls is None:
+            raise ValueError(f"architectures: {architectures[0]!r} is not supported "
+                             f"(supported: {', '.join(_BY_ARCHITECTURE)})")
+        return cls
+    model_type = getattr(hf_config, "model_type", None)
+    cls = _BY_MODEL_TYPE.get(model_type)
     if cls is None:
-        raise ValueError(f"model_type {getattr(hf_config, 'model_type', None)!r} is not supported "
-                         f"(supported: {', '.join(_BY_MODEL_TYPE)})")
+        raise ValueError(f"model_type: {model_type!r} is not supported (supported: {', '.join(_BY_MODEL_TYPE)}; "
+                         f"architectures: {', '.join(_BY_ARCHITECTURE)})")
     return cls

@@ -1,161 +1,212 @@
 """The Llama family (Llama/SmolLM2, Mistral, Qwen2, Qwen3), tensor-parallel, over paged attention."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from pagedserve.core.model_files import rope_settings
 from pagedserve.executor.layers.activation import SiluAndMul
 from pagedserve.executor.layers.attention import PagedAttention
 from pagedserve.executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.executor.layers.layernorm import RMSNorm
-from pagedserve.executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pagedserve.executor.layers.rotary import RotaryEmbedding
+from pagedserve.executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                               copy_weight)
+from pagedserve.executor.layers.rotary import apply_rotary, get_rope
 from pagedserve.executor.parallel_state import TPGroup
 from pagedserve.kernels.metadata import AttentionMetadata
 
-# checkpoint name -> (our merged parameter, shard id)
+logger = logging.getLogger(__name__)
+
+Rope = tuple[torch.Tensor, torch.Tensor]     # (cos, sin), each [T, 1, head_dim]
+
+# checkpoint projection -> (our merged projection, shard id)
 _PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_UNPACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _num_kv_heads(cfg: Any) -> int:
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+
+def _head_dim(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, tp: TPGroup, bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: Any, tp: TPGroup, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        heads, kv_heads = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, heads, kv_heads, bias, tp)
-        self.o_proj = RowParallelLinear(heads * self.head_dim, cfg.hidden_size, False, tp)
-        self.q_size = self.qkv_proj.num_heads * self.head_dim
-        self.kv_size = self.qkv_proj.num_kv_heads * self.head_dim
-        theta, scaling = rope_settings(cfg)
-        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling)
-        self.attn = PagedAttention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim,
-                                   self.head_dim ** -0.5)
+        self.head_dim = _head_dim(cfg)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
+                                          _num_kv_heads(cfg), qkv_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, o_bias, tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        # Qwen3: RMSNorm over each head's q and k before rope.
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        q, k = self.rotary(positions, q, k)
+    def forward(self, h: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(h)
+        tokens, qk_end = qkv.shape[0], self.q_size + self.kv_size
+        v = qkv[:, qk_end:]
+        if self.q_norm is None:
+            # q and k sit side by side in qkv: rotate all their heads in one pass.
+            qk = apply_rotary(qkv[:, :qk_end].view(tokens, -1, self.head_dim), *rope).view(tokens, qk_end)
+            q, k = qk[:, :self.q_size], qk[:, self.q_size:]
+        else:
+            q = self.q_norm(qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:qk_end].view(tokens, self.num_kv_heads, self.head_dim))
+            q = apply_rotary(q, *rope).view(tokens, self.q_size)
+            k = apply_rotary(k, *rope).view(tokens, self.kv_size)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: Any, tp: TPGroup) -> None:
         super().__init__()
-        inter = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp)
-        self.act = SiluAndMul()
+        inter, bias = cfg.intermediate_size, bool(getattr(cfg, "mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], bias, tp)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias, tp)
+        self.act_fn = SiluAndMul()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(h)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(h)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, tp: TPGroup, bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: Any, tp: TPGroup, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, tp, bias, qk_norm)
+        self.self_attn = LlamaAttention(cfg, tp, qkv_bias, o_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, residual stream before it): the next norm adds them."""
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, h, meta)
+        h = self.self_attn(h, rope, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: Any, tp: TPGroup, bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: Any, tp: TPGroup, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, bias, qk_norm) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, qkv_bias, o_bias, qk_norm)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = get_rope(cfg, _head_dim(cfg))     # shared by all layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h, residual = self.embed_tokens(input_ids), None
+        h = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.cos_sin(positions, h.dtype)
+        residual = None
         for layer in self.layers:
-            h, residual = layer(positions, h, residual, meta)
+            h, residual = layer(h, residual, rope, meta)
         return self.norm(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
-    qkv_bias = False
+    """Also the base for Mistral, Qwen2 and Qwen3, which differ only in the flags below."""
     qk_norm = False
 
     def __init__(self, hf_config: Any, tp: TPGroup) -> None:
         super().__init__()
         self.config = hf_config
-        bias = self.qkv_bias or bool(getattr(hf_config, "attention_bias", False))
-        self.model = LlamaModel(hf_config, tp, bias, self.qk_norm)
+        _warn_sliding_window(hf_config)
+        qkv_bias, o_bias = self.attention_biases(hf_config)
+        self.model = LlamaModel(hf_config, tp, qkv_bias, o_bias, self.qk_norm)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tied:
             self.lm_head.tie(self.model.embed_tokens)
 
+    @classmethod
+    def attention_biases(cls, hf_config: Any) -> tuple[bool, bool]:
+        """(q/k/v bias, o_proj bias): Llama, Mistral and Qwen3 follow `attention_bias` for both."""
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return bias, bias
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]."""
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden_size] -> float32 logits [n, vocab_size], full vocabulary on every rank."""
         return self.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Route checkpoint tensors (HF names) into our parameters; returns the parameter names filled."""
+        """Copy HF-named checkpoint tensors into our (merged, sharded) parameters.
+
+        Returns the checkpoint names consumed, comparable with `expected_weights()`.
+        """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tied and name.startswith("lm_head.")):
                 continue
-            target, shard = name, None
-            for ckpt, (ours, shard_id) in _PACKED.items():
-                if f".{ckpt}." in name:
-                    target, shard = name.replace(f".{ckpt}.", f".{ours}."), shard_id
-                    break
+            target, shard_id = _target_param(name)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             loader = getattr(param, "weight_loader", None)
             if loader is None:
-                _copy_whole(param, tensor)
+                copy_weight(param.data, tensor, name)
             else:
-                loader(param, tensor.to(param.dtype), shard)
-            loaded.add(target)
+                loader(param, tensor, shard_id)
+            loaded.add(name)
         return loaded
 
-    def expected_parameters(self) -> set[str]:
-        names = set(dict(self.named_parameters()))
-        return names - ({"lm_head.weight"} if self.tied else set())
+    def expected_weights(self) -> set[str]:
+        """Every checkpoint tensor name this model needs (merged parameters expanded to their parts)."""
+        names: set[str] = set()
+        for name, _ in self.named_parameters():      # a tied lm_head is not listed: shared tensors appear once
+            parent, _, leaf = name.rpartition(".")
+            module_path, _, proj = parent.rpartition(".")
+            for part in _UNPACKED.get(proj, (proj,)):
+                names.add(f"{module_path}.{part}.{leaf}" if module_path else f"{part}.{leaf}")
+        return names
 
 
-def _copy_whole(param: nn.Parameter, tensor: torch.Tensor) -> None:
-    if param.shape != tensor.shape:
-        raise ValueError(f"weight shape {tuple(tensor.shape)} does not match the parameter's {tuple(param.shape)}")
-    param.data.copy_(tensor)
+def _target_param(name: str) -> tuple[str, int | str | None]:
+    """Checkpoint name -> (our parameter name, shard id for merged parameters)."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _PACKED:
+        merged, shard_id = _PACKED[parts[-2]]
+        return ".".join(parts[:-2] + [merged, parts[-1]]), shard_id
+    return name, None
 
 
-class Qwen2ForCausalLM(LlamaForCausalLM):
-    qkv_bias = True
-
-
-class Qwen3ForCausalLM(LlamaForCausalLM):
-    qk_norm = True
+def _warn_sliding_window(cfg: Any) -> None:
+    window = getattr(cfg, "sliding_window", None)
+    uses_window = getattr(cfg, "use_sliding_window", True)   # Qwen2 keeps a window but switches it off
+    if window and uses_window and window < cfg.max_position_embeddings:
+        logger.warning("sliding_window=%d is not implemented: attention spans the full context, which "
+                       "matches the model only for sequences up to %d tokens", window, window)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def attention_biases(cls, hf_config: Any) -> tuple[bool, bool]:
+        return True, False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

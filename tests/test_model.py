@@ -1,0 +1,295 @@
+"""Our Llama-family models against HF transformers: logits, greedy tokens, GGUF weights, TP=2, loader errors."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+
+from conftest import hf_greedy, random_prompts
+from pagedserve.core.config import ModelConfig
+from pagedserve.core.model_files import load_hf_config, resolve_model
+from pagedserve.executor.model_loader import load_model
+from pagedserve.executor.models import get_model_class
+from pagedserve.executor.parallel_state import TPGroup
+from tiny_models import make_tiny_model, prefill_logits
+
+PROMPT_LEN = 40
+NEW_TOKENS = 16
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               # 64 puts the 16-dim heads' frequencies in all three llama3 bands (kept, smoothed, scaled).
+               "original_max_position_embeddings": 64}
+
+# case -> (arch, make_tiny_model overrides)
+TINY_CASES: dict[str, tuple[str, dict]] = {
+    "llama_gqa": ("llama", {}),
+    "llama3_rope": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
+    "llama_linear_rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "mistral": ("mistral", {}),
+    "qwen2_bias_tied": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3": ("qwen3", {"head_dim": 32}),        # head_dim != hidden / heads
+    "llama_sharded": ("llama", {"sharded": True}),
+}
+
+
+def model_config(path: str, dtype: str = "float32") -> ModelConfig:
+    source = resolve_model(path)
+    hf_config = load_hf_config(source)
+    return ModelConfig(source=source, hf_config=hf_config, dtype=dtype, device="cpu",
+                       max_model_len=hf_config.max_position_embeddings)
+
+
+def hf_model(path: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@torch.inference_mode()
+def our_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos: tuple[int, ...]) -> list[int]:
+    """Greedy continuation re-running a full prefill per step; stops at EOS like HF generate."""
+    tokens: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(prefill_logits(model, prompt + tokens)[-1].argmax())
+        tokens.append(token)
+        if token in eos:
+            break
+    return tokens
+
+
+@pytest.fixture(scope="module", params=list(TINY_CASES))
+def tiny_case(request, tmp_path_factory):
+    """(our model, HF model, prompt, eos ids) for one tiny architecture."""
+    arch, overrides = TINY_CASES[request.param]
+    path = make_tiny_model(str(tmp_path_factory.mktemp(request.param)), arch=arch, **overrides)
+    config = model_config(path)
+    ours = load_model(config, TPGroup())
+    prompt = random_prompts(11, [PROMPT_LEN], config.vocab_size, low=3)[0]
+    return ours, hf_model(path), prompt, config.eos_token_ids
+
+
+def test_tiny_logits_match_hf(tiny_case):
+    ours, hf, prompt, _ = tiny_case
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    got = prefill_logits(ours, prompt)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    torch.testing.assert_close(got[-1], expected[-1], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)     # every position, not only the last
+
+
+def test_tiny_greedy_matches_hf(tiny_case):
+    ours, hf, prompt, eos = tiny_case
+    expected = hf_greedy(hf, [prompt], NEW_TOKENS)[0]
+    assert our_greedy(ours, prompt, NEW_TOKENS, eos) == expected
+
+
+# ---------------------------------------------------------------- SmolLM2 (GGUF)
+
+
+@pytest.fixture(scope="module")
+def our_smollm2(smollm2_path):
+    return load_model(model_config(smollm2_path), TPGroup())
+
+
+def _split_qkv(model: torch.nn.Module, layer: int) -> tuple[torch.Tensor, ...]:
+    attn = model.model.layers[layer].self_attn
+    return attn.qkv_proj.weight.split([attn.q_size, attn.kv_size, attn.kv_size])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layer", [0, 17, 29])
+def test_smollm2_weights_equal_hf_gguf(our_smollm2, hf_smollm2, layer):
+    ours, hf = our_smollm2, hf_smollm2
+    hf_layer, our_layer = hf.model.layers[layer], ours.model.layers[layer]
+    q, k, v = _split_qkv(ours, layer)
+    gate, up = our_layer.mlp.gate_up_proj.weight.chunk(2)
+    pairs = {
+        "q_proj": (q, hf_layer.self_attn.q_proj.weight), "k_proj": (k, hf_layer.self_attn.k_proj.weight),
+        "v_proj": (v, hf_layer.self_attn.v_proj.weight), "o_proj": (our_layer.self_attn.o_proj.weight,
+                                                                    hf_layer.self_attn.o_proj.weight),
+        "gate_proj": (gate, hf_layer.mlp.gate_proj.weight), "up_proj": (up, hf_layer.mlp.up_proj.weight),
+        "down_proj": (our_layer.mlp.down_proj.weight, hf_layer.mlp.down_proj.weight),
+        "input_layernorm": (our_layer.input_layernorm.weight, hf_layer.input_layernorm.weight),
+        "embed_tokens": (ours.model.embed_tokens.weight, hf.model.embed_tokens.weight),
+        "norm": (ours.model.norm.weight, hf.model.norm.weight),
+        "lm_head": (ours.lm_head.weight, hf.lm_head.weight),
+    }
+    for name, (mine, theirs) in pairs.items():
+        assert torch.equal(mine, theirs), f"{name} of layer {layer} differs from HF's GGUF load"
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_hf(our_smollm2, hf_smollm2):
+    prompt = random_prompts(5, [48], hf_smollm2.config.vocab_size, low=100)[0]
+    with torch.inference_mode():
+        expected = hf_smollm2(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill_logits(our_smollm2, prompt), expected, atol=1e-3, rtol=0)
+
+
+# ---------------------------------------------------------------- tensor parallel (gloo, 2 CPU ranks)
+
+TP_CASES: dict[str, tuple[str, dict]] = {
+    "gqa_4h_2kv": ("llama", {}),
+    "kv_replicated_4h_1kv_odd_vocab_tied": ("llama", {"num_key_value_heads": 1, "vocab_size": 509,
+                                                      "tie_word_embeddings": True}),
+    "qwen2_bias": ("qwen2", {}),
+}
+TP_TIMEOUT_S = 180
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank: int, world: int, init_method: str, paths: list[str], prompt: list[int], out: str) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)          # two ranks on two cores
+    dist.init_process_group("gloo", init_method=init_method, world_size=world, rank=rank)
+    try:
+        results = [prefill_logits(load_model(model_config(p), TPGroup(rank, world)), prompt) for p in paths]
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp2_logits_equal_tp1(tmp_path):
+    import torch.multiprocessing as mp
+    paths = [make_tiny_model(str(tmp_path / name), arch=arch, **kw) for name, (arch, kw) in TP_CASES.items()]
+    prompt = random_prompts(3, [PROMPT_LEN], 509, low=3)[0]
+    expected = [prefill_logits(load_model(model_config(p), TPGroup()), prompt) for p in paths]
+    out = str(tmp_path / "tp2_logits.pt")
+    ctx = mp.get_context("spawn")
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [ctx.Process(target=_tp_worker, args=(r, 2, init, paths, prompt, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TP_TIMEOUT_S)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    assert [p.exitcode for p in procs] == [0, 0], "a TP worker failed or timed out"
+    for name, want, got in zip(TP_CASES, expected, torch.load(out)):
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("tp_size,kv_heads", [(2, 2), (2, 4), (4, 2), (4, 1)])
+def test_qkv_rank_shards(tp_size, kv_heads):
+    """Each rank gets its query heads and the KV head(s) those queries attend with (replicated if needed)."""
+    from pagedserve.executor.layers.linear import QKVParallelLinear
+    heads, head_dim, hidden = 4, 3, 5
+    full = {s: torch.randn(n * head_dim, hidden) for s, n in (("q", heads), ("k", kv_heads), ("v", kv_heads))}
+    for rank in range(tp_size):
+        layer = QKVParallelLinear(hidden, head_dim, heads, kv_heads, False, TPGroup(rank, tp_size))
+        for shard_id, weight in full.items():
+            layer.weight.weight_loader(layer.weight, weight, shard_id)
+        q, k, v = layer.weight.split([layer.q_size, layer.kv_size, layer.kv_size])
+        q_heads, kv_local = heads // tp_size, max(1, kv_heads // tp_size)
+        first_kv = rank * q_heads // (heads // kv_heads)        # KV head of this rank's first query head
+        assert torch.equal(q, full["q"][rank * q_heads * head_dim:(rank + 1) * q_heads * head_dim])
+        assert torch.equal(k, full["k"][first_kv * head_dim:(first_kv + kv_local) * head_dim])
+        assert torch.equal(v, full["v"][first_kv * head_dim:(first_kv + kv_local) * head_dim])
+
+
+# ---------------------------------------------------------------- loader errors
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_errors")), arch="llama")
+
+
+def _copy_model(src: str, dst: str) -> str:
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_weight_is_named(tiny_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+    folder = _copy_model(tiny_dir, str(tmp_path / "missing"))
+    weights_file = os.path.join(folder, "model.safetensors")
+    tensors = load_file(weights_file)
+    for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        del tensors[name]
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.weight") as err:
+        load_model(model_config(folder), TPGroup())
+    assert "model.layers.1.self_attn.k_proj.weight" in str(err.value)
+
+
+def test_unknown_architecture(tiny_dir, tmp_path):
+    folder = _copy_model(tiny_dir, str(tmp_path / "unknown"))
+    config_file = os.path.join(folder, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config["architectures"] = ["FancyNewForCausalLM"]
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="FancyNewForCausalLM.*LlamaForCausalLM"):
+        load_model(model_config(folder), TPGroup())
+
+
+def test_unknown_model_type_without_architectures():
+    from types import SimpleNamespace
+    with pytest.raises(ValueError, match="gpt2"):
+        get_model_class(SimpleNamespace(architectures=None, model_type="gpt2"))
+
+
+def test_load_restores_default_dtype(tiny_dir):
+    before = torch.get_default_dtype()
+    model = load_model(model_config(tiny_dir, dtype="bfloat16"), TPGroup())
+    assert torch.get_default_dtype() == before
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert not model.training
+
+
+# ---------------------------------------------------------------- GGUF reading details
+
+
+def test_gguf_tensor_reader_matches_stock_reader(tmp_path):
+    """Our reader steps over metadata arrays (strings, nested) yet finds the same tensors as gguf's."""
+    import gguf
+    import numpy as np
+    from pagedserve.executor.model_loader import _tensor_reader
+    path = str(tmp_path / "synthetic.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_string("general.name", "synthetic")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bb", "", "caf\u00e9"])
+    writer.add_array("x.ints", [1, 2, 3])
+    writer.add_array("x.nested", [[1, 2], [3]])
+    writer.add_array("x.nested_strings", [["a"], ["bc", "d"]])
+    writer.add_float32("x.float", 1.5)
+    writer.add_bool("x.bool", True)
+    writer.add_tensor("a.weight", np.arange(32, dtype=np.float32).reshape(8, 4))
+    writer.add_tensor("b.weight", np.arange(6, dtype=np.float16).reshape(2, 3))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, stock = _tensor_reader(path), gguf.GGUFReader(path)
+    assert [t.name for t in ours.tensors] == ["a.weight", "b.weight"]
+    for mine, theirs in zip(ours.tensors, stock.tensors):
+        assert (mine.name, mine.tensor_type, mine.shape.tolist()) == (theirs.name, theirs.tensor_type,
+                                                                      theirs.shape.tolist())
+        assert np.array_equal(mine.data, theirs.data)
+    assert ours.fields["general.name"].contents() == "synthetic"     # scalars are still parsed
+
+
+def test_reverse_permute_undoes_llama_cpp_permute():
+    import numpy as np
+    from pagedserve.executor.model_loader import reverse_permute
+
+    def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:   # convert_hf_to_gguf.py's permute
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    for n_head, rows in ((9, 9 * 64), (3, 3 * 64), (2, 2 * 8)):
+        w = np.random.default_rng(0).standard_normal((rows, 5)).astype(np.float32)
+        assert np.array_equal(reverse_permute(llama_cpp_permute(w, n_head), n_head), w)
