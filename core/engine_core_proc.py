@@ -12,7 +12,6 @@ import os
 import queue
 import signal
 import threading
-import traceback
 from collections import defaultdict
 
 import msgspec
@@ -20,6 +19,7 @@ import zmq
 
 from pagedserve.core.config import EngineArgs
 from pagedserve.core.engine_core import EngineCore
+from pagedserve.core.process_utils import describe_exception, setup_child_process
 from pagedserve.ipc.messages import (AbortRequests, EngineCoreInput, EngineCoreOutput, EngineCoreOutputs,
                                      EngineCoreRequest, EngineReady, EngineStartupFailed, UtilityCall,
                                      UtilityResult)
@@ -52,7 +52,7 @@ def run_engine_core(args_json: bytes, addresses: CoreAddresses, token: str, pare
                     log_level: int = logging.INFO) -> None:
     """Entry point of the engine core process."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
-    _die_with_parent(parent_pid)
+    setup_child_process("ps-engine-core", parent_pid)
     ctx = zmq.Context()
     handshake = make_socket(ctx, addresses.handshake, zmq.PUSH, bind=False)
     encoder = MsgpackEncoder()
@@ -60,7 +60,7 @@ def run_engine_core(args_json: bytes, addresses: CoreAddresses, token: str, pare
         core = EngineCore(engine_args_from_json(args_json).create_engine_config())
     except BaseException as exc:  # the parent needs the reason, whatever it is
         logger.error("engine core failed to start: %s", exc)
-        handshake.send_multipart(encoder.encode(EngineStartupFailed(error=_describe(exc))))
+        handshake.send_multipart(encoder.encode(EngineStartupFailed(error=describe_exception(exc))))
         handshake.close(linger=2000)
         ctx.term()
         raise SystemExit(1)
@@ -72,30 +72,6 @@ def run_engine_core(args_json: bytes, addresses: CoreAddresses, token: str, pare
     handshake.close(linger=2000)
     code = proc.run()
     raise SystemExit(code)
-
-
-def _describe(exc: BaseException) -> str:
-    tb = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
-    return f"{type(exc).__name__}: {exc}{where}"
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Exit when the parent dies: the kernel's parent-death signal, plus a watchdog for other OSes."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)          # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-    def watch() -> None:
-        while True:
-            threading.Event().wait(1.0)
-            if os.getppid() != parent_pid:
-                logger.error("parent process %d is gone; engine core exits", parent_pid)
-                os._exit(1)
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 class EngineCoreProc:
@@ -125,7 +101,7 @@ class EngineCoreProc:
             self._busy_loop()
         except BaseException as exc:
             code = 1
-            reason = f"engine core died: {_describe(exc)}"
+            reason = f"engine core died: {describe_exception(exc)}"
             logger.error(reason)
             self._fail_everything(reason)
         finally:

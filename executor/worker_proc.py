@@ -2,15 +2,13 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import threading
-import traceback
 
 import msgspec
 import zmq
 
 from pagedserve.core.config import EngineArgs
+from pagedserve.core.process_utils import describe_exception, setup_child_process
 from pagedserve.executor.worker import Worker
 from pagedserve.ipc.broadcast import BroadcastReader
 from pagedserve.ipc.messages import ExecuteModel, WorkerCall, WorkerInput, WorkerResponse, WorkerShutdown
@@ -26,7 +24,7 @@ WORKER_METHODS = ("determine_num_blocks", "initialize_cache", "ping")
 def run_worker(args_json: bytes, rank: int, init_method: str, broadcast_handle: bytes, response_addr: str,
                parent_pid: int, log_level: int = logging.INFO) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [worker {rank}] %(name)s: %(message)s")
-    _exit_with_parent(parent_pid)
+    setup_child_process(f"ps-worker-{rank}", parent_pid, signal.SIGKILL)
     ctx = zmq.Context()
     sock = make_socket(ctx, response_addr, zmq.PUSH, bind=False)
     encoder = MsgpackEncoder()
@@ -41,7 +39,7 @@ def run_worker(args_json: bytes, rank: int, init_method: str, broadcast_handle: 
         worker.load_model()
         reader = BroadcastReader.connect(broadcast_handle, rank)
     except BaseException as exc:
-        reply(WorkerResponse(rank=rank, kind="error", error=_describe(exc)))
+        reply(WorkerResponse(rank=rank, kind="error", error=describe_exception(exc)))
         sock.close(linger=2000)
         raise SystemExit(1)
     reply(WorkerResponse(rank=rank, kind="ready"))
@@ -72,26 +70,5 @@ def _serve(worker: Worker, reader: BroadcastReader, reply, rank: int) -> int:
                 reply(WorkerResponse(rank=rank, kind="result", result=getattr(worker, msg.method)(*msg.args)))
         except BaseException as exc:
             logger.exception("worker %d failed", rank)
-            reply(WorkerResponse(rank=rank, kind="error", error=_describe(exc)))
+            reply(WorkerResponse(rank=rank, kind="error", error=describe_exception(exc)))
             return 1
-
-
-def _describe(exc: BaseException) -> str:
-    tb = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno})" if tb else ""
-    return f"{type(exc).__name__}: {exc}{where}"
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-    def watch() -> None:
-        while True:
-            threading.Event().wait(1.0)
-            if os.getppid() != parent_pid:
-                os._exit(1)
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

@@ -267,10 +267,9 @@ def test_engine_core_killed_under_load():
             client = srv.async_client()
             tasks = [asyncio.create_task(stream_one(client)) for _ in range(4)]
             await asyncio.sleep(3)
-            core = [p for p in srv.children() if "engine-core" in p.name() or
-                    "run_engine_core" in " ".join(p.cmdline())]
-            victim = core[0] if core else srv.children()[0]
-            os.kill(victim.pid, signal.SIGKILL)
+            core = [p for p in srv.children() if p.name() == "ps-engine-core"]
+            assert len(core) == 1
+            os.kill(core[0].pid, signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
 
         results = asyncio.run(main())
