@@ -183,9 +183,20 @@ def _resolve_device(device: str) -> str:
 def _resolve_dtype(dtype: str, device: str) -> str:
     if dtype != "auto":
         return dtype
-    # bfloat16 everywhere: on GPU it is the native fast type; on CPU it halves memory traffic
-    # and this CPU's bf16 matmul beats fp32 at batch (see benchmarks/).
-    return "bfloat16"
+    if device == "cuda" or _cpu_has_native_bf16():
+        return "bfloat16"
+    # Without AMX or AVX512-BF16 torch emulates bf16: measured on such a CPU, bf16 matmuls ran at
+    # ~40 GFLOP/s against ~140 for float32 (benchmarks/throughput_cpu.md).
+    return "float32"
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:

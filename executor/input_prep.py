@@ -20,16 +20,18 @@ class PreparedBatch:
     sample_rows: list[int]             # batch rows that sample this step (caught up with their tokens)
 
 
-def order_rows(num_scheduled: dict[str, int]) -> list[str]:
-    """Decodes (one new token) first, as the attention op expects; otherwise scheduler order."""
-    decodes = [rid for rid, n in num_scheduled.items() if n == 1]
+def order_rows(states: dict[str, CachedRequestState], num_scheduled: dict[str, int]) -> list[str]:
+    """Decodes (one new token) first, as the attention op expects, sorted by context length so that
+    neighbours have similar lengths (less padding when attention works on groups of them)."""
+    decodes = sorted((rid for rid, n in num_scheduled.items() if n == 1),
+                     key=lambda rid: states[rid].num_computed_tokens)
     others = [rid for rid, n in num_scheduled.items() if n != 1]
     return decodes + others
 
 
 def prepare_inputs(states: dict[str, CachedRequestState], num_scheduled: dict[str, int],
                    block_size: int, device: torch.device) -> PreparedBatch:
-    req_ids = order_rows(num_scheduled)
+    req_ids = order_rows(states, num_scheduled)
     num_seqs = len(req_ids)
     counts = np.fromiter((num_scheduled[r] for r in req_ids), dtype=np.int64, count=num_seqs)
     starts = np.fromiter((states[r].num_computed_tokens for r in req_ids), dtype=np.int64, count=num_seqs)

@@ -6,6 +6,8 @@ import torch.nn.functional as F
 
 from pagedserve.kernels.metadata import AttentionMetadata
 
+DECODE_GROUP = 16
+
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -23,10 +25,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each sequence's paged context; returns [T, Hq, D]."""
     out = torch.empty_like(query)
+    # Decodes in groups: each group gathers its context padded only to its own longest member
+    # (the runner sorts decodes by length, so groups are tight).
+    for lo in range(0, meta.num_decodes, DECODE_GROUP):
+        hi = min(lo + DECODE_GROUP, meta.num_decodes)
+        out[lo:hi] = _decode_attention(query[lo:hi], k_cache, v_cache, meta.block_tables[lo:hi],
+                                       meta.seq_lens[lo:hi], max(meta.seq_lens_cpu[lo:hi]), scale)
     nd = meta.num_decodes
-    if nd:
-        out[:nd] = _decode_attention(query[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                     meta.seq_lens[:nd], max(meta.seq_lens_cpu[:nd]), scale)
     starts = meta.query_start_loc_cpu
     for i in range(nd, meta.num_seqs):
         lo, hi = starts[i], starts[i + 1]
