@@ -149,3 +149,23 @@ def test_two_engines_side_by_side(tiny_llama_dir, tp1_tokens):
         a.shutdown()
         b.shutdown()
     assert wait_no_children() == []
+
+
+def test_torchrun_launcher_two_cpu_ranks(tiny_llama_dir, tp1_tokens):
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    from pagedserve.ipc.sockets import free_tcp_port
+    prompts, expected = tp1_tokens
+    root = pathlib.Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_tcp_port()), str(root / "scripts" / "torchrun_launch.py"),
+           "--model", tiny_llama_dir, "--dtype", "float32", "--max-tokens", str(GREEDY.max_tokens)]
+    for p in prompts:
+        cmd += ["--prompt-ids", ",".join(map(str, p))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["token_ids"] for r in rows] == expected
