@@ -31,7 +31,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
-        shape = (2, num_blocks, self.block_size, layers[0].num_kv_heads, layers[0].head_dim)
+        shape = (2, num_blocks, layers[0].num_kv_heads, self.block_size, layers[0].head_dim)
         # Zeros, not empty: attention reads whole blocks and masks the tail, and a masked NaN in V
         # still poisons the output (0 * NaN).
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]

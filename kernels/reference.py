@@ -1,4 +1,9 @@
-"""PyTorch paged attention and cache write: the CPU path and the oracle for the Triton kernels."""
+"""PyTorch paged attention and cache write: the CPU path and the oracle for the Triton kernels.
+
+Cache layout: [num_blocks, num_kv_heads, block_size, head_dim] per K and V. Head-major blocks let one
+KV head's context be gathered as whole contiguous rows (index_select, i.e. memcpy) straight into the
+[kv_heads, seqs, len, head_dim] layout attention wants, with no strided copy.
+"""
 from __future__ import annotations
 
 import torch
@@ -11,14 +16,15 @@ DECODE_GROUP = 16
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter key/value [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at slot_mapping (-1 skipped)."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    """Scatter key/value [T, Hkv, D] into the caches at slot_mapping (block * block_size + offset; -1 skipped)."""
+    block_size = k_cache.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping
     if not bool(valid.all()):
         slots, key, value = slot_mapping[valid], key[valid], value[valid]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, :, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -31,33 +37,36 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         hi = min(lo + DECODE_GROUP, meta.num_decodes)
         out[lo:hi] = _decode_attention(query[lo:hi], k_cache, v_cache, meta.block_tables[lo:hi],
                                        meta.seq_lens[lo:hi], max(meta.seq_lens_cpu[lo:hi]), scale)
-    nd = meta.num_decodes
     starts = meta.query_start_loc_cpu
-    for i in range(nd, meta.num_seqs):
+    for i in range(meta.num_decodes, meta.num_seqs):
         lo, hi = starts[i], starts[i + 1]
         if hi > lo:
-            out[lo:hi] = _prefill_attention(query[lo:hi], k_cache, v_cache, meta.block_tables[i],
+            out[lo:hi] = _prefill_attention(query[lo:hi], k_cache, v_cache, meta.block_tables[i:i + 1],
                                             meta.seq_lens_cpu[i], scale)
     return out
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """cache[block_table] flattened to [..., length, Hkv, D] (block_table [..., nblocks])."""
-    block_size = cache.shape[1]
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached positions of each sequence: [Hkv, S, length, D] (block_tables [S, n])."""
+    num_blocks, num_kv_heads, block_size, head_dim = cache.shape
     nblocks = -(-length // block_size)
-    blocks = cache[block_table[..., :nblocks]]          # [..., nblocks, bs, Hkv, D]
-    shape = blocks.shape[:-4] + (nblocks * block_size,) + blocks.shape[-2:]
-    return blocks.reshape(shape)[..., :length, :, :]
+    ids = block_tables[:, :nblocks].reshape(-1).long()
+    seqs = block_tables.shape[0]
+    out = torch.empty(num_kv_heads, seqs * nblocks, block_size * head_dim, dtype=cache.dtype, device=cache.device)
+    rows = cache.view(num_blocks, num_kv_heads, block_size * head_dim)
+    for h in range(num_kv_heads):
+        torch.index_select(rows[:, h], 0, ids, out=out[h])
+    return out.view(num_kv_heads, seqs, nblocks * block_size, head_dim)[:, :, :length]
 
 
 def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
                       scale: float) -> torch.Tensor:
     batch, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    keys = _gather_context(k_cache, block_tables, max_len).transpose(1, 2)     # [B, Hkv, L, D]
-    values = _gather_context(v_cache, block_tables, max_len).transpose(1, 2)
+    keys = gather_context(k_cache, block_tables, max_len).transpose(0, 1)      # [B, Hkv, L, D]
+    values = gather_context(v_cache, block_tables, max_len).transpose(0, 1)
     # GQA without repeating K/V: the query heads of one KV head become that head's query rows.
     q = query.view(batch, num_kv_heads, group, head_dim).to(keys.dtype)
     mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
@@ -68,10 +77,10 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
     qlen, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    keys = _gather_context(k_cache, block_table, seq_len).transpose(0, 1)      # [Hkv, L, D]
-    values = _gather_context(v_cache, block_table, seq_len).transpose(0, 1)
+    keys = gather_context(k_cache, block_table, seq_len)[:, 0]               # [Hkv, L, D]
+    values = gather_context(v_cache, block_table, seq_len)[:, 0]
     q = query.view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)   # [Hkv, G, q, D]
     q = q.reshape(num_kv_heads, group * qlen, head_dim).to(keys.dtype)
     # Query row i sits at absolute position seq_len - qlen + i and sees keys up to it.

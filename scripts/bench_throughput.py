@@ -62,7 +62,10 @@ def run_pagedserve(args: argparse.Namespace) -> dict:
 
     reqs = workload_w1(args.num_requests)
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, multiprocess_core=args.multiprocess_core,
+              tensor_parallel_size=args.tp)
+    if llm.engine is None or args.tp > 1:
+        return _timed_generate(llm, reqs, args, SamplingParams, {})
     prof = StepProfile()
     runner = llm.engine.executor.worker.runner
     core = llm.engine
@@ -75,6 +78,13 @@ def run_pagedserve(args: argparse.Namespace) -> dict:
     prof.wrap(runner, "sampler", "sampler")
     prof.wrap(llm.output_processor, "process_outputs", "detokenize")
     prof.wrap(core, "step", "step_total")
+    result = _timed_generate(llm, reqs, args, SamplingParams, {k: v for k, v in prof.seconds.items()})
+    result["preemptions"] = core.scheduler.num_preemptions
+    return result
+
+
+def _timed_generate(llm, reqs, args: argparse.Namespace, SamplingParams, profile: dict) -> dict:
+    import torch
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     prompts = [p for p, _ in reqs]
     start = time.perf_counter()
@@ -83,9 +93,13 @@ def run_pagedserve(args: argparse.Namespace) -> dict:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     if tokens != sum(m for _, m in reqs):
         raise RuntimeError("pagedserve returned the wrong number of tokens")
-    return {"engine": "pagedserve", "seconds": elapsed, "output_tokens": tokens,
-            "preemptions": core.scheduler.num_preemptions, "threads": torch.get_num_threads(),
-            "profile": {k: round(v, 3) for k, v in sorted(prof.seconds.items())}}
+    name = "pagedserve" + (" (core process)" if args.multiprocess_core else "") + \
+        (f" TP={args.tp}" if args.tp > 1 else "")
+    result = {"engine": name, "seconds": elapsed, "output_tokens": tokens, "threads": torch.get_num_threads()}
+    if profile:
+        result["profile"] = {k: round(v, 3) for k, v in sorted(profile.items())}
+    llm.shutdown()
+    return result
 
 
 def run_hf(args: argparse.Namespace) -> dict:
@@ -148,6 +162,7 @@ def parent_main(args: argparse.Namespace) -> None:
 def _forward_args(args: argparse.Namespace) -> list[str]:
     out = ["--dtype", args.dtype, "--num-requests", str(args.num_requests), "--hf-batch", str(args.hf_batch),
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    out += ["--tp", str(args.tp)] + (["--multiprocess-core"] if args.multiprocess_core else [])
     return out + (["--model", args.model] if args.model else [])
 
 
@@ -164,7 +179,7 @@ def format_table(args: argparse.Namespace, results: list[dict]) -> str:
                      f"{ratio} | {r['peak_rss_mib']:.0f} |")
     for r in results:
         if "profile" in r:
-            lines.append(f"\npagedserve step-time breakdown (s): {json.dumps(r['profile'])}; "
+            lines.append(f"\n{r['engine']} step-time breakdown (s): {json.dumps(r['profile'])}; "
                          f"preemptions: {r['preemptions']}")
     return "\n".join(lines)
 
@@ -178,6 +193,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-batch", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--multiprocess-core", action="store_true", help="run the engine core in its own process")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel worker processes")
     p.add_argument("--out", default=None, help="append the result table to this markdown file")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args()

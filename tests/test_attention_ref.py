@@ -24,8 +24,8 @@ def dense_attention(q, k, v, scale):
 
 def build_batch(seqs, block_size, num_blocks, hkv, d, gen):
     """seqs: list of (context_len, query_len), decodes first. Random non-contiguous block tables."""
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen)
+    k_cache = torch.randn(num_blocks, hkv, block_size, d, generator=gen)
+    v_cache = torch.randn(num_blocks, hkv, block_size, d, generator=gen)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, starts, lens = [], [0], []
     for ctx, ql in seqs:
@@ -45,7 +45,8 @@ def build_batch(seqs, block_size, num_blocks, hkv, d, gen):
 
 
 def gather(cache, table, ctx):
-    return torch.cat([cache[b] for b in table])[:ctx]
+    """[ctx, Hkv, D] the slow, obvious way."""
+    return torch.cat([cache[b].transpose(0, 1) for b in table])[:ctx]
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -53,8 +54,9 @@ def gather(cache, table, ctx):
 def test_paged_attention_matches_dense(block_size, hq, hkv):
     gen = torch.Generator().manual_seed(0)
     d = 32
-    seqs = [(1, 1), (37, 1), (5, 1), (20, 20), (50, 13), (9, 2)]   # decodes, a fresh prefill, continuations
-    k_cache, v_cache, tables, meta = build_batch(seqs, block_size, 64, hkv, d, gen)
+    # decodes (more than one group of 16, unsorted lengths), a fresh prefill, continuations
+    seqs = [(1 + (7 * i) % 45, 1) for i in range(19)] + [(20, 20), (50, 13), (9, 2)]
+    k_cache, v_cache, tables, meta = build_batch(seqs, block_size, 256, hkv, d, gen)
     q = torch.randn(meta.query_start_loc_cpu[-1], hq, d, generator=gen)
     scale = 1 / math.sqrt(d)
     out = reference.paged_attention(q, k_cache, v_cache, meta, scale)
@@ -65,13 +67,14 @@ def test_paged_attention_matches_dense(block_size, hq, hkv):
 
 
 def test_write_kv_cache_skips_padding_slots():
-    k_cache = torch.zeros(4, 4, 2, 8)
-    v_cache = torch.zeros(4, 4, 2, 8)
+    k_cache = torch.zeros(4, 2, 4, 8)       # [blocks, kv heads, block size, dim]
+    v_cache = torch.zeros(4, 2, 4, 8)
     key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
     slots = torch.tensor([3, -1, 9, -1, 15])
     reference.write_kv_cache(key, value, k_cache, v_cache, slots)
-    flat_k = k_cache.view(-1, 2, 8)
+    flat_k = k_cache.transpose(1, 2).reshape(-1, 2, 8)     # slot-major view
+    flat_v = v_cache.transpose(1, 2).reshape(-1, 2, 8)
     torch.testing.assert_close(flat_k[[3, 9, 15]], key[[0, 2, 4]])
-    torch.testing.assert_close(v_cache.view(-1, 2, 8)[[3, 9, 15]], value[[0, 2, 4]])
+    torch.testing.assert_close(flat_v[[3, 9, 15]], value[[0, 2, 4]])
     untouched = [s for s in range(16) if s not in (3, 9, 15)]
     assert flat_k[untouched].abs().sum() == 0

@@ -79,9 +79,9 @@ def dense_prefill_metadata(num_tokens: int, block_size: int, num_blocks: int) ->
 
 def bind_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int,
                   dtype: torch.dtype = torch.float32) -> None:
-    """Give every attention layer its own zeroed cache [2, num_blocks, block_size, kv_heads, head_dim]."""
+    """Give every attention layer its own zeroed cache [2, num_blocks, kv_heads, block_size, head_dim]."""
     for layer in model.attention_layers():
-        layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype=dtype)
+        layer.kv_cache = torch.zeros(2, num_blocks, layer.num_kv_heads, block_size, layer.head_dim, dtype=dtype)
 
 
 @torch.inference_mode()

@@ -10,7 +10,7 @@ from pagedserve.kernels.metadata import AttentionMetadata
 
 class PagedAttention(nn.Module):
     """Holds no weights. `kv_cache` is bound by the model runner after the cache is allocated:
-    a tensor [2, num_blocks, block_size, num_kv_heads, head_dim] (index 0 = K, 1 = V)."""
+    a tensor [2, num_blocks, num_kv_heads, block_size, head_dim] (index 0 = K, 1 = V)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
