@@ -78,7 +78,7 @@ def run_pagedserve(args: argparse.Namespace) -> dict:
     prof.wrap(runner, "sampler", "sampler")
     prof.wrap(llm.output_processor, "process_outputs", "detokenize")
     prof.wrap(core, "step", "step_total")
-    result = _timed_generate(llm, reqs, args, SamplingParams, {k: v for k, v in prof.seconds.items()})
+    result = _timed_generate(llm, reqs, args, SamplingParams, prof.seconds)   # filled in during the run
     result["preemptions"] = core.scheduler.num_preemptions
     return result
 
