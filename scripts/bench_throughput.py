@@ -145,7 +145,12 @@ def child_main(args: argparse.Namespace) -> None:
 def parent_main(args: argparse.Namespace) -> None:
     results = []
     for engine in args.engines.split(","):
-        cmd = [sys.executable, __file__, "--child", engine] + _forward_args(args)
+        # Variants of the multi-process path: pagedserve-mp (engine core process), pagedserve-tpN.
+        extra = ["--multiprocess-core"] if engine == "pagedserve-mp" else []
+        if engine.startswith("pagedserve-tp"):
+            extra = ["--tp", engine[len("pagedserve-tp"):]]
+        child = "hf" if engine == "hf" else "pagedserve"
+        cmd = [sys.executable, __file__, "--child", child] + _forward_args(args) + extra
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         if proc.returncode or not lines:
@@ -162,7 +167,6 @@ def parent_main(args: argparse.Namespace) -> None:
 def _forward_args(args: argparse.Namespace) -> list[str]:
     out = ["--dtype", args.dtype, "--num-requests", str(args.num_requests), "--hf-batch", str(args.hf_batch),
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    out += ["--tp", str(args.tp)] + (["--multiprocess-core"] if args.multiprocess_core else [])
     return out + (["--model", args.model] if args.model else [])
 
 
@@ -188,7 +192,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--engines", default="pagedserve,hf")
+    p.add_argument("--engines", default="pagedserve,hf",
+                   help="comma-separated: pagedserve, pagedserve-mp, pagedserve-tp2, hf")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--hf-batch", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
