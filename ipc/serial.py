@@ -160,18 +160,19 @@ def _checked_shape(shape: list[int]) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _expect_size(dtype: str, shape: tuple[int, ...], itemsize: int, buf: Union[memoryview, bytes]) -> int:
+def _lookup(table: dict, kind: str, dtype: str, shape: tuple[int, ...], buf: Union[memoryview, bytes]):
+    """(dtype object, element count) after checking the dtype is known and the buffer has the right size."""
+    dt = table.get(dtype)
+    if dt is None:
+        raise ValueError(f"unsupported {kind} dtype {dtype!r}")
     count = math.prod(shape)
-    if count * itemsize != len(buf):
-        raise ValueError(f"{dtype}{list(shape)} needs {count * itemsize} bytes, the message carries {len(buf)}")
-    return count
+    if count * dt.itemsize != len(buf):
+        raise ValueError(f"{dtype}{list(shape)} needs {count * dt.itemsize} bytes, the message carries {len(buf)}")
+    return dt, count
 
 
 def _tensor_from(dtype: str, shape: tuple[int, ...], buf: Union[memoryview, bytes]) -> torch.Tensor:
-    torch_dtype = _TORCH_DTYPES.get(dtype)
-    if torch_dtype is None:
-        raise ValueError(f"unsupported tensor dtype {dtype!r}")
-    count = _expect_size(dtype, shape, torch_dtype.itemsize, buf)
+    torch_dtype, count = _lookup(_TORCH_DTYPES, "tensor", dtype, shape, buf)
     if count == 0:
         return torch.empty(shape, dtype=torch_dtype)
     with warnings.catch_warnings():
@@ -181,10 +182,7 @@ def _tensor_from(dtype: str, shape: tuple[int, ...], buf: Union[memoryview, byte
 
 
 def _array_from(dtype: str, shape: tuple[int, ...], buf: Union[memoryview, bytes]) -> np.ndarray:
-    np_dtype = _NUMPY_DTYPES.get(dtype)
-    if np_dtype is None:
-        raise ValueError(f"unsupported array dtype {dtype!r}")
-    count = _expect_size(dtype, shape, np_dtype.itemsize, buf)
+    np_dtype, count = _lookup(_NUMPY_DTYPES, "array", dtype, shape, buf)
     if count == 0:
         return np.empty(shape, dtype=np_dtype)
     return np.frombuffer(buf, dtype=np_dtype, count=count).reshape(shape)
