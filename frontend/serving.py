@@ -106,18 +106,16 @@ class OpenAIServing:
     async def completion_stream(self, req: CompletionRequest, jobs: list[_Job], rid: str) -> AsyncIterator[str]:
         created, n = now(), req.n
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        prompt_tokens = completion_tokens = 0
-        echoed: set[int] = set()
+        completion_tokens = 0
+        prompt_tokens = sum(len(j.prompt.prompt_token_ids) for j in jobs)
+        echoed: set[tuple[int, int]] = set()        # (prompt, choice) pairs whose prompt text went out
         try:
             async for i, out in _merge(self._generators(jobs, req.priority)):
-                if i not in echoed:
-                    echoed.add(i)
-                    prompt_tokens += len(out.prompt_token_ids) * 1
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     text = c.text
                     if req.echo and (i, c.index) not in echoed:
-                        echoed.add((i, c.index))     # type: ignore[arg-type]
+                        echoed.add((i, c.index))
                         text = self._prompt_text(jobs[i].prompt) + text
                     if not text and c.finish_reason is None:
                         continue
