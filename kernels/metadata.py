@@ -26,4 +26,4 @@ class AttentionMetadata:
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
+        return self.seq_lens.shape[0]

@@ -1,5 +1,11 @@
-"""One entry point per op: the model calls these and gets the best implementation for its device."""
+"""One entry point per op: the model calls these and gets Triton on CUDA, the PyTorch reference elsewhere.
+
+`PAGEDSERVE_KERNELS=torch` forces the reference on CUDA too (for A/B checks against the kernels).
+"""
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
@@ -7,11 +13,60 @@ from pagedserve.kernels import reference
 from pagedserve.kernels.metadata import AttentionMetadata
 
 
+@functools.cache
+def _triton_usable() -> bool:
+    if os.environ.get("PAGEDSERVE_KERNELS", "triton") == "torch":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and _triton_usable()
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    if use_triton(key):
+        from pagedserve.kernels import triton_cache
+        triton_cache.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if use_triton(query):
+        from pagedserve.kernels import triton_attention
+        return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale)
     return reference.paged_attention(query, k_cache, v_cache, meta, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """norm(x) * weight, or with a residual (norm(x + residual) * weight, x + residual)."""
+    if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
+        from pagedserve.kernels import triton_fused
+        return triton_fused.rms_norm(x, weight, eps, residual)
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
+        from pagedserve.kernels import triton_fused
+        return triton_fused.silu_and_mul(x)
+    return reference.silu_and_mul(x)
+
+
+def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
+                 q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                 eps: float = 1e-6) -> torch.Tensor:
+    """qk [T, Hq + Hkv, D]: optional per-head RMSNorm (q heads, then k heads), then rotary."""
+    dim = qk.shape[-1]
+    if use_triton(qk) and qk.stride(-1) == 1 and dim % 2 == 0 and dim & (dim - 1) == 0:
+        from pagedserve.kernels import triton_fused
+        return triton_fused.qk_norm_rope(qk, cos, sin, num_q_heads, q_weight, k_weight, eps)
+    return reference.qk_norm_rope(qk, cos, sin, num_q_heads, q_weight, k_weight, eps)

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from pagedserve.kernels import ops
 
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., 2 * d] = [gate | up] -> [..., d]."""
-        half = x.shape[-1] // 2
-        return F.silu(x[..., :half]) * x[..., half:]
+        return ops.silu_and_mul(x)

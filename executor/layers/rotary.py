@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagedserve.core.model_files import rope_settings
+from pagedserve.kernels.reference import apply_rotary
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -36,13 +37,6 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
     raise ValueError(f"rope_scaling: rope_type {kind!r} is not supported (default, linear, llama3)")
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] (any strides) rotated; cos/sin [T, 1, D] in x's dtype. Returns a new tensor."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class RotaryEmbedding(nn.Module):

@@ -14,8 +14,9 @@ from pagedserve.executor.layers.embedding import ParallelLMHead, VocabParallelEm
 from pagedserve.executor.layers.layernorm import RMSNorm
 from pagedserve.executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                                copy_weight)
-from pagedserve.executor.layers.rotary import apply_rotary, get_rope
+from pagedserve.executor.layers.rotary import get_rope
 from pagedserve.executor.parallel_state import TPGroup
+from pagedserve.kernels import ops
 from pagedserve.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -53,16 +54,11 @@ class LlamaAttention(nn.Module):
     def forward(self, h: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(h)
         tokens, qk_end = qkv.shape[0], self.q_size + self.kv_size
-        v = qkv[:, qk_end:]
-        if self.q_norm is None:
-            # q and k sit side by side in qkv: rotate all their heads in one pass.
-            qk = apply_rotary(qkv[:, :qk_end].view(tokens, -1, self.head_dim), *rope).view(tokens, qk_end)
-            q, k = qk[:, :self.q_size], qk[:, self.q_size:]
-        else:
-            q = self.q_norm(qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size:qk_end].view(tokens, self.num_kv_heads, self.head_dim))
-            q = apply_rotary(q, *rope).view(tokens, self.q_size)
-            k = apply_rotary(k, *rope).view(tokens, self.kv_size)
+        # q and k sit side by side in qkv: normalise (Qwen3) and rotate all their heads in one op.
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else (None, None, 1e-6)
+        qk = ops.qk_norm_rope(qkv[:, :qk_end].view(tokens, -1, self.head_dim), *rope, self.num_heads, *norms)
+        qk = qk.view(tokens, qk_end)
+        q, k, v = qk[:, :self.q_size], qk[:, self.q_size:], qkv[:, qk_end:]
         return self.o_proj(self.attn(q, k, v, meta))
 
 
