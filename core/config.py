@@ -22,6 +22,7 @@ class ModelConfig:
     max_model_len: int
     seed: int = 0
     served_model_name: str = ""
+    enforce_eager: bool = False     # CUDA: no decode graphs
 
     @property
     def num_layers(self) -> int:
@@ -107,6 +108,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    enforce_eager: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         self._validate()
@@ -117,7 +119,7 @@ class EngineArgs:
         model = ModelConfig(
             source=source, hf_config=hf_config, dtype=_resolve_dtype(self.dtype, device),
             device=device, max_model_len=max_len, seed=self.seed,
-            served_model_name=self.served_model_name or source.name)
+            served_model_name=self.served_model_name or source.name, enforce_eager=self.enforce_eager)
         cache = CacheConfig(
             block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,

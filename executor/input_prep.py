@@ -1,23 +1,10 @@
 """Flatten one step of a ragged batch into the model's inputs (ids, positions, slots, block tables)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
-import torch
 
 from pagedserve.executor.request_state import CachedRequestState
-from pagedserve.kernels.metadata import AttentionMetadata
-
-
-@dataclass
-class PreparedBatch:
-    req_ids: list[str]                 # row order of the batch: decodes first
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor       # token index whose hidden state feeds each sampled row
-    sample_rows: list[int]             # batch rows that sample this step (caught up with their tokens)
+from pagedserve.executor.step_buffers import HostBatch
 
 
 def order_rows(states: dict[str, CachedRequestState], num_scheduled: dict[str, int]) -> list[str]:
@@ -30,7 +17,7 @@ def order_rows(states: dict[str, CachedRequestState], num_scheduled: dict[str, i
 
 
 def prepare_inputs(states: dict[str, CachedRequestState], num_scheduled: dict[str, int],
-                   block_size: int, device: torch.device) -> PreparedBatch:
+                   block_size: int) -> HostBatch:
     req_ids = order_rows(states, num_scheduled)
     num_seqs = len(req_ids)
     counts = np.fromiter((num_scheduled[r] for r in req_ids), dtype=np.int64, count=num_seqs)
@@ -60,15 +47,6 @@ def prepare_inputs(states: dict[str, CachedRequestState], num_scheduled: dict[st
 
     num_decodes = int(np.count_nonzero(counts == 1)) if num_seqs else 0
     # order_rows put all single-token rows first, so they form a prefix.
-    meta = AttentionMetadata(
-        slot_mapping=_to(slot_mapping, device), query_start_loc=_to(query_start, device, torch.int32),
-        seq_lens=_to(seq_lens, device, torch.int32), block_tables=_to(block_tables, device, torch.int32),
-        num_decodes=num_decodes, max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
-        query_start_loc_cpu=query_start.tolist(), seq_lens_cpu=seq_lens.tolist())
-    return PreparedBatch(req_ids=req_ids, input_ids=_to(input_ids, device), positions=_to(positions, device),
-                         meta=meta, logits_indices=_to(logits_indices, device), sample_rows=sample_rows)
-
-
-def _to(array: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    tensor = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
-    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
+    return HostBatch(req_ids=req_ids, input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                     query_start_loc=query_start, seq_lens=seq_lens, block_tables=block_tables,
+                     logits_indices=logits_indices, sample_rows=sample_rows, num_decodes=num_decodes)

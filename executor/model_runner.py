@@ -7,10 +7,12 @@ import torch
 from torch import nn
 
 from pagedserve.core.config import EngineConfig
+from pagedserve.executor.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagedserve.executor.input_prep import prepare_inputs
 from pagedserve.executor.request_state import CachedRequestState
 from pagedserve.executor.sampler import Sampler
 from pagedserve.executor.sampling_inputs import build_sampling_metadata
+from pagedserve.executor.step_buffers import PreparedBatch, StepBuffers
 from pagedserve.ipc.messages import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -28,15 +30,26 @@ class ModelRunner:
         self.sampler = Sampler()
         self.states: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        sched = config.scheduler
+        self.buffers = StepBuffers(max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs,
+                                   -(-config.model.max_model_len // self.block_size), device)
+        self.graphs: CudaGraphRunner | None = None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
         shape = (2, num_blocks, layers[0].num_kv_heads, self.block_size, layers[0].head_dim)
+        self.kv_caches = []        # let a previous (profiling) cache go before the new one is allocated
         # Zeros, not empty: attention reads whole blocks and masks the tail, and a masked NaN in V
         # still poisons the output (0 * NaN).
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
         for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache
+
+    def capture_cuda_graphs(self) -> int:
+        """Capture decode graphs (CUDA only); returns the bytes their memory pool took."""
+        self.graphs = CudaGraphRunner(self.model, self.buffers, capture_sizes(self.config.scheduler.max_num_seqs))
+        self.graphs.capture()
+        return self.graphs.pool_bytes
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids:
@@ -49,13 +62,21 @@ class ModelRunner:
             state.block_ids.extend(new_blocks)
             state.num_computed_tokens = num_computed
 
+    def _forward(self, sched: SchedulerOutput) -> tuple[PreparedBatch, torch.Tensor]:
+        host = prepare_inputs(self.states, sched.num_scheduled_tokens, self.block_size)
+        decode_only = host.num_decodes == host.num_seqs
+        size = self.graphs.padded_size(host.num_seqs) if self.graphs is not None and decode_only else None
+        batch = self.buffers.commit(host, pad_to=size)
+        if size is not None:
+            return batch, self.graphs.replay(size)
+        return batch, self.model(batch.input_ids, batch.positions, batch.meta)
+
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        batch = prepare_inputs(self.states, sched.num_scheduled_tokens, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        batch, hidden = self._forward(sched)
         sampled = [-1] * len(batch.req_ids)
         logprobs = None
         if batch.sample_rows:

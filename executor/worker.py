@@ -63,15 +63,39 @@ class Worker:
         return max(1, int(gib * (1 << 30)) // self.kv_bytes_per_block())
 
     def _profile_gpu_blocks(self) -> int:
-        # Hook for GPU memory profiling: what is left of the utilization budget after the weights.
-        # The GPU issue replaces this with a profiling forward pass at the largest batch.
+        """What is left of the utilization budget after weights, the peak of the largest mixed step and
+        the memory the decode CUDA graphs will hold, measured with a throwaway one-block cache."""
+        from pagedserve.executor.profiling import dummy_prefill_batch, peak_step_bytes
+        assert self.runner is not None
+        sched, cache, model = self.config.scheduler, self.config.cache, self.config.model
+        self.runner.initialize_kv_cache(1)
+        mixed = peak_step_bytes(self.runner, dummy_prefill_batch(
+            sched.max_num_batched_tokens, sched.max_num_seqs, model.max_model_len, cache.block_size))
+        graphs = 0
+        if not model.enforce_eager:
+            # Graph replays keep their own pool, sized by the largest captured decode step.
+            graphs = peak_step_bytes(self.runner, dummy_prefill_batch(
+                sched.max_num_seqs, sched.max_num_seqs, model.max_model_len, cache.block_size)) + (64 << 20)
+        self.runner.initialize_kv_cache(0)
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * self.config.cache.gpu_memory_utilization - (total - free)
-        return max(1, int(budget * 0.9) // self.kv_bytes_per_block())
+        budget = int(total * cache.gpu_memory_utilization) - (total - free) - mixed - graphs
+        gib = 1 << 30
+        logger.info("GPU memory on rank %d: %.2f GiB total, %.2f in use (weights, context, other processes), "
+                    "step peak %.2f, CUDA graphs %.2f -> KV cache %.2f GiB", self.rank, total / gib,
+                    (total - free) / gib, mixed / gib, graphs / gib, max(budget, 0) / gib)
+        if budget < self.kv_bytes_per_block():
+            raise ValueError(f"no GPU memory left for the KV cache: gpu_memory_utilization="
+                             f"{cache.gpu_memory_utilization} of {total / gib:.1f} GiB, {(total - free) / gib:.2f} "
+                             f"GiB in use, step peak {mixed / gib:.2f} GiB; raise --gpu-memory-utilization or "
+                             "lower --max-num-batched-tokens / --max-num-seqs")
+        return budget // self.kv_bytes_per_block()
 
     def initialize_cache(self, num_blocks: int) -> None:
         assert self.runner is not None
         self.runner.initialize_kv_cache(num_blocks)
+        if self.device.type == "cuda" and not self.config.model.enforce_eager:
+            self.runner.capture_cuda_graphs()
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB) on rank %d", num_blocks,
                     self.config.cache.block_size, num_blocks * self.kv_bytes_per_block() / (1 << 30), self.rank)
 

@@ -29,6 +29,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB (CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (or env PAGEDSERVE_API_KEY)")
@@ -50,7 +51,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         max_model_len=ns.max_model_len, block_size=ns.block_size, kv_cache_memory=ns.kv_cache_memory,
         gpu_memory_utilization=ns.gpu_memory_utilization, enable_prefix_caching=ns.enable_prefix_caching,
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
-        scheduling_policy=ns.scheduling_policy, tensor_parallel_size=ns.tensor_parallel_size)
+        scheduling_policy=ns.scheduling_policy, tensor_parallel_size=ns.tensor_parallel_size,
+        enforce_eager=ns.enforce_eager)
 
 
 def main(argv: list[str] | None = None) -> None:

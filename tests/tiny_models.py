@@ -26,24 +26,40 @@ def _config_class(arch: str) -> Any:
 
 
 def make_tiny_model(path: str, arch: str = "llama", sharded: bool = False, seed: int = 0,
-                    **overrides: Any) -> str:
-    """Write config.json + safetensors (2 shards + index when `sharded`) for a random `arch` model."""
+                    tokenizer: str = "embedded", dtype: torch.dtype = torch.float32, **overrides: Any) -> str:
+    """Write config.json + safetensors (2 shards + index when `sharded`) for a random `arch` model.
+
+    tokenizer: "embedded" (SmolLM2's) or "synthetic" (one word per id; for machines without the
+    embedded model, and for vocabularies larger than SmolLM2's)."""
     from transformers import AutoModelForCausalLM
     fields = {**_DEFAULTS, **overrides}
     if arch == "qwen3":
         fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
     config = _config_class(arch)(**fields)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     if sharded:
         _split_in_two(path)
+    if tokenizer == "synthetic":
+        synthetic_tokenizer(fields["vocab_size"]).save_pretrained(path)
+        return path
     # Any tokenizer covering the tiny vocabulary will do: reuse the embedded model's.
     from pagedserve.core.model_files import resolve_model
     from pagedserve.frontend.tokenizer import load_tokenizer
     load_tokenizer(resolve_model(None)).save_pretrained(path)
     return path
+
+
+def synthetic_tokenizer(vocab_size: int) -> Any:
+    """A word-level tokenizer with one word "w<i>" per id (bos = w1, eos = w2)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")        # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2")
 
 
 def _split_in_two(path: str) -> None:
