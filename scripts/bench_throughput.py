@@ -1,10 +1,15 @@
-"""Offline throughput on workload W1: pagedserve vs HF transformers static batches, in one run.
+"""Offline throughput: pagedserve vs HF transformers static batches, in one run.
 
-W1: 64 requests from random.Random(0); per request L = randint(32, 512) prompt ids in [100, 49000),
-max_tokens = randint(32, 256), ignore_eos, all submitted at once. Each engine runs in its own
-subprocess so that peak memory (max RSS) is its own.
+W1 (CPU): 64 requests from random.Random(0); per request L = randint(32, 512) prompt ids in [100, 49000),
+max_tokens = randint(32, 256), ignore_eos, all submitted at once.
+G1 (GPU): 256 requests from random.Random(0); prompt length and max_tokens each randint(100, 1024),
+prompt ids in [100, 49000), ignore_eos, all at once; on a Qwen3-0.6B-shaped random-weight model
+(`--make-qwen3-0.6b` writes one to --model when the folder does not exist).
+Each engine runs in its own subprocess so that peak memory (max RSS) is its own.
 
-    python scripts/bench_throughput.py --dtype bfloat16 --engines pagedserve,hf --out benchmarks/throughput_cpu.md
+    python scripts/bench_throughput.py --dtype float32 --engines pagedserve,hf --out benchmarks/throughput_cpu.md
+    python scripts/bench_throughput.py --workload g1 --model /tmp/qwen3-0.6b --make-qwen3-0.6b \
+        --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 2048 --hf-batch 128
 """
 from __future__ import annotations
 
@@ -29,6 +34,33 @@ def workload_w1(num_requests: int = 64, seed: int = 0) -> list[tuple[list[int], 
         prompt = [rng.randrange(100, 49000) for _ in range(length)]
         reqs.append((prompt, rng.randint(32, 256)))
     return reqs
+
+
+def workload_g1(num_requests: int = 256, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(num_requests):
+        length = rng.randint(100, 1024)
+        prompt = [rng.randrange(100, 49000) for _ in range(length)]
+        reqs.append((prompt, rng.randint(100, 1024)))
+    return reqs
+
+
+def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
+    return (workload_w1 if args.workload == "w1" else workload_g1)(args.num_requests)
+
+
+def make_qwen3_06b(path: str) -> None:
+    """Random bf16 weights in Qwen3-0.6B's shape (nothing can be downloaded on the GPU machines)."""
+    import sys as _sys
+    _sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from tiny_models import make_tiny_model
+    import torch
+    make_tiny_model(path, arch="qwen3", tokenizer="synthetic", dtype=torch.bfloat16, hidden_size=1024,
+                    num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                    intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960,
+                    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
+                    bos_token_id=1, eos_token_id=2)
 
 
 class StepProfile:
@@ -60,10 +92,11 @@ def run_pagedserve(args: argparse.Namespace) -> dict:
     from pagedserve import LLM, SamplingParams
     import pagedserve.executor.model_runner as mr
 
-    reqs = workload_w1(args.num_requests)
+    reqs = workload(args)
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, multiprocess_core=args.multiprocess_core,
-              tensor_parallel_size=args.tp)
+              tensor_parallel_size=args.tp, device=args.device, max_model_len=args.max_model_len,
+              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
     if llm.engine is None or args.tp > 1:
         return _timed_generate(llm, reqs, args, SamplingParams, {})
     prof = StepProfile()
@@ -94,7 +127,7 @@ def _timed_generate(llm, reqs, args: argparse.Namespace, SamplingParams, profile
     if tokens != sum(m for _, m in reqs):
         raise RuntimeError("pagedserve returned the wrong number of tokens")
     name = "pagedserve" + (" (core process)" if args.multiprocess_core else "") + \
-        (f" TP={args.tp}" if args.tp > 1 else "")
+        (f" TP={args.tp}" if args.tp > 1 else "") + (" eager" if args.enforce_eager else "")
     result = {"engine": name, "seconds": elapsed, "output_tokens": tokens, "threads": torch.get_num_threads()}
     if profile:
         result["profile"] = {k: round(v, 3) for k, v in sorted(profile.items())}
@@ -114,22 +147,25 @@ def run_hf(args: argparse.Namespace) -> dict:
                                                      gguf_file=os.path.basename(source.path), dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
-    model.eval()
+    device = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
+    model.to(device).eval()
     model.generation_config.eos_token_id = None      # ignore_eos: every batch runs its full length
     pad = 0
-    reqs = workload_w1(args.num_requests)
+    reqs = workload(args)
     start = time.perf_counter()
     tokens = 0
     with torch.inference_mode():
         for i in range(0, len(reqs), args.hf_batch):
             batch = reqs[i:i + args.hf_batch]
             width = max(len(p) for p, _ in batch)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
             longest = max(m for _, m in batch)
             model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
                            do_sample=False, pad_token_id=pad)
             tokens += sum(m for _, m in batch)       # only the tokens that were requested count
+    if device == "cuda":
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     return {"engine": f"hf-static-{args.hf_batch}", "seconds": elapsed, "output_tokens": tokens,
             "threads": torch.get_num_threads()}
@@ -143,10 +179,16 @@ def child_main(args: argparse.Namespace) -> None:
 
 
 def parent_main(args: argparse.Namespace) -> None:
+    if args.make_qwen3_06b and not os.path.isdir(args.model or ""):
+        if not args.model:
+            sys.exit("--make-qwen3-0.6b needs --model PATH")
+        make_qwen3_06b(args.model)
     results = []
     for engine in args.engines.split(","):
         # Variants of the multi-process path: pagedserve-mp (engine core process), pagedserve-tpN.
         extra = ["--multiprocess-core"] if engine == "pagedserve-mp" else []
+        if engine == "pagedserve-eager":
+            extra = ["--enforce-eager"]
         if engine.startswith("pagedserve-tp"):
             extra = ["--tp", engine[len("pagedserve-tp"):]]
         child = "hf" if engine == "hf" else "pagedserve"
@@ -166,13 +208,16 @@ def parent_main(args: argparse.Namespace) -> None:
 
 def _forward_args(args: argparse.Namespace) -> list[str]:
     out = ["--dtype", args.dtype, "--num-requests", str(args.num_requests), "--hf-batch", str(args.hf_batch),
-           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--workload", args.workload, "--device", args.device,
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    out += ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
     return out + (["--model", args.model] if args.model else [])
 
 
 def format_table(args: argparse.Namespace, results: list[dict]) -> str:
     base = next((r for r in results if r["engine"].startswith("hf")), None)
-    lines = [f"\n### W1, {args.num_requests} requests, dtype {args.dtype} "
+    lines = [f"\n### {args.workload.upper()}, {args.num_requests} requests, dtype {args.dtype} "
              f"({time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
              f"torch threads {results[0].get('threads')})\n",
              "| engine | output tokens | seconds | output tok/s | vs HF | peak RSS MiB |",
@@ -192,8 +237,15 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--workload", default="w1", choices=["w1", "g1"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--make-qwen3-0.6b", dest="make_qwen3_06b", action="store_true",
+                   help="write a Qwen3-0.6B-shaped random-weight model to --model if it does not exist")
     p.add_argument("--engines", default="pagedserve,hf",
-                   help="comma-separated: pagedserve, pagedserve-mp, pagedserve-tp2, hf")
+                   help="comma-separated: pagedserve, pagedserve-mp, pagedserve-tp2, pagedserve-eager, hf")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--hf-batch", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
