@@ -26,24 +26,23 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 
-def workload_w1(num_requests: int = 64, seed: int = 0) -> list[tuple[list[int], int]]:
+def random_workload(num_requests: int, prompt_lens: tuple[int, int], max_tokens: tuple[int, int],
+                    seed: int = 0) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     reqs = []
     for _ in range(num_requests):
-        length = rng.randint(32, 512)
+        length = rng.randint(*prompt_lens)
         prompt = [rng.randrange(100, 49000) for _ in range(length)]
-        reqs.append((prompt, rng.randint(32, 256)))
+        reqs.append((prompt, rng.randint(*max_tokens)))
     return reqs
+
+
+def workload_w1(num_requests: int = 64, seed: int = 0) -> list[tuple[list[int], int]]:
+    return random_workload(num_requests, (32, 512), (32, 256), seed)
 
 
 def workload_g1(num_requests: int = 256, seed: int = 0) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    reqs = []
-    for _ in range(num_requests):
-        length = rng.randint(100, 1024)
-        prompt = [rng.randrange(100, 49000) for _ in range(length)]
-        reqs.append((prompt, rng.randint(100, 1024)))
-    return reqs
+    return random_workload(num_requests, (100, 1024), (100, 1024), seed)
 
 
 def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:

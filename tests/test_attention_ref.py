@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.kernels.metadata import AttentionMetadata
+from attention_cases import make_batch
 
 
 def dense_attention(q, k, v, scale):
@@ -22,28 +22,6 @@ def dense_attention(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def build_batch(seqs, block_size, num_blocks, hkv, d, gen):
-    """seqs: list of (context_len, query_len), decodes first. Random non-contiguous block tables."""
-    k_cache = torch.randn(num_blocks, hkv, block_size, d, generator=gen)
-    v_cache = torch.randn(num_blocks, hkv, block_size, d, generator=gen)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, starts, lens = [], [0], []
-    for ctx, ql in seqs:
-        nb = -(-ctx // block_size)
-        tables.append([perm.pop() for _ in range(nb)])
-        starts.append(starts[-1] + ql)
-        lens.append(ctx)
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=bt, num_decodes=sum(1 for _, ql in seqs if ql == 1),
-        max_query_len=max(ql for _, ql in seqs), max_seq_len=max(lens),
-        query_start_loc_cpu=starts, seq_lens_cpu=lens)
-    return k_cache, v_cache, tables, meta
-
-
 def gather(cache, table, ctx):
     """[ctx, Hkv, D] the slow, obvious way."""
     return torch.cat([cache[b].transpose(0, 1) for b in table])[:ctx]
@@ -56,7 +34,7 @@ def test_paged_attention_matches_dense(block_size, hq, hkv):
     d = 32
     # decodes (more than one group of 16, unsorted lengths), a fresh prefill, continuations
     seqs = [(1 + (7 * i) % 45, 1) for i in range(19)] + [(20, 20), (50, 13), (9, 2)]
-    k_cache, v_cache, tables, meta = build_batch(seqs, block_size, 256, hkv, d, gen)
+    k_cache, v_cache, tables, meta = make_batch(seqs, block_size, hkv, d, gen)
     q = torch.randn(meta.query_start_loc_cpu[-1], hq, d, generator=gen)
     scale = 1 / math.sqrt(d)
     out = reference.paged_attention(q, k_cache, v_cache, meta, scale)

@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from pagedserve.kernels import reference, triton_attention, triton_cache, triton_fused  # noqa: E402
+from attention_cases import make_batch  # noqa: E402
 from pagedserve.kernels.metadata import AttentionMetadata  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -23,33 +24,6 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def make_batch(seqs: list[tuple[int, int]], block_size: int, hkv: int, d: int, gen: torch.Generator,
-               dtype: torch.dtype = torch.float32, share_prefix: int = 0):
-    """seqs: (context incl. new tokens, new tokens), decodes first. Random, non-contiguous block tables;
-    the first share_prefix blocks of every sequence are the same physical blocks (a prefix-cache hit)."""
-    num_blocks = 4 + sum(-(-ctx // block_size) for ctx, _ in seqs)
-    k_cache = torch.randn(num_blocks, hkv, block_size, d, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, hkv, block_size, d, generator=gen).to(dtype)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    shared = [perm.pop() for _ in range(share_prefix)]
-    tables, starts, lens = [], [0], []
-    for ctx, new in seqs:
-        nb = -(-ctx // block_size)
-        own = max(0, nb - share_prefix)
-        tables.append((shared[:nb] + [perm.pop() for _ in range(own)]))
-        starts.append(starts[-1] + new)
-        lens.append(ctx)
-    width = max(len(t) for t in tables) + 2          # unused trailing entries, as the runner leaves them
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=bt, num_decodes=sum(1 for _, n in seqs if n == 1),
-        max_query_len=max(n for _, n in seqs), max_seq_len=max(lens),
-        query_start_loc_cpu=starts, seq_lens_cpu=lens)
-    return k_cache, v_cache, meta
-
-
 def to_device(meta: AttentionMetadata) -> AttentionMetadata:
     return AttentionMetadata(**{name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value
                                 for name, value in vars(meta).items()})
@@ -57,7 +31,7 @@ def to_device(meta: AttentionMetadata) -> AttentionMetadata:
 
 def run_both(seqs, block_size, hq, hkv, d, seed, num_splits=None, share_prefix=0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    k_cache, v_cache, meta = make_batch(seqs, block_size, hkv, d, gen, dtype, share_prefix)
+    k_cache, v_cache, _, meta = make_batch(seqs, block_size, hkv, d, gen, dtype, share_prefix)
     # Query as a strided view into a wider buffer, the way the model hands it over (a slice of qkv).
     wide = torch.randn(meta.query_start_loc_cpu[-1], hq + 2, d, generator=gen).to(dtype)
     q = wide[:, :hq]

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from pagedserve.core.model_files import rope_settings
-from pagedserve.kernels.reference import apply_rotary
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -60,15 +59,6 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache.index_select(0, positions).to(dtype)
         sin = self.sin_cache.index_select(0, positions).to(dtype)
         return cos.unsqueeze(1), sin.unsqueeze(1)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq*D], k [T, Hk*D] -> rotated copies of the same shapes."""
-        cos, sin = self.cos_sin(positions, q.dtype)
-        tokens = q.shape[0]
-        q_out = apply_rotary(q.view(tokens, -1, self.head_dim), cos, sin)
-        k_out = apply_rotary(k.view(tokens, -1, self.head_dim), cos, sin)
-        return q_out.view(q.shape), k_out.view(k.shape)
 
 
 def get_rope(hf_config: Any, head_dim: int) -> RotaryEmbedding:
