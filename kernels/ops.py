@@ -8,6 +8,7 @@ import functools
 import os
 
 import torch
+import torch.nn.functional as F
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.metadata import AttentionMetadata
@@ -26,6 +27,23 @@ def _triton_usable() -> bool:
 
 def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and _triton_usable()
+
+
+@functools.cache
+def _skinny_chooser():
+    # One memo per process, like Triton's own autotuning cache: the choice depends only on the shape
+    # and the device.
+    from pagedserve.kernels.triton_gemm import SkinnyGemmChooser
+    return SkinnyGemmChooser()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias; decode-sized batches on CUDA may take the skinny Triton GEMM where it is faster."""
+    if use_triton(x) and x.dim() == 2 and x.shape[0] <= 16 and x.stride(-1) == 1 and weight.is_contiguous():
+        from pagedserve.kernels import triton_gemm
+        if _skinny_chooser().use_skinny(x, weight, bias):
+            return triton_gemm.skinny_gemm(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

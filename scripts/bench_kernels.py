@@ -17,7 +17,7 @@ import sys
 import torch
 import triton
 
-from pagedserve.kernels import reference, triton_attention, triton_cache, triton_fused
+from pagedserve.kernels import reference, triton_attention, triton_cache, triton_fused, triton_gemm
 from pagedserve.kernels.metadata import AttentionMetadata
 
 HQ, HKV, D, BS = 16, 8, 128, 16
@@ -139,6 +139,25 @@ def elementwise_rows(bw: float) -> list[tuple]:
     return rows
 
 
+def gemm_rows(bw: float) -> list[tuple]:
+    """Qwen3-0.6B's decode GEMMs at M=1 and 8: the skinny Triton kernel against cuBLAS (F.linear).
+    Weights rotate over enough copies to exceed L2, so each call streams its weight from HBM."""
+    rows = []
+    for n, k, name in [(4096, 1024, "qkv"), (1024, 2048, "o_proj"), (6144, 1024, "gate_up"),
+                       (1024, 3072, "down"), (151936, 1024, "lm_head")]:
+        copies = max(1, (256 << 20) // (n * k * 2))
+        weights = [torch.randn(n, k, device="cuda", dtype=DT) for _ in range(copies)]
+        for m in (1, 8):
+            x = torch.randn(m, k, device="cuda", dtype=DT)
+            nbytes = n * k * 2
+            for label, fn in (("Triton skinny", triton_gemm.skinny_gemm),
+                              ("  cuBLAS F.linear", torch.nn.functional.linear)):
+                ms = bench(lambda: [fn(x, w) for w in weights]) / copies
+                rows.append((f"{label} {name} M={m} N={n} K={k}", ms, nbytes / bw * 1e3, 0.0))
+        del weights
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
@@ -149,7 +168,7 @@ def main() -> None:
              f"triton {triton.__version__}. Measured ceilings: copy {bw / 1e12:.2f} TB/s (read + write), "
              f"bf16 matmul {flops / 1e12:.0f} TFLOP/s.", "",
              "| kernel | median ms | bytes floor ms | FLOP floor ms | of floor |", "|---|---|---|---|---|"]
-    for name, ms, byte_floor, flop_floor in attention_rows(bw, flops) + elementwise_rows(bw):
+    for name, ms, byte_floor, flop_floor in attention_rows(bw, flops) + elementwise_rows(bw) + gemm_rows(bw):
         floor = max(byte_floor, flop_floor)
         lines.append(f"| {name} | {ms:.4f} | {byte_floor:.4f} | {flop_floor:.4f} | {floor / ms:.0%} |")
     text = "\n".join(lines)

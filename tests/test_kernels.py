@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from pagedserve.kernels import reference, triton_attention, triton_cache, triton_fused  # noqa: E402
+from pagedserve.kernels import reference, triton_attention, triton_cache, triton_fused, triton_gemm  # noqa: E402
 from attention_cases import make_batch  # noqa: E402
 from pagedserve.kernels.metadata import AttentionMetadata  # noqa: E402
 
@@ -133,3 +133,14 @@ def test_qk_norm_rope(with_norm):
     out = triton_fused.qk_norm_rope(dev(qkv)[:, :(hq + hkv) * d].view(tokens, hq + hkv, d), dev(cos), dev(sin),
                                     hq, dev(qw), dev(kw), 1e-6)
     assert rel_err(out.cpu(), ref) < 1e-5
+
+
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 40, 300, False), (3, 100, 128, True), (16, 33, 520, True)])
+def test_skinny_gemm(rows, n, k, bias):
+    gen = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, k + 8, generator=gen)[:, :k]            # strided rows, as after a gather
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    want = torch.nn.functional.linear(x, w, b)
+    dev = (lambda t: t.to(DEVICE) if t is not None else None)
+    assert rel_err(triton_gemm.skinny_gemm(dev(x), dev(w), dev(b)).cpu(), want) < 1e-5

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.executor.parallel_state import TPGroup
+from pagedserve.kernels import ops
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -55,7 +56,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size], identical on every rank."""
-        logits = F.linear(hidden, self.weight)
+        logits = ops.linear(hidden, self.weight)
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)[:, :self.vocab_size]
         return logits.float()

@@ -6,10 +6,10 @@ full checkpoint tensor and the layer copies out the slice this rank owns.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.executor.parallel_state import TPGroup, split_evenly
+from pagedserve.kernels import ops
 
 
 def copy_weight(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -43,7 +43,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -138,6 +138,6 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return ops.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(ops.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
