@@ -55,10 +55,7 @@ class CudaGraphRunner:
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured size that serves a decode-only step of num_seqs rows, or None (run eagerly)."""
-        for size in self.sizes:
-            if size >= num_seqs:
-                return size if size in self.graphs else None
-        return None
+        return next((size for size in self.sizes if size >= num_seqs), None)
 
     def replay(self, size: int) -> torch.Tensor:
         self.graphs[size].replay()
