@@ -101,7 +101,9 @@ class MultiProcExecutor(Executor):
                 return
             died = [rank for fd, rank in sentinels.items() if fd in events]
             if died:
-                self._mark_dead(f"worker rank {died[0]} died (exit code {self.procs[died[0]].exitcode})")
+                proc = self.procs[died[0]]
+                proc.join(1.0)      # its sentinel fires as it exits: reap it, for the exit code
+                self._mark_dead(f"worker rank {died[0]} died (exit code {proc.exitcode})")
                 return
             watch.drain()
             silent = watch.silent_rank()
