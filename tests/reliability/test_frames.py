@@ -11,6 +11,7 @@ import pathlib
 import pickle
 import random
 import re
+import stat
 import time
 import uuid
 
@@ -230,6 +231,9 @@ def test_worker_channels_drop_bad_frames(tiny_llama_dir, capfd, caplog):
                 tokens += [t for o in core.step().outputs for t in o.new_token_ids]
             return tokens
         before = run("a")
+        # What keeps other users off these sockets: folders only their owner may enter.
+        for root in (executor.paths.root, executor.writer.paths.root):
+            assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
         ctx = zmq.Context.instance()
         pushes = [ctx.socket(zmq.PUSH) for _ in range(2)]
         for sock, bound in zip(pushes, (executor.responses, executor.heartbeats)):
