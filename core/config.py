@@ -75,6 +75,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     # "uni" (in-process) | "mp" (one process per rank) | "torchrun" (ranks started by torchrun)
     distributed_executor_backend: str = "uni"
+    # A worker process whose heartbeat thread is silent this long is hung (or SIGSTOPped): the engine
+    # fails. The beat comes from its own thread, so a long step does not count against it.
+    worker_heartbeat_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     enforce_eager: bool = False
+    worker_heartbeat_timeout: float = 30.0
 
     def create_engine_config(self) -> EngineConfig:
         self._validate()
@@ -134,7 +138,8 @@ class EngineArgs:
             policy=self.scheduling_policy, enable_chunked_prefill=self.enable_chunked_prefill)
         tp = self.tensor_parallel_size
         backend = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
-        parallel = ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend)
+        parallel = ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend,
+                                  worker_heartbeat_timeout_s=float(self.worker_heartbeat_timeout))
         _check_parallel(parallel, model)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler, parallel=parallel,
                             source_args=dataclasses.asdict(self))
@@ -151,6 +156,9 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        timeout = self.worker_heartbeat_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"worker_heartbeat_timeout must be a positive number of seconds, got {timeout!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):

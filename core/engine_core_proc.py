@@ -20,17 +20,21 @@ import zmq
 from pagedserve.core.config import EngineArgs
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.core.process_utils import describe_exception, setup_child_process
+from pagedserve.core.throttled_log import ThrottledLog
 from pagedserve.ipc.messages import (AbortRequests, EngineCoreInput, EngineCoreOutput, EngineCoreOutputs,
                                      EngineCoreRequest, EngineReady, EngineStartupFailed, UtilityCall,
                                      UtilityResult)
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
-from pagedserve.ipc.sockets import make_socket
+from pagedserve.ipc.sockets import IPC_ROOT_ENV, make_socket
 
 logger = logging.getLogger(__name__)
 
 # Utility methods a client may call by name; nothing else is reachable.
 UTILITY_METHODS = ("ping", "reset_prefix_cache", "get_stats", "get_engine_args")
 _POLL_MS = 100
+# Bigger frames are refused by ZeroMQ before they are buffered (the peer is disconnected); a request at
+# any max_model_len this engine serves is far smaller.
+MAX_INPUT_FRAME_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +53,12 @@ def engine_args_from_json(data: bytes) -> EngineArgs:
 
 
 def run_engine_core(args_json: bytes, addresses: CoreAddresses, token: str, parent_pid: int,
-                    log_level: int = logging.INFO) -> None:
-    """Entry point of the engine core process."""
+                    log_level: int = logging.INFO, ipc_root: str | None = None) -> None:
+    """Entry point of the engine core process. ipc_root: the folder this core's ipc folders go in."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
     setup_child_process("ps-engine-core", parent_pid)
+    if ipc_root is not None:
+        os.environ[IPC_ROOT_ENV] = ipc_root
     ctx = zmq.Context()
     handshake = make_socket(ctx, addresses.handshake, zmq.PUSH, bind=False)
     encoder = MsgpackEncoder()
@@ -85,8 +91,10 @@ class EngineCoreProc:
         self.owner: dict[str, bytes] = {}          # request id -> client identity
         self.clients: set[bytes] = set()
         self._stop = threading.Event()
+        self._bad_input_log = ThrottledLog(logger)
         # Bind before the handshake goes out, so clients can connect as soon as they hear "ready".
-        self.input_socket = make_socket(ctx, addresses.input, zmq.ROUTER, bind=True)
+        self.input_socket = make_socket(ctx, addresses.input, zmq.ROUTER, bind=True,
+                                        max_msg_bytes=MAX_INPUT_FRAME_BYTES)
         self.output_socket = make_socket(ctx, addresses.output, zmq.ROUTER, bind=True)
         signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
         signal.signal(signal.SIGINT, lambda *_: self._stop.set())
@@ -203,14 +211,20 @@ class EngineCoreProc:
             if not poller.poll(_POLL_MS):
                 continue
             frames = self.input_socket.recv_multipart(copy=False)
-            if len(frames) < 3 or not hmac.compare_digest(frames[1].bytes, self._token):
-                logger.warning("dropped a message with a missing or wrong engine token")
+            # Peers may be hostile: every drop is logged, but throttled, so a flood cannot flood the log.
+            if len(frames) < 3:
+                self._bad_input_log.log("frames", "dropped a message of %d frame(s): a client sends the token "
+                                        "and then the message", len(frames) - 1)
+                continue
+            if not hmac.compare_digest(frames[1].bytes, self._token):
+                self._bad_input_log.log("token", "dropped a message with a wrong engine token")
                 continue
             client = frames[0].bytes
             try:
                 msg = decoder.decode([f.buffer for f in frames[2:]])
             except Exception as exc:   # hostile or corrupt frames must not take the core down
-                logger.warning("dropped an undecodable message from a client: %s", type(exc).__name__)
+                self._bad_input_log.log("decode", "dropped an undecodable message from a client: %s: %s",
+                                        type(exc).__name__, str(exc)[:200])
                 continue
             if client not in self.clients:
                 self.clients.add(client)

@@ -13,7 +13,9 @@ import msgspec
 import zmq
 
 from pagedserve.core.config import EngineConfig
+from pagedserve.core.throttled_log import ThrottledLog
 from pagedserve.executor.executor import Executor
+from pagedserve.executor.heartbeat import HeartbeatWatch, heartbeat_interval
 from pagedserve.executor.worker_proc import run_worker
 from pagedserve.ipc.broadcast import BroadcastWriter
 from pagedserve.ipc.messages import (ExecuteModel, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerResponse,
@@ -26,6 +28,8 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_STARTUP_TIMEOUT", "900"))
 MAX_MESSAGE_BYTES = 64 << 20
 _POLL_MS = 50
+_MONITOR_TICK_S = 0.25      # the most the monitor sleeps: bounds detection slack and shutdown
+_bad_response_log = ThrottledLog(logger)
 
 
 class WorkerDiedError(RuntimeError):
@@ -39,6 +43,8 @@ class MultiProcExecutor(Executor):
         self.paths = IpcPaths("exec")
         self.ctx = zmq.Context()
         self.responses = make_socket(self.ctx, self.paths.new("resp"), zmq.PULL, bind=True)
+        self.heartbeats = make_socket(self.ctx, self.paths.new("hb"), zmq.PULL, bind=True)
+        self.heartbeat_timeout_s = config.parallel.worker_heartbeat_timeout_s
         self.writer = BroadcastWriter(num_readers=self.world_size, max_message_bytes=MAX_MESSAGE_BYTES)
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder(WorkerResponse)
@@ -50,7 +56,8 @@ class MultiProcExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        threading.Thread(target=self._monitor, name="worker-monitor", daemon=True).start()
+        self._monitor_thread = threading.Thread(target=self._monitor, name="worker-monitor", daemon=True)
+        self._monitor_thread.start()
 
     def _start_workers(self) -> None:
         spawn = multiprocessing.get_context("spawn")
@@ -58,10 +65,11 @@ class MultiProcExecutor(Executor):
         args_json = msgspec.json.encode(self.config.source_args)
         handle = msgspec.msgpack.encode(self.writer.handle())
         level = logging.getLogger().getEffectiveLevel()
+        heartbeat = (self.heartbeats.getsockopt_string(zmq.LAST_ENDPOINT), heartbeat_interval(self.heartbeat_timeout_s))
         for rank in range(self.world_size):
             proc = spawn.Process(target=run_worker, name=f"pagedserve-worker-{rank}", args=(
                 args_json, rank, init_method, handle, self.responses.getsockopt_string(zmq.LAST_ENDPOINT),
-                os.getpid(), level))
+                os.getpid(), level, heartbeat))
             proc.start()
             self.procs.append(proc)
         ready: set[int] = set()
@@ -79,13 +87,34 @@ class MultiProcExecutor(Executor):
     # ---------------------------------------------------------------- health
 
     def _monitor(self) -> None:
+        """Watch every rank for death (its process sentinel) and for silence (its heartbeat)."""
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
-        died = multiprocessing.connection.wait(list(sentinels))
-        if self._closing:
-            return
-        rank = sentinels[died[0]]
-        self.dead = f"worker rank {rank} died (exit code {self.procs[rank].exitcode})"
-        logger.error(self.dead)
+        watch = HeartbeatWatch(self.heartbeats, self.world_size, self.heartbeat_timeout_s)
+        poller = zmq.Poller()
+        poller.register(self.heartbeats, zmq.POLLIN)
+        for fd in sentinels:
+            poller.register(fd, zmq.POLLIN)
+        while not self._closing and self.dead is None:
+            wait_s = min(_MONITOR_TICK_S, max(0.0, watch.seconds_left()))
+            events = dict(poller.poll(int(wait_s * 1000) + 1))
+            if self._closing:
+                return
+            died = [rank for fd, rank in sentinels.items() if fd in events]
+            if died:
+                proc = self.procs[died[0]]
+                proc.join(1.0)      # its sentinel fires as it exits: reap it, for the exit code
+                self._mark_dead(f"worker rank {died[0]} died (exit code {proc.exitcode})")
+                return
+            watch.drain()
+            silent = watch.silent_rank()
+            if silent is not None:
+                rank, seconds = silent
+                self._mark_dead(f"worker rank {rank} stopped responding: no heartbeat for {seconds:.1f} s "
+                                f"(hung or stopped; worker_heartbeat_timeout={self.heartbeat_timeout_s:g} s)")
+
+    def _mark_dead(self, reason: str) -> None:
+        self.dead = reason
+        logger.error(reason)
 
     def check_health(self) -> None:
         if self.dead is not None:
@@ -103,7 +132,12 @@ class MultiProcExecutor(Executor):
 
     def _recv_response(self) -> WorkerResponse | None:
         if self.responses.poll(_POLL_MS):
-            return self.decoder.decode(self.responses.recv_multipart(copy=False))
+            frames = self.responses.recv_multipart(copy=False)
+            try:
+                return self.decoder.decode(frames)
+            except Exception as exc:   # the socket file is private, but a bad frame must not kill the engine
+                _bad_response_log.log("decode", "dropped an undecodable worker response: %s", type(exc).__name__)
+                return None
         self.check_health()
         return None
 
@@ -136,23 +170,30 @@ class MultiProcExecutor(Executor):
             if resp.kind == "output" and resp.output is not None:
                 return resp.output
 
+    def _stop_workers_gracefully(self) -> None:
+        try:
+            self.writer.broadcast(self.encoder.encode(WorkerShutdown()), timeout_s=2.0)
+        except Exception:   # a stuck worker is killed by the caller anyway
+            return
+        deadline = time.monotonic() + 5
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+
     def shutdown(self) -> None:
         if self._closing:
             return
         self._closing = True
-        try:
-            if self.dead is None and all(p.is_alive() for p in self.procs):
-                self.writer.broadcast(self.encoder.encode(WorkerShutdown()), timeout_s=2.0)
-        except Exception:   # a stuck or dead worker is killed below anyway
-            pass
-        deadline = time.monotonic() + 5
-        for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self.procs:
+        if self.dead is None and all(p.is_alive() for p in self.procs):
+            self._stop_workers_gracefully()
+        for proc in self.procs:     # SIGKILL ends a SIGSTOPped process too
             if proc.is_alive():
                 proc.kill()
-                proc.join(5)
+        for proc in self.procs:
+            proc.join(5)
+        if hasattr(self, "_monitor_thread"):
+            self._monitor_thread.join(timeout=2)
         self.writer.close()
         self.responses.close(linger=0)
+        self.heartbeats.close(linger=0)
         self.ctx.term()
         self.paths.close()

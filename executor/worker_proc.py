@@ -9,6 +9,8 @@ import zmq
 
 from pagedserve.core.config import EngineArgs
 from pagedserve.core.process_utils import describe_exception, setup_child_process
+from pagedserve.core.throttled_log import ThrottledLog
+from pagedserve.executor.heartbeat import HeartbeatSender
 from pagedserve.executor.worker import Worker
 from pagedserve.ipc.broadcast import BroadcastReader
 from pagedserve.ipc.messages import ExecuteModel, WorkerCall, WorkerInput, WorkerResponse, WorkerShutdown
@@ -19,13 +21,17 @@ logger = logging.getLogger(__name__)
 
 # What the executor may call by name on a worker; nothing else is reachable.
 WORKER_METHODS = ("determine_num_blocks", "initialize_cache", "ping")
+_bad_frame_log = ThrottledLog(logger)
 
 
 def run_worker(args_json: bytes, rank: int, init_method: str, broadcast_handle: bytes, response_addr: str,
-               parent_pid: int, log_level: int = logging.INFO) -> None:
+               parent_pid: int, log_level: int = logging.INFO, heartbeat: tuple[str, float] | None = None) -> None:
+    """heartbeat: (address, interval in s) of the executor's heartbeat socket."""
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [worker {rank}] %(name)s: %(message)s")
     setup_child_process(f"ps-worker-{rank}", parent_pid, signal.SIGKILL)
     ctx = zmq.Context()
+    if heartbeat is not None:
+        HeartbeatSender(ctx, heartbeat[0], rank, heartbeat[1])
     sock = make_socket(ctx, response_addr, zmq.PUSH, bind=False)
     encoder = MsgpackEncoder()
 
@@ -56,7 +62,13 @@ def _serve(worker: Worker, reader: BroadcastReader, reply, rank: int) -> int:
             frames = reader.recv(timeout_s=1.0)
         except TimeoutError:
             continue
-        msg = decoder.decode(frames)
+        try:
+            msg = decoder.decode(frames)
+        except Exception as exc:
+            # Only the engine core writes to this socket; dropping a bad frame keeps the rank serving.
+            _bad_frame_log.log("decode", "worker %d dropped an undecodable broadcast message: %s: %s", rank,
+                               type(exc).__name__, str(exc)[:200])
+            continue
         if isinstance(msg, WorkerShutdown):
             return 0
         try:

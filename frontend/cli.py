@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import stat
 import sys
 
@@ -39,6 +40,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-token", default=os.environ.get("PAGEDSERVE_ENGINE_TOKEN"),
                    help="secret clients must present to the engine core (or env PAGEDSERVE_ENGINE_TOKEN)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    p.add_argument("--worker-heartbeat-timeout", type=float, default=30.0,
+                   help="seconds a worker process may go without a heartbeat before the engine fails (TP > 1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -52,7 +55,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         gpu_memory_utilization=ns.gpu_memory_utilization, enable_prefix_caching=ns.enable_prefix_caching,
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
         scheduling_policy=ns.scheduling_policy, tensor_parallel_size=ns.tensor_parallel_size,
-        enforce_eager=ns.enforce_eager)
+        enforce_eager=ns.enforce_eager,
+        worker_heartbeat_timeout=ns.worker_heartbeat_timeout)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,6 +80,9 @@ def serve(args: EngineArgs, ns: argparse.Namespace, level: int) -> None:
     from pagedserve.frontend.async_client import AsyncEngineClient
     from pagedserve.frontend.core_client import AsyncMPClient, CoreProcess
 
+    # uvicorn re-raises the SIGTERM it handled once it has shut down; as an exception it unwinds through
+    # the finally below (SIGINT already does), so the engine core and its ipc folder go too.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     proc = CoreProcess(args, level, address=ns.engine_address, token=ns.engine_token)
     engine = AsyncEngineClient(args.create_engine_config(), AsyncMPClient(proc.addresses, proc.token, proc))
     _announce(proc, bool(ns.engine_token))
@@ -88,6 +95,10 @@ def serve(args: EngineArgs, ns: argparse.Namespace, level: int) -> None:
     finally:
         engine.shutdown()
         logger.info("engine-serve stopped")
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _announce(proc, token_given: bool) -> None:

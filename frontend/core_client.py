@@ -18,7 +18,7 @@ from pagedserve.core.engine_core_proc import CoreAddresses, engine_args_to_json,
 from pagedserve.ipc.messages import (AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineHandshake,
                                      EngineReady, EngineStartupFailed, UtilityCall)
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
-from pagedserve.ipc.sockets import IpcPaths, make_socket
+from pagedserve.ipc.sockets import IpcPaths, cleanup_ipc_path, make_socket
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class CoreProcess:
         spawn = multiprocessing.get_context("spawn")
         self.proc = spawn.Process(target=run_engine_core, name="pagedserve-engine-core",
                                   args=(engine_args_to_json(engine_args), self.addresses, self.token,
-                                        os.getpid(), log_level))
+                                        os.getpid(), log_level, self.paths.root))
         self.proc.start()
         try:
             self.ready = self._wait_ready(handshake)
@@ -93,6 +93,9 @@ class CoreProcess:
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(5)
+        # A core that was killed could not unbind: its sockets' files go here, its workers' with paths.
+        cleanup_ipc_path(self.addresses.input)
+        cleanup_ipc_path(self.addresses.output)
         self.paths.close()
 
 

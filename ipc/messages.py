@@ -144,6 +144,11 @@ class WorkerShutdown(msgspec.Struct, array_like=True, tag="shutdown"):
 WorkerInput = Union[ExecuteModel, WorkerCall, WorkerShutdown]
 
 
+class WorkerHeartbeat(msgspec.Struct, array_like=True):
+    """Sent by a worker's heartbeat thread every interval, on a socket of its own."""
+    rank: int
+
+
 class WorkerResponse(msgspec.Struct, array_like=True, omit_defaults=True):
     rank: int
     kind: str                                   # "ready" | "result" | "output" | "error"

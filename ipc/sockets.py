@@ -9,13 +9,20 @@ import uuid
 
 import zmq
 
+# Set by the engine core process for itself and its workers: their ipc folders nest inside the folder of
+# the process that started the core, so removing that one folder removes them even after a SIGKILL.
+IPC_ROOT_ENV = "PAGEDSERVE_IPC_ROOT"
+
 
 class IpcPaths:
     """A private temp folder holding one engine instance's ipc socket files; removed on close."""
 
     def __init__(self, prefix: str) -> None:
-        # Short: unix socket paths are limited to 107 bytes.
-        self.root = tempfile.mkdtemp(prefix=f"ps-{prefix}-{uuid.uuid4().hex[:6]}-")
+        # Short: unix socket paths are limited to 107 bytes. mkdtemp makes it 0700: only this user connects.
+        parent = os.environ.get(IPC_ROOT_ENV)
+        if parent is not None and not os.path.isdir(parent):
+            parent = None
+        self.root = tempfile.mkdtemp(prefix=f"ps-{prefix}-{uuid.uuid4().hex[:6]}-", dir=parent)
 
     def new(self, name: str) -> str:
         return f"ipc://{os.path.join(self.root, name)}"
@@ -37,9 +44,11 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
 
 
 def make_socket(ctx: zmq.Context, path: str, socket_type: int, bind: bool, *, identity: bytes | None = None,
-                linger: int = 0, hwm: int = 0) -> zmq.Socket:
-    """hwm=0: unbounded queues, the default for request/response paths whose callers bound them."""
+                linger: int = 0, hwm: int = 0, max_msg_bytes: int = -1) -> zmq.Socket:
+    """hwm=0: unbounded queues, the default for request/response paths whose callers bound them.
+    max_msg_bytes: a peer sending a bigger frame is disconnected (-1: no limit)."""
     sock = ctx.socket(socket_type)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
     sock.setsockopt(zmq.LINGER, linger)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)

@@ -1,0 +1,87 @@
+"""Worker liveness beyond process death: every worker process beats, the executor watches the beats.
+
+A SIGSTOPped or wedged worker is still alive, so its process sentinel never fires. Its heartbeat comes
+from a thread of its own: a long step keeps beating (the GIL is released in torch ops and switched every
+few ms otherwise), a stopped process does not.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import zmq
+
+from pagedserve.core.throttled_log import ThrottledLog
+from pagedserve.ipc.messages import WorkerHeartbeat
+from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
+from pagedserve.ipc.sockets import make_socket
+
+logger = logging.getLogger(__name__)
+_bad_beat_log = ThrottledLog(logger)
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    """Several beats per timeout, so one late beat is never mistaken for a hang."""
+    return min(1.0, max(0.05, timeout_s / 5))
+
+
+class HeartbeatSender:
+    """Worker side: a daemon thread that sends WorkerHeartbeat(rank) every interval_s."""
+
+    def __init__(self, ctx: zmq.Context, address: str, rank: int, interval_s: float) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ctx, address, rank, interval_s),
+                                        name="worker-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self, ctx: zmq.Context, address: str, rank: int, interval_s: float) -> None:
+        # A few queued beats at most: a stalled core needs to know a worker is alive, not how often.
+        sock = make_socket(ctx, address, zmq.PUSH, bind=False, hwm=4)
+        frames = MsgpackEncoder().encode(WorkerHeartbeat(rank))
+        try:
+            while not self._stop.is_set():
+                try:
+                    sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                self._stop.wait(interval_s)
+        finally:
+            sock.close(linger=0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+class HeartbeatWatch:
+    """Executor side: when each rank last beat; which rank, if any, is past the timeout."""
+
+    def __init__(self, sock: zmq.Socket, world_size: int, timeout_s: float) -> None:
+        self.sock = sock
+        self.timeout_s = timeout_s
+        self.decoder = MsgpackDecoder(WorkerHeartbeat)
+        self.last = [time.monotonic()] * world_size
+
+    def drain(self) -> None:
+        """Take every beat waiting on the socket (beats carry no timestamp: arrival is what counts)."""
+        now = time.monotonic()
+        while self.sock.poll(0):
+            frames = self.sock.recv_multipart(copy=False)
+            try:
+                rank = self.decoder.decode(frames).rank
+            except Exception as exc:   # the socket file is private, but a bad frame must not stop the watch
+                _bad_beat_log.log("decode", "dropped an undecodable heartbeat frame: %s", type(exc).__name__)
+                continue
+            if 0 <= rank < len(self.last):
+                self.last[rank] = now
+
+    def seconds_left(self) -> float:
+        return min(self.last) + self.timeout_s - time.monotonic()
+
+    def silent_rank(self) -> tuple[int, float] | None:
+        """(rank, seconds since its last beat) for the longest-silent rank past the timeout, else None."""
+        now = time.monotonic()
+        rank = min(range(len(self.last)), key=self.last.__getitem__)
+        silent = now - self.last[rank]
+        return (rank, silent) if silent > self.timeout_s else None
