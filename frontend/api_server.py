@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,7 @@ import pagedserve
 from pagedserve.core.errors import EngineOverloadedError
 from pagedserve.frontend.admission import Admission, release_after
 from pagedserve.frontend.async_client import AsyncEngineClient
-from pagedserve.frontend.body_limit import BodyLimitMiddleware
+from pagedserve.frontend.http_guards import ApiKeyMiddleware, BodyLimitMiddleware
 from pagedserve.frontend.core_client import EngineDeadError
 from pagedserve.frontend.errors import classify, error_payload
 from pagedserve.frontend.metrics import Metrics
@@ -71,15 +70,10 @@ def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     admission = Admission(engine, settings.max_concurrent_requests)
     app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
 
+    # The last added runs first: the key is checked before any of the body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if settings.api_key and request.url.path not in OPEN_PATHS:
-            auth = request.headers.get("authorization", "")
-            if not hmac.compare_digest(auth.encode(), f"Bearer {settings.api_key}".encode()):
-                return error_response(401, "invalid or missing API key", "authentication_error")
-        return await call_next(request)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=OPEN_PATHS)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
