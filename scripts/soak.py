@@ -145,6 +145,23 @@ async def run_one(client: openai.AsyncOpenAI, spec: Spec, model: str, deadline_s
 # ---------------------------------------------------------------- the server and its processes
 
 
+def make_tiny_model(path: str) -> str:
+    """A random-weight 2-layer Llama with the embedded model's tokenizer (its full vocabulary): the serving
+    machinery under many more requests than a real model allows on a small CPU."""
+    import torch
+    import transformers
+
+    from pagedserve.core.model_files import resolve_model
+    from pagedserve.frontend.tokenizer import load_tokenizer
+    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, vocab_size=49152,
+                                      max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    load_tokenizer(resolve_model(None)).save_pretrained(path)
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -318,7 +335,8 @@ def report(args: argparse.Namespace, results: list[Result], checkpoints: list[Ch
         f"`python scripts/soak.py {' '.join(sys.argv[1:])}`", "",
         f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"{platform.python_version()}, date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        f"- server: {args.url or 'engine-serve ' + ' '.join(args.server_args)}",
+        f"- server: {args.url or 'engine-serve ' + ' '.join(args.server_args)}"
+        f"{' on a random-weight tiny Llama (2 layers, hidden 64, SmolLM2 tokenizer)' if args.tiny_model else ''}",
         f"- traffic: {args.concurrency} concurrent clients (official `openai` AsyncOpenAI), completions and chat, "
         f"70% streamed, 20% n=2, 20% with a stop string, ~5% of streams hang up after 1-4 chunks, "
         f"max_tokens 1-{args.max_tokens} with ignore_eos; idle checkpoint every {args.check_every_s:.0f} s; "
@@ -352,6 +370,8 @@ def main() -> None:
     p.add_argument("--api-key", default="soak-key")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="flags for the engine-serve this script starts (must come last)")
+    p.add_argument("--tiny-model", action="store_true",
+                   help="serve a random-weight tiny Llama (default: the embedded SmolLM2 or --server-args' model)")
     p.add_argument("--minutes", type=float, default=10)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -362,7 +382,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="markdown report path (default: print)")
     args = p.parse_args()
-    proc, url = (None, args.url) if args.url else start_server(args.server_args, args.api_key)
+    server_args = list(args.server_args)
+    if args.tiny_model:
+        server_args = [make_tiny_model(tempfile.mkdtemp(prefix="soak-tiny-")), "--max-model-len", "512",
+                       *server_args]
+    proc, url = (None, args.url) if args.url else start_server(server_args, args.api_key)
     start = time.monotonic()
     try:
         results, checkpoints = asyncio.run(soak(args, url, proc.pid if proc else None))
