@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi.responses import StreamingResponse
 
 from pagedserve.frontend.async_client import AsyncEngineClient
 
@@ -41,10 +44,16 @@ class Admission:
         return leave
 
 
-async def release_after(stream: AsyncIterator[str], leave: Callable[[], None]) -> AsyncIterator[str]:
-    """Pass a response stream through, counting its request out however the stream ends."""
-    try:
-        async for chunk in stream:
-            yield chunk
-    finally:
-        leave()
+class CountedStreamingResponse(StreamingResponse):
+    """A stream that counts its request out however the response ends, even if the client left before
+    its body was started (an unstarted generator's `finally` never runs)."""
+
+    def __init__(self, content: AsyncIterator[str], leave: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._leave = leave
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._leave()

@@ -8,17 +8,17 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedserve
 from pagedserve.core.errors import EngineOverloadedError
-from pagedserve.frontend.admission import Admission, release_after
+from pagedserve.frontend.admission import Admission, CountedStreamingResponse
 from pagedserve.frontend.async_client import AsyncEngineClient
-from pagedserve.frontend.http_guards import ApiKeyMiddleware, BodyLimitMiddleware
 from pagedserve.frontend.core_client import EngineDeadError
 from pagedserve.frontend.errors import classify, error_payload
+from pagedserve.frontend.http_guards import ApiKeyMiddleware, BodyLimitMiddleware
 from pagedserve.frontend.metrics import Metrics
 from pagedserve.frontend.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           ModelCard, ModelList, TokenizeRequest)
@@ -114,7 +114,7 @@ def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
             return refuse(*refused)
         leave = admission.enter()
         if body.stream:
-            return StreamingResponse(release_after(stream(body, jobs, rid), leave), media_type="text/event-stream")
+            return CountedStreamingResponse(stream(body, jobs, rid), leave, media_type="text/event-stream")
         try:
             return JSONResponse(await run_until_disconnect(full(body, jobs, rid), request.is_disconnected))
         except asyncio.CancelledError:

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from served import ServedEngine
+from served_engine import ServedEngine
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from served import ServedEngine
+from served_engine import ServedEngine
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import soak  # noqa: E402

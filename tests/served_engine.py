@@ -1,4 +1,4 @@
-"""engine-serve as a real subprocess for the reliability tests: start, probe, measure, stop."""
+"""engine-serve as a real subprocess (tests/reliability): start, probe /metrics, measure its processes, stop."""
 from __future__ import annotations
 
 import collections
