@@ -88,6 +88,11 @@ def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, str(exc.detail), kind)
 
+    @app.exception_handler(ValueError)
+    async def on_bad_value(_: Request, exc: ValueError) -> JSONResponse:
+        # Registered for ValueError itself, so it is answered without the traceback Exception handlers log.
+        return _status_for(exc)
+
     @app.exception_handler(Exception)
     async def on_error(_: Request, exc: Exception) -> JSONResponse:
         return _status_for(exc)

@@ -95,6 +95,8 @@ class InputProcessor:
         blocks through the prefix cache."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or not -(1 << 63) <= priority < (1 << 63):
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         self.validate_length(len(prompt.prompt_token_ids), params)
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
