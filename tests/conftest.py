@@ -62,9 +62,10 @@ def tiny_serving_model(tmp_path_factory) -> str:
                            max_position_embeddings=512)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def api_server(tiny_serving_model):
-    """engine-serve with --api-key on the tiny serving model, shared by the HTTP-surface tests."""
+    """engine-serve with --api-key on the tiny serving model, for one module of HTTP-surface tests
+    (module scope: an idle server must not hold memory through the rest of the suite)."""
     from served_engine import ServedEngine
     srv = ServedEngine(tiny_serving_model, "--max-model-len", "256", "--max-num-seqs", "16")
     yield srv

@@ -28,7 +28,7 @@ class ServedEngine:
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         cmd = [sys.executable, "-m", "pagedserve.frontend.cli", model, "--port", str(self.port),
-               "--dtype", "float32", "--log-level", "warning", *extra]
+               "--dtype", "float32", "--log-level", "warning", "--kv-cache-memory", "0.25", *extra]
         if api_key:
             cmd += ["--api-key", api_key]
         # A file, not a pipe: nobody reads the log while the server runs, and a full pipe would block it.
