@@ -68,6 +68,8 @@ class SchedulerConfig:
     max_model_len: int = 8192
     policy: str = "fcfs"             # "fcfs" | "priority"
     enable_chunked_prefill: bool = True
+    # New requests beyond this many waiting are refused (EngineOverloadedError); None = unbounded.
+    max_waiting_requests: int | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
+    max_waiting_requests: int | None = None
     scheduling_policy: str = "fcfs"
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
@@ -135,7 +138,8 @@ class EngineArgs:
                              "when chunked prefill is disabled")
         scheduler = SchedulerConfig(
             max_num_batched_tokens=batched, max_num_seqs=self.max_num_seqs, max_model_len=max_len,
-            policy=self.scheduling_policy, enable_chunked_prefill=self.enable_chunked_prefill)
+            policy=self.scheduling_policy, enable_chunked_prefill=self.enable_chunked_prefill,
+            max_waiting_requests=self.max_waiting_requests)
         tp = self.tensor_parallel_size
         backend = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
         parallel = ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend,
@@ -148,7 +152,7 @@ class EngineArgs:
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
-        for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override"):
+        for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override", "max_waiting_requests"):
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value)

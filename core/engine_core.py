@@ -6,6 +6,7 @@ import time
 
 from pagedserve.core.block_hash import BlockHasher
 from pagedserve.core.config import EngineConfig
+from pagedserve.core.errors import EngineOverloadedError
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
@@ -47,8 +48,13 @@ class EngineCore:
     # ---------------------------------------------------------------- requests
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Validate and queue a request; ValueError (naming the field) if it can never run."""
+        """Validate and queue a request; ValueError (naming the field) if it can never run,
+        EngineOverloadedError if the waiting queue is full."""
         max_tokens = self._validate(req)
+        bound = self.config.scheduler.max_waiting_requests
+        if bound is not None and len(self.scheduler.waiting) >= bound:
+            raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting "
+                                        f"(max_waiting_requests={bound}); retry later")
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params, self.eos_token_ids,
                           max_tokens, self.block_hasher, req.arrival_time, req.priority, req.client_index)
         self.scheduler.add_request(request)

@@ -7,6 +7,7 @@ from typing import Optional, Union
 import msgspec
 
 _GREEDY_EPS = 1e-5
+_INT64_MIN, _INT64_MAX, _UINT64_MAX = -(1 << 63), (1 << 63) - 1, (1 << 64) - 1
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -69,10 +70,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
                f"must be an integer in [0, 20], got {self.logprobs!r}")
-        _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        # Integers cross process boundaries as msgpack 64-bit ints, and seed a torch.Generator.
+        _check(self.seed is None or (_is_int(self.seed) and _INT64_MIN <= self.seed <= _UINT64_MAX), "seed",
+               f"must be a 64-bit integer, got {self.seed!r}")
+        _check(self.top_k <= _INT64_MAX, "top_k", f"must be a 64-bit integer, got {self.top_k!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "must be non-negative integers")
+        _check(all(_is_int(t) and 0 <= t <= _INT64_MAX for t in self.stop_token_ids), "stop_token_ids",
+               "must be non-negative 64-bit integers")
 
     @property
     def is_greedy(self) -> bool:

@@ -2,19 +2,23 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedserve
+from pagedserve.core.errors import EngineOverloadedError
+from pagedserve.frontend.admission import Admission, CountedStreamingResponse
 from pagedserve.frontend.async_client import AsyncEngineClient
 from pagedserve.frontend.core_client import EngineDeadError
+from pagedserve.frontend.errors import classify, error_payload
+from pagedserve.frontend.http_guards import ApiKeyMiddleware, BodyLimitMiddleware
 from pagedserve.frontend.metrics import Metrics
 from pagedserve.frontend.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           ModelCard, ModelList, TokenizeRequest)
@@ -23,27 +27,39 @@ from pagedserve.frontend.serving import OpenAIServing, run_until_disconnect
 logger = logging.getLogger(__name__)
 
 
+# Paths that answer without the API key (probes, and the API's own description); every other path, including
+# any route added later, requires it.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect",
+                        "/redoc"})
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     served_model_name: str
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
+    max_concurrent_requests: int | None = None     # generation requests in flight here; None = unbounded
+    retry_after_s: int = 1                         # the Retry-After of a 429
 
 
-def error_response(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": kind, "param": param, "code": status}})
+def error_response(status: int, message: str, kind: str, param: str | None = None,
+                   retry_after_s: int | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return JSONResponse(status_code=status, content=error_payload(status, message, kind, param), headers=headers)
 
 
-def _status_for(exc: BaseException) -> JSONResponse:
-    if isinstance(exc, EngineDeadError):
-        return error_response(503, f"the engine is not available: {exc}", "service_unavailable")
-    if isinstance(exc, ValueError):
+def _status_for(exc: BaseException, retry_after_s: int = 1) -> JSONResponse:
+    status, kind = classify(exc)
+    if status == 429:
+        return error_response(429, str(exc), kind, retry_after_s=retry_after_s)
+    if status == 503:
+        return error_response(503, f"the engine is not available: {exc}", kind)
+    if status == 400:
         message = str(exc)
         param = message.split(" ", 1)[0].rstrip(":") if message else None
-        return error_response(400, message, "invalid_request_error", param)
-    logger.exception("internal error", exc_info=exc)
-    return error_response(500, "internal server error", "internal_server_error")
+        return error_response(400, message, kind, param)
+    logger.error("internal error", exc_info=exc)
+    return error_response(500, "internal server error", kind)
 
 
 def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
@@ -51,19 +67,13 @@ def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     serving = OpenAIServing(engine, settings.served_model_name)
     metrics = Metrics(settings.served_model_name)
     engine.finished_hooks.append(metrics.observe_finished)
-    app.state.engine, app.state.metrics = engine, metrics
+    admission = Admission(engine, settings.max_concurrent_requests)
+    app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            return error_response(413, f"request body exceeds {settings.max_body_bytes} bytes",
-                                  "invalid_request_error")
-        if settings.api_key and request.url.path.startswith("/v1"):
-            auth = request.headers.get("authorization", "")
-            if not hmac.compare_digest(auth.encode(), f"Bearer {settings.api_key}".encode()):
-                return error_response(401, "invalid or missing API key", "authentication_error")
-        return await call_next(request)
+    # The last added runs first: the key is checked before any of the body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=OPEN_PATHS)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -71,6 +81,17 @@ def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
         return error_response(400, message, "invalid_request_error", loc or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Routing and body-parsing errors (404, 405, undecodable body) get OpenAI's error shape too.
+        kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(ValueError)
+    async def on_bad_value(_: Request, exc: ValueError) -> JSONResponse:
+        # Registered for ValueError itself, so it is answered without the traceback Exception handlers log.
+        return _status_for(exc)
 
     @app.exception_handler(Exception)
     async def on_error(_: Request, exc: Exception) -> JSONResponse:
@@ -81,6 +102,10 @@ def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
             return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         return None
 
+    def refuse(reason: str, message: str) -> JSONResponse:
+        metrics.rejected.labels(settings.served_model_name, reason).inc()
+        return error_response(429, message, "overloaded_error", retry_after_s=settings.retry_after_s)
+
     async def respond(request: Request, body: Any, make_jobs, full, stream) -> Response:
         if (bad := check_model(body.model)) is not None:
             return bad
@@ -90,14 +115,21 @@ def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
             return _status_for(ValueError(str(exc)))
         if engine.is_dead:
             return _status_for(EngineDeadError(engine.client.dead or "engine is dead"))
+        if (refused := admission.refusal()) is not None:
+            return refuse(*refused)
+        leave = admission.enter()
         if body.stream:
-            return StreamingResponse(stream(body, jobs, rid), media_type="text/event-stream")
+            return CountedStreamingResponse(stream(body, jobs, rid), leave, media_type="text/event-stream")
         try:
             return JSONResponse(await run_until_disconnect(full(body, jobs, rid), request.is_disconnected))
         except asyncio.CancelledError:
             return Response(status_code=499)
+        except EngineOverloadedError as exc:
+            return refuse("queue", str(exc))
         except Exception as exc:
-            return _status_for(exc)
+            return _status_for(exc, settings.retry_after_s)
+        finally:
+            leave()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

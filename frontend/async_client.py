@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from pagedserve.core.config import EngineArgs, EngineConfig
+from pagedserve.core.errors import OVERLOADED_PREFIX, EngineOverloadedError, is_overloaded
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.frontend.core_client import AsyncMPClient, CoreProcess, EngineDeadError
 from pagedserve.frontend.input_processor import InputProcessor, ProcessedPrompt, PromptType
@@ -145,7 +146,8 @@ class AsyncEngineClient:
                             self._run_hooks(out)
                         queue = self._queues.get(out.request_id)
                         if queue is not None:
-                            queue.put_nowait(out if not out.error else RuntimeError(out.error))
+                            queue.put_nowait(out if not out.error else
+                                             _request_error(out.error, outputs.engine_dead is not None))
                     if processed.reqs_to_abort:
                         await self.client.abort_requests(processed.reqs_to_abort)
                     await asyncio.sleep(0)
@@ -207,6 +209,16 @@ class AsyncEngineClient:
             self._handler.cancel()
         self._fail_all(EngineDeadError("the client was shut down"))
         self.client.close()
+
+
+def _request_error(message: str, engine_dead: bool) -> Exception:
+    """The exception a caller sees for a request the engine core ended with an error: the engine died
+    (EngineDeadError), its queue is full (EngineOverloadedError) or it refused the request (ValueError)."""
+    if engine_dead:
+        return EngineDeadError(message)
+    if is_overloaded(message):
+        return EngineOverloadedError(message[len(OVERLOADED_PREFIX):])
+    return ValueError(message)
 
 
 async def _first_answer(client: AsyncMPClient, method: str, timeout_s: float) -> Any:

@@ -33,15 +33,20 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (or env PAGEDSERVE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, /version and the "
+                        "API description (or env PAGEDSERVE_API_KEY)")
     p.add_argument("--engine-address", default=None,
                    help="where AsyncEngineClient.connect() reaches the engine core: ipc://PATH (default: a "
                         "private path) or tcp://HOST:PORT (needs a token; uses PORT and PORT+1)")
     p.add_argument("--engine-token", default=os.environ.get("PAGEDSERVE_ENGINE_TOKEN"),
                    help="secret clients must present to the engine core (or env PAGEDSERVE_ENGINE_TOKEN)")
-    p.add_argument("--max-body-bytes", type=int, default=8 << 20)
     p.add_argument("--worker-heartbeat-timeout", type=float, default=30.0,
                    help="seconds a worker process may go without a heartbeat before the engine fails (TP > 1)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get HTTP 413")
+    p.add_argument("--max-waiting-requests", type=int, default=4096,
+                   help="new requests beyond this many waiting in the engine core (all clients) get HTTP 429")
+    p.add_argument("--max-concurrent-requests", type=int, default=None,
+                   help="generation requests this server serves at once; beyond that HTTP 429 (default: no bound)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -55,8 +60,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         gpu_memory_utilization=ns.gpu_memory_utilization, enable_prefix_caching=ns.enable_prefix_caching,
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
         scheduling_policy=ns.scheduling_policy, tensor_parallel_size=ns.tensor_parallel_size,
-        enforce_eager=ns.enforce_eager,
-        worker_heartbeat_timeout=ns.worker_heartbeat_timeout)
+        enforce_eager=ns.enforce_eager, worker_heartbeat_timeout=ns.worker_heartbeat_timeout,
+        max_waiting_requests=ns.max_waiting_requests)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ns.engine_address and ns.engine_address.startswith("tcp://") and not ns.engine_token:
         sys.exit("engine-serve: a tcp:// --engine-address requires --engine-token (or PAGEDSERVE_ENGINE_TOKEN)")
+    if ns.max_concurrent_requests is not None and ns.max_concurrent_requests <= 0:
+        sys.exit("engine-serve: --max-concurrent-requests must be a positive integer")
     try:
         args = engine_args_from(ns)
         args.create_engine_config()          # fail fast, in this process, on bad flags or model paths
@@ -87,7 +94,8 @@ def serve(args: EngineArgs, ns: argparse.Namespace, level: int) -> None:
     engine = AsyncEngineClient(args.create_engine_config(), AsyncMPClient(proc.addresses, proc.token, proc))
     _announce(proc, bool(ns.engine_token))
     settings = ServerSettings(served_model_name=engine.model_config.served_model_name, api_key=ns.api_key,
-                              max_body_bytes=ns.max_body_bytes)
+                              max_body_bytes=ns.max_body_bytes,
+                              max_concurrent_requests=ns.max_concurrent_requests)
     app = build_app(engine, settings)
     try:
         uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, loop="uvloop",

@@ -1,6 +1,7 @@
 """Prompts in, EngineCoreRequests out: tokenization, chat templates, validation, n-way fan-out."""
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any, Union
@@ -23,6 +24,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.vocab_size
+        self._reserved: set[str] | None = None
 
     def parse_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         if isinstance(prompt, str):
@@ -46,15 +48,35 @@ class InputProcessor:
         return list(ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, **kwargs: Any) -> ProcessedPrompt:
+                            chat_template: str | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
+        """Render and tokenize; template_kwargs are extra template variables (a request's
+        chat_template_kwargs), never arguments of the call."""
+        kwargs = dict(template_kwargs or {})
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
         if getattr(self.tokenizer, "chat_template", None) is None and chat_template is None:
             raise ValueError("messages: this model's tokenizer has no chat template; pass chat_template")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
-                                                  add_generation_prompt=add_generation_prompt, **kwargs)
+        # Template variables only: a request must not swap the template, or change what the call returns.
+        reserved = sorted(set(kwargs) & self._reserved_template_args())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set per request")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
+                                                      add_generation_prompt=add_generation_prompt, **kwargs)
+        except Exception as exc:   # the template is fixed, so a failure to render comes from the messages
+            raise ValueError(f"messages: the chat template cannot render them: {type(exc).__name__}: {exc}") \
+                from exc
+        if not isinstance(text, str):
+            raise ValueError("messages: the chat template did not render to text")
         # The template already placed any BOS: do not add special tokens again.
         return ProcessedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _reserved_template_args(self) -> set[str]:
+        if self._reserved is None:
+            params = inspect.signature(self.tokenizer.apply_chat_template).parameters
+            self._reserved = {n for n, p in params.items() if p.kind != p.VAR_KEYWORD} | {"tokenizer_kwargs", "messages"}
+        return self._reserved
 
     def validate_length(self, prompt_len: int, params: SamplingParams) -> None:
         if prompt_len == 0:
@@ -73,6 +95,8 @@ class InputProcessor:
         blocks through the prefix cache."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or not -(1 << 63) <= priority < (1 << 63):
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         self.validate_length(len(prompt.prompt_token_ids), params)
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:

@@ -62,7 +62,7 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         parsed = [self.input_processor.apply_chat_template(c, add_generation_prompt, chat_template,
-                                                           **(chat_template_kwargs or {}))
+                                                           chat_template_kwargs)
                   for c in conversations]
         return self._run(parsed, sampling_params, use_tqdm, None)
 

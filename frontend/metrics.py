@@ -25,6 +25,9 @@ class Metrics:
         self.preemptions = Counter(f"{p}num_preemptions", "Preempted requests", labels, registry=r)
         self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter(f"{p}generation_tokens", "Tokens generated", labels, registry=r)
+        self.rejected = Counter(f"{p}request_rejected", "Requests refused with HTTP 429 (reason: concurrency "
+                                "= this server's in-flight bound, queue = the engine's waiting bound)",
+                                labels + ["reason"], registry=r)
         self.success = Counter(f"{p}request_success", "Finished requests", labels + ["finished_reason"],
                                registry=r)
         self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Time to first token", labels,

@@ -120,7 +120,9 @@ class OutputProcessor:
 
     def _make_output(self, parent: _Parent, now: float) -> RequestOutput | None:
         finished = parent.finished
-        if parent.kind == RequestOutputKind.FINAL_ONLY and not finished:
+        # An error goes out at once, even before the other samples of an n > 1 request end:
+        # the caller fails fast and its abort frees the siblings.
+        if parent.kind == RequestOutputKind.FINAL_ONLY and not finished and parent.error is None:
             return None
         delta = parent.kind == RequestOutputKind.DELTA
         completions = [self._completion(c, delta) for c in parent.children]

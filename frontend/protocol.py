@@ -22,7 +22,7 @@ class StreamOptions(StrictModel):
 
 class _SamplingFields(StrictModel):
     model: Optional[str] = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=128)     # OpenAI's bound; each sample is a queue entry in the engine
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     stop: Optional[Union[str, list[str]]] = None

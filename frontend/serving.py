@@ -3,15 +3,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.frontend.async_client import AsyncEngineClient
+from pagedserve.frontend.errors import classify, error_payload
 from pagedserve.frontend.input_processor import ProcessedPrompt
 from pagedserve.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -154,7 +158,7 @@ class OpenAIServing:
 
     def chat_job(self, req: ChatCompletionRequest) -> tuple[str, list[_Job]]:
         prompt = self.engine.input_processor.apply_chat_template(
-            req.text_messages(), req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+            req.text_messages(), req.add_generation_prompt, template_kwargs=req.chat_template_kwargs)
         default_max = self.max_model_len - len(prompt.prompt_token_ids)
         params = req.to_sampling_params(default_max_tokens=max(default_max, 1))
         self.engine.input_processor.validate_length(len(prompt.prompt_token_ids), params)
@@ -225,9 +229,13 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def error_body(exc: BaseException, status: int = 500) -> dict[str, Any]:
-    kind = "invalid_request_error" if isinstance(exc, ValueError) else "internal_server_error"
-    return {"error": {"message": str(exc), "type": kind, "param": None, "code": status}}
+def error_body(exc: BaseException) -> dict[str, Any]:
+    """The SSE error event of a stream that already answered 200: the status it would have had."""
+    status, kind = classify(exc)
+    if status == 500:
+        logger.error("internal error in a stream", exc_info=exc)
+        return error_payload(status, "internal server error", kind)
+    return error_payload(status, str(exc), kind)
 
 
 async def run_until_disconnect(work: Awaitable[Any], is_disconnected: Callable[[], Awaitable[bool]],

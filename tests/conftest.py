@@ -52,3 +52,21 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
                              attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
         outs.append(seq[0, len(ids):].tolist())
     return outs
+
+
+@pytest.fixture(scope="session")
+def tiny_serving_model(tmp_path_factory) -> str:
+    """Random Llama weights with the embedded tokenizer's full vocabulary, so text prompts and chat work."""
+    from tiny_models import make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_serving")), arch="llama", vocab_size=49152,
+                           max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def api_server(tiny_serving_model):
+    """engine-serve with --api-key on the tiny serving model, for one module of HTTP-surface tests
+    (module scope: an idle server must not hold memory through the rest of the suite)."""
+    from served_engine import ServedEngine
+    srv = ServedEngine(tiny_serving_model, "--max-model-len", "256", "--max-num-seqs", "16")
+    yield srv
+    srv.stop()
