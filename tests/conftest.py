@@ -66,7 +66,7 @@ def tiny_serving_model(tmp_path_factory) -> str:
 def api_server(tiny_serving_model):
     """engine-serve with --api-key on the tiny serving model, for one module of HTTP-surface tests
     (module scope: an idle server must not hold memory through the rest of the suite)."""
-    from served_engine import ServedEngine
-    srv = ServedEngine(tiny_serving_model, "--max-model-len", "256", "--max-num-seqs", "16")
+    from server_process import SMALL_KV, Server
+    srv = Server(*SMALL_KV, "--max-model-len", "256", "--max-num-seqs", "16", model=tiny_serving_model)
     yield srv
     srv.stop()

@@ -1,6 +1,7 @@
 """engine-serve as a real subprocess for tests: free ports, its own TMPDIR, every line it prints kept."""
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import psutil
 
 API_KEY = "test-key-123"
 TOKEN = "engine-token-abc"
+SMALL_KV = ("--kv-cache-memory", "0.25")      # GiB: servers that live through a module need not hold 2
 
 
 def free_port() -> int:
@@ -68,12 +70,40 @@ class Server:
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=120)
 
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=120)
+    def async_client(self, timeout_s: float = 120) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=timeout_s)
 
     @property
     def auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
+
+    def metrics(self) -> dict[str, float]:
+        """pagedserve:* samples of /metrics, summed over labels."""
+        values: dict[str, float] = collections.defaultdict(float)
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("pagedserve:"):
+                name = line.split("{", 1)[0].split(" ", 1)[0][len("pagedserve:"):]
+                values[name] += float(line.rsplit(" ", 1)[1])
+        return values
+
+    def wait_idle(self, timeout_s: float = 30) -> dict[str, float]:
+        """Metrics once nothing runs or waits and the KV pool is free, or the last reading at the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics()
+            if not (m["num_requests_running"] or m["num_requests_waiting"] or m["kv_cache_usage_perc"]):
+                return m
+            if time.monotonic() > deadline:
+                return m
+            time.sleep(0.2)
+
+    def usage(self) -> tuple[int, int]:
+        """(RSS bytes, open fds) of the server and all its children."""
+        rss = fds = 0
+        for p in [psutil.Process(self.proc.pid), *self.children()]:
+            rss += p.memory_info().rss
+            fds += p.num_fds()
+        return rss, fds
 
     def health(self) -> int:
         return httpx.get(f"{self.url}/health", timeout=10).status_code

@@ -4,7 +4,6 @@ Skipped without CUDA; run on a GPU machine with `pytest -m gpu`.
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from served_engine import ServedEngine
+from server_process import SMALL_KV, Server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -19,9 +19,9 @@ LONG = {"prompt": "Count:", "max_tokens": 480, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def small_queue(tiny_serving_model):
     """One request runs at a time and two may wait; this frontend serves at most five at once."""
-    srv = ServedEngine(tiny_serving_model, "--max-model-len", "512", "--max-num-seqs", "1",
+    srv = Server(*SMALL_KV, "--max-model-len", "512", "--max-num-seqs", "1",
                        "--max-waiting-requests", "2", "--max-concurrent-requests", "5",
-                       "--max-body-bytes", "65536")
+                       "--max-body-bytes", "65536", model=tiny_serving_model)
     yield srv
     srv.stop()
 
@@ -43,13 +43,13 @@ def _assert_429(resp: httpx.Response) -> None:
     assert error["code"] == 429 and error["type"] == "overloaded_error" and "retry later" in error["message"]
 
 
-async def _open_stream(client: httpx.AsyncClient, srv: ServedEngine, body: dict) -> httpx.Response:
+async def _open_stream(client: httpx.AsyncClient, srv: Server, body: dict) -> httpx.Response:
     """Send a streaming request and return once its status is known; the caller closes it (hangs up)."""
     req = client.build_request("POST", f"{srv.url}/v1/completions", json={**body, "stream": True})
     return await client.send(req, stream=True)
 
 
-async def _wait_metric(srv: ServedEngine, name: str, value: float, timeout_s: float = 60) -> None:
+async def _wait_metric(srv: Server, name: str, value: float, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while srv.metrics()[name] != value:
         assert time.monotonic() < deadline, f"{name} never reached {value}"

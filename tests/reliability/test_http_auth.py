@@ -33,7 +33,7 @@ def test_every_route_needs_the_key(api_server, auth):
 def test_the_right_key_opens_every_route(api_server):
     for method, path in _routes(api_server.url):
         if path not in OPEN_PATHS:
-            resp = httpx.request(method, f"{api_server.url}{path}", headers=api_server.headers,
+            resp = httpx.request(method, f"{api_server.url}{path}", headers=api_server.auth,
                                  json={"prompt": "x", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
                                  if method == "POST" else None, timeout=60)
             assert resp.status_code != 401, (method, path)

@@ -44,7 +44,7 @@ def _narrowed(spec: dict[str, Any]) -> dict[str, Any]:
 def api_schema(api_server):
     spec = httpx.get(f"{api_server.url}/openapi.json", timeout=10).json()
     schema = schemathesis.openapi.from_dict(_narrowed(spec))
-    schema.config.update(base_url=api_server.url, headers=api_server.headers, request_timeout=60)
+    schema.config.update(base_url=api_server.url, headers=api_server.auth, request_timeout=60)
     return schema
 
 
@@ -78,7 +78,7 @@ def test_no_server_errors(api_schema, api_server, method, path):
     @settings(max_examples=_EXAMPLES[method], deadline=None, suppress_health_check=list(HealthCheck),
               derandomize=True, database=None)
     def check(case) -> None:
-        response = case.call(base_url=api_server.url, headers=api_server.headers, timeout=60)
+        response = case.call(base_url=api_server.url, headers=api_server.auth, timeout=60)
         assert response.status_code < 500, (f"{case.method} {case.path} -> {response.status_code}: "
                                             f"{response.text[:500]}\nbody: {case.body!r}"[:2000])
         if response.status_code >= 400:
@@ -108,7 +108,7 @@ _HUGE = 1 << 70      # past msgpack's 64-bit ints: once a 500 from the engine cl
 def test_hostile_values_are_400(api_server, path, body, param):
     """Values found by fuzzing and review that once answered 500 or reached past validation."""
     resp = httpx.post(f"{api_server.url}{path}", json={"max_tokens": 2, **body} if path != "/tokenize" else body,
-                      headers=api_server.headers, timeout=60)
+                      headers=api_server.auth, timeout=60)
     assert resp.status_code == 400, resp.text
     assert param in (resp.json()["error"]["param"] or "") + resp.json()["error"]["message"]
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from served_engine import ServedEngine
+from server_process import SMALL_KV, Server
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import soak  # noqa: E402
@@ -32,7 +32,7 @@ FD_TOLERANCE = 4
 
 @pytest.fixture(scope="module")
 def load_server(tiny_serving_model):
-    srv = ServedEngine(tiny_serving_model, "--max-model-len", "256")
+    srv = Server(*SMALL_KV, "--max-model-len", "256", model=tiny_serving_model)
     yield srv
     srv.stop()
 
@@ -45,7 +45,7 @@ def _wave_specs(seed: int) -> list[soak.Spec]:
     return [dataclasses.replace(s, stream=True) if i % 10 else s for i, s in enumerate(specs)]
 
 
-async def _wave(srv: ServedEngine, specs: list[soak.Spec]) -> list[soak.Result]:
+async def _wave(srv: Server, specs: list[soak.Spec]) -> list[soak.Result]:
     client = srv.async_client(timeout_s=DEADLINE_S + 30)
     try:
         model = (await client.models.list()).data[0].id
@@ -54,7 +54,7 @@ async def _wave(srv: ServedEngine, specs: list[soak.Spec]) -> list[soak.Result]:
         await client.close()
 
 
-def _check_wave(srv: ServedEngine, results: list[soak.Result]) -> collections.Counter:
+def _check_wave(srv: Server, results: list[soak.Result]) -> collections.Counter:
     outcomes = collections.Counter(r.outcome for r in results)
     bad = [f"{r.outcome}: {r.detail} ({r.spec})" for r in results if r.outcome in ("hung", "wrong")]
     assert not bad, "\n".join(bad[:10])
