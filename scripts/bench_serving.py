@@ -20,6 +20,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -55,10 +56,14 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "pagedserve.frontend.cli", "--port", str(port), "--log-level", "warning"]
     cmd += engine_flags(args)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 900     # a loaded shared machine can take minutes to load the model
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            sys.exit(f"engine-serve exited with code {proc.returncode}:\n{log.read()[-4000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return proc, url
