@@ -3,9 +3,11 @@
 Starts `engine-serve` on a free loopback port, then for each rate sends the W1 requests (see
 bench_throughput.py) with exponential inter-arrival times and reports throughput, TTFT, inter-token
 latency and end-to-end latency (p50/p99), plus the CPU seconds spent by the frontend process and by the
-engine core process, to show which one is the bottleneck.
+engine core process, to show which one is the bottleneck. Before the server starts, the same requests
+run offline (`LLM.generate`, bench_throughput.py's child) with the same scheduler settings, so that the
+highest rate can be compared with the offline throughput of the same run.
 
-    python scripts/bench_serving.py --rates 0.5,1,inf --out benchmarks/serving_cpu.md
+    python scripts/bench_serving.py --dtype float32 --rates 0.5,1,inf --out benchmarks/serving_cpu.md
 """
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ import os
 import platform
 import random
 import socket
-import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -34,14 +36,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """Scheduler settings shared by the server and the offline run, so the two compare like for like."""
+    return (["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+             str(args.max_num_batched_tokens)] + (["--model", args.model] if args.model else []))
+
+
+def run_offline(args: argparse.Namespace) -> dict:
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_throughput.py")
+    cmd = [sys.executable, script, "--child", "pagedserve", "--num-requests", str(args.num_requests)]
+    proc = subprocess.run(cmd + engine_flags(args), capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        sys.exit(f"offline run failed:\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "pagedserve.frontend.cli", "--port", str(port), "--dtype", args.dtype,
-           "--log-level", "warning"] + (["--model", args.model] if args.model else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "pagedserve.frontend.cli", "--port", str(port), "--log-level", "warning"]
+    cmd += engine_flags(args)
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 900     # a loaded shared machine can take minutes to load the model
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            sys.exit(f"engine-serve exited with code {proc.returncode}:\n{log.read()[-4000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return proc, url
@@ -98,39 +120,80 @@ def cpu_seconds(proc: psutil.Process) -> float:
     return t.user + t.system
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--rates", default="0.5,1,inf", help="requests per second; inf sends all at once")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+def load() -> str:
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def measure_rate(url: str, reqs: list[tuple[list[int], int]], rate: float, procs: dict[str, psutil.Process]) -> dict:
+    """One rate: latencies from the client's view, CPU seconds of each process over the same window."""
+    before = {name: cpu_seconds(proc) for name, proc in procs.items()}
+    load_before = load()
+    results, elapsed = asyncio.run(run_rate(url, reqs, rate, seed=1))
+    cpu = {name: cpu_seconds(proc) - before[name] for name, proc in procs.items()}
+    tokens = sum(r["tokens"] for r in results)
+    if tokens != sum(m for _, m in reqs):
+        raise RuntimeError(f"the server returned {tokens} tokens, expected {sum(m for _, m in reqs)}")
+    return {"rate": rate, "seconds": elapsed, "tok_per_s": tokens / elapsed, "cpu": cpu,
+            "ttft": [r["ttft"] for r in results], "e2e": [r["e2e"] for r in results],
+            "itl": [x for r in results for x in r["itl"]], "load": f"{load_before} → {load()}"}
+
+
+def format_row(m: dict) -> str:
+    ttft, itl, e2e, cpu, sec = m["ttft"], m["itl"], m["e2e"], m["cpu"], m["seconds"]
+    return (f"| {m['rate']:g} | {sec:.1f} | {m['tok_per_s']:.1f} | {pct(ttft, .5):.2f} / {pct(ttft, .99):.2f} "
+            f"| {pct(itl, .5) * 1e3:.0f} / {pct(itl, .99) * 1e3:.0f} | {pct(e2e, .5):.1f} / {pct(e2e, .99):.1f} "
+            f"| {cpu['frontend']:.1f} ({cpu['frontend'] / sec:.0%}) | {cpu['core']:.1f} ({cpu['core'] / sec:.0%}) "
+            f"| {cpu['client']:.1f} ({cpu['client'] / sec:.0%}) | {m['load']} |")
+
+
+def run_all(args: argparse.Namespace) -> list[str]:
     reqs = workload_w1(args.num_requests)
-    server, url = start_server(args)
-    lines = [f"\n### W1 over HTTP streaming, {args.num_requests} requests ({time.strftime('%Y-%m-%d')}, "
-             f"{platform.machine()}, {os.cpu_count()} cores, dtype {args.dtype})\n",
+    load_start = load()
+    offline = run_offline(args) if not args.skip_offline else None
+    lines = [f"\n### W1 over HTTP streaming, {args.num_requests} requests "
+             f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, {os.cpu_count()} cores, "
+             f"dtype {args.dtype}, max_num_seqs {args.max_num_seqs}, "
+             f"max_num_batched_tokens {args.max_num_batched_tokens})\n",
+             f"Load average (1 / 5 / 15 min) at the start: {load_start}.\n",
              "| rate (req/s) | seconds | output tok/s | TTFT p50/p99 (s) | ITL p50/p99 (ms) | e2e p50/p99 (s) "
-             "| frontend CPU s | engine core CPU s |", "|---|---|---|---|---|---|---|---|"]
+             "| frontend CPU s (% of wall) | engine core CPU s | bench client CPU s | load 1/5/15 before → after |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    server, url = start_server(args)
+    measured = []
     try:
         front = psutil.Process(server.pid)
         core = next(c for c in front.children(recursive=True) if c.name() == "ps-engine-core")
+        procs = {"frontend": front, "core": core, "client": psutil.Process()}
         for rate in [float(r) for r in args.rates.split(",")]:
-            f0, c0 = cpu_seconds(front), cpu_seconds(core)
-            results, elapsed = asyncio.run(run_rate(url, reqs, rate, seed=1))
-            f1, c1 = cpu_seconds(front), cpu_seconds(core)
-            tokens = sum(r["tokens"] for r in results)
-            itl = [x for r in results for x in r["itl"]]
-            ttft, e2e = [r["ttft"] for r in results], [r["e2e"] for r in results]
-            line = (f"| {rate:g} | {elapsed:.1f} | {tokens / elapsed:.1f} | {pct(ttft, .5):.2f} / {pct(ttft, .99):.2f} "
-                    f"| {pct(itl, .5) * 1e3:.0f} / {pct(itl, .99) * 1e3:.0f} | {pct(e2e, .5):.1f} / {pct(e2e, .99):.1f} "
-                    f"| {f1 - f0:.1f} | {c1 - c0:.1f} |")
-            print(line, flush=True)
-            lines.append(line)
+            measured.append(measure_rate(url, reqs, rate, procs))
+            lines.append(format_row(measured[-1]))
+            print(lines[-1], flush=True)
     finally:
         server.terminate()
         server.wait(30)
-    table = "\n".join(lines)
+    if offline is not None:
+        last = measured[-1]
+        lines.append(f"\nOffline W1 in the same run (`LLM.generate`, engine core in-process, same settings): "
+                     f"{offline['output_tokens']} tokens in {offline['seconds']:.1f} s = "
+                     f"{offline['tok_per_s']:.1f} tok/s. Serving at rate {last['rate']:g}: "
+                     f"{last['tok_per_s']:.1f} tok/s = {last['tok_per_s'] / offline['tok_per_s']:.2f}x offline "
+                     f"(target >= 0.90x: {'met' if last['tok_per_s'] >= 0.9 * offline['tok_per_s'] else 'missed'}).")
+    lines.append(f"Load average at the end: {load()}.")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--rates", default="0.5,1,inf", help="requests per second; inf sends all at once")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--skip-offline", action="store_true", help="do not run the offline comparison first")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    table = "\n".join(run_all(args))
     print(table)
     if args.out:
         with open(args.out, "a") as f:

@@ -66,6 +66,18 @@ def test_chat_stream_and_not(server):
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
 
 
+@pytest.mark.parametrize("prompt", ["Party time 🎉🎉🎉", "Chinese: 你好，世界！我爱"])
+def test_stream_never_splits_a_multibyte_character(server, prompt):
+    """SmolLM2 continues these with emoji / CJK whose bytes span several tokens (see test_detokenizer.py)."""
+    client = server.client()
+    kwargs = dict(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12, temperature=0)
+    full = client.completions.create(logprobs=0, **kwargs).choices[0]
+    assert sum("\ufffd" in t for t in full.logprobs.tokens) >= 2, "the model emitted no split character"
+    deltas = [c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    assert not any("\ufffd" in d for d in deltas), deltas
+    assert "".join(deltas) == full.text and "\ufffd" not in full.text
+
+
 def test_n2_logprobs_and_stop_strings(server, offline_reference):
     client = server.client()
     resp = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=8, n=2,
