@@ -58,7 +58,7 @@ async def _wait_metric(srv: Server, name: str, value: float, timeout_s: float = 
 
 def test_full_queue_answers_429_at_once(idle):
     async def scenario() -> None:
-        async with httpx.AsyncClient(headers=idle.headers, timeout=120) as client:
+        async with httpx.AsyncClient(headers=idle.auth, timeout=120) as client:
             held = [await _open_stream(client, idle, LONG) for _ in range(3)]   # one running, two waiting
             assert [r.status_code for r in held] == [200, 200, 200]
             await _wait_metric(idle, "num_requests_waiting", 2)
@@ -80,7 +80,7 @@ def test_burst_is_bounded_by_the_engine_core(idle):
     """A burst arrives before any stats show the queue: the engine core itself refuses past the bound,
     and the frontend maps its refusal to 429. Accepted requests run past the client's patience (or end)."""
     async def burst() -> list:
-        async with httpx.AsyncClient(headers=idle.headers, timeout=5) as client:
+        async with httpx.AsyncClient(headers=idle.auth, timeout=5) as client:
             return await asyncio.gather(*(client.post(f"{idle.url}/v1/completions", json=LONG)
                                           for _ in range(4)), return_exceptions=True)
     results = asyncio.run(burst())
@@ -97,7 +97,7 @@ def test_n2_refused_half_frees_its_sibling(idle):
     """n=2 fans out into two engine requests: with one queue slot left the core takes the first sample and
     refuses the second; the client gets 429 and the accepted sample is aborted, not left to run."""
     async def scenario() -> None:
-        async with httpx.AsyncClient(headers=idle.headers, timeout=120) as client:
+        async with httpx.AsyncClient(headers=idle.auth, timeout=120) as client:
             held = [await _open_stream(client, idle, LONG)]
             await _wait_metric(idle, "num_requests_running", 1)
             held.append(await _open_stream(client, idle, LONG))
@@ -113,7 +113,7 @@ def test_concurrency_bound_of_the_frontend(idle):
     """More streams than --max-concurrent-requests at once: the rest get 429 from the frontend itself
     (streams the engine refused end at once with an error event; the bound counts the others)."""
     async def scenario() -> list[int]:
-        async with httpx.AsyncClient(headers=idle.headers, timeout=120) as client:
+        async with httpx.AsyncClient(headers=idle.auth, timeout=120) as client:
             opened = await asyncio.gather(*(_open_stream(client, idle, LONG) for _ in range(12)))
             statuses = [r.status_code for r in opened]
             for r in opened:
@@ -133,7 +133,7 @@ def test_abandoned_requests_are_dropped(idle):
     """Clients that give up on non-streaming requests (timeout, hang-up) free the engine: the running one
     and the waiting ones are aborted, instead of generating hundreds of tokens nobody reads."""
     async def give_up() -> list:
-        async with httpx.AsyncClient(headers=idle.headers, timeout=1.0) as client:
+        async with httpx.AsyncClient(headers=idle.auth, timeout=1.0) as client:
             return await asyncio.gather(*(client.post(f"{idle.url}/v1/completions", json=LONG)
                                           for _ in range(3)), return_exceptions=True)
 
@@ -151,13 +151,13 @@ def test_abandoned_requests_are_dropped(idle):
 
 
 def test_oversized_body_is_413_and_server_keeps_serving(idle):
-    resp = httpx.post(f"{idle.url}/v1/completions", headers=idle.headers, timeout=60,
+    resp = httpx.post(f"{idle.url}/v1/completions", headers=idle.auth, timeout=60,
                       json={"prompt": "x " * 40000, "max_tokens": 1})
     assert resp.status_code == 413 and resp.json()["error"]["code"] == 413
     # Chunked, with no Content-Length to refuse it by: counted as it arrives.
-    chunked = httpx.post(f"{idle.url}/v1/completions", headers=idle.headers, timeout=60,
+    chunked = httpx.post(f"{idle.url}/v1/completions", headers=idle.auth, timeout=60,
                          content=iter([b'{"prompt": "', b"x" * 70000, b'"}']))
     assert chunked.status_code == 413, chunked.text
-    ok = httpx.post(f"{idle.url}/v1/completions", headers=idle.headers, timeout=60,
+    ok = httpx.post(f"{idle.url}/v1/completions", headers=idle.auth, timeout=60,
                     json={"prompt": "x", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2

@@ -142,7 +142,8 @@ def test_schema_valid_but_hostile_requests_get_answers(server):
     bad = {"empty": [], "out-of-vocab": [5, 10**9], "negative": [-1], "too-long": [3] * 5000}
     for rid, prompt in bad.items():
         send(m.EngineCoreRequest(rid, prompt, SamplingParams(max_tokens=4), 0.0))
-    extreme = SamplingParams(seed=2**64 - 1, top_k=10**9, logprobs=20, max_tokens=3, stop_token_ids=[2**64 - 1])
+    # The largest values SamplingParams accepts (it refuses what msgpack cannot carry as a 64-bit int).
+    extreme = SamplingParams(seed=2**64 - 1, top_k=10**9, logprobs=20, max_tokens=3, stop_token_ids=[2**63 - 1])
     send(m.EngineCoreRequest("x" * 100_000, [5, 6], extreme, 0.0, priority=-(2**63)))
     send(m.EngineCoreRequest("dup", [5, 6], SamplingParams(max_tokens=900, ignore_eos=True), 0.0))
     send(m.EngineCoreRequest("dup", [7], SamplingParams(), 0.0))
