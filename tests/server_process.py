@@ -19,10 +19,25 @@ TOKEN = "engine-token-abc"
 SMALL_KV = ("--kv-cache-memory", "0.25")      # GiB: servers that live through a module need not hold 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(avoid: set[int] = frozenset()) -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+
+
+def free_port_pair() -> int:
+    """A port P such that P and P + 1 are both free now."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
 
 
 class Server:
@@ -34,8 +49,8 @@ class Server:
 
     def __init__(self, *extra: str, model: str | None = None, api_key: str = API_KEY, token: str = TOKEN,
                  log_level: str = "warning", max_model_len: int = 1024, startup_s: float = 180) -> None:
-        self.port = free_port()
-        self.engine_port = free_port()
+        self.engine_port = free_port_pair()       # the engine core listens on PORT and PORT + 1
+        self.port = free_port(avoid={self.engine_port, self.engine_port + 1})
         self.api_key, self.token = api_key, token
         self.url = f"http://127.0.0.1:{self.port}"
         self.tmpdir = tempfile.mkdtemp(prefix="ps-test-srv-")
