@@ -54,7 +54,10 @@ def run_offline(args: argparse.Namespace) -> dict:
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "pagedserve.frontend.cli", "--port", str(port), "--log-level", "warning"]
+    # Every rate sends the same W1 prompts: without prefix caching, a later rate cannot reuse an earlier
+    # rate's KV blocks (the offline run, one pass over distinct random prompts, gets no hits either).
+    cmd = [sys.executable, "-m", "pagedserve.frontend.cli", "--port", str(port), "--log-level", "warning",
+           "--no-enable-prefix-caching"]
     cmd += engine_flags(args)
     log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
