@@ -1,7 +1,6 @@
 """engine-serve as a real subprocess for tests: free ports, its own TMPDIR, every line it prints kept."""
 from __future__ import annotations
 
-import collections
 import os
 import signal
 import socket
@@ -13,6 +12,9 @@ import time
 import httpx
 import openai
 import psutil
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+import soak  # noqa: E402
 
 API_KEY = "test-key-123"
 TOKEN = "engine-token-abc"
@@ -93,13 +95,8 @@ class Server:
         return {"Authorization": f"Bearer {self.api_key}"}
 
     def metrics(self) -> dict[str, float]:
-        """pagedserve:* samples of /metrics, summed over labels."""
-        values: dict[str, float] = collections.defaultdict(float)
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            if line.startswith("pagedserve:"):
-                name = line.split("{", 1)[0].split(" ", 1)[0][len("pagedserve:"):]
-                values[name] += float(line.rsplit(" ", 1)[1])
-        return values
+        """pagedserve:* samples of /metrics, summed over labels (the soak script's reader)."""
+        return soak.read_metrics(self.url)
 
     def wait_idle(self, timeout_s: float = 30) -> dict[str, float]:
         """Metrics once nothing runs or waits and the KV pool is free, or the last reading at the timeout."""
