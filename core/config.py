@@ -11,6 +11,8 @@ from pagedserve.core.model_files import ModelSource, load_hf_config, resolve_mod
 logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The engine core sends every client it knows something at least this often, an empty message if idle.
+CORE_HEARTBEAT_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,9 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     enforce_eager: bool = False
     worker_heartbeat_timeout: float = 30.0
+    # A client that hears nothing from its engine core this long (the core beats every
+    # CORE_HEARTBEAT_INTERVAL_S) declares it dead: stopped, hung or unreachable.
+    engine_heartbeat_timeout: float = 30.0
 
     def create_engine_config(self) -> EngineConfig:
         self._validate()
@@ -160,9 +165,8 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        timeout = self.worker_heartbeat_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-            raise ValueError(f"worker_heartbeat_timeout must be a positive number of seconds, got {timeout!r}")
+        _timeout("worker_heartbeat_timeout", self.worker_heartbeat_timeout, 0)
+        _timeout("engine_heartbeat_timeout", self.engine_heartbeat_timeout, 2 * CORE_HEARTBEAT_INTERVAL_S)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -176,6 +180,11 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+def _timeout(name: str, value: float, minimum: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum < value < float("inf"):
+        raise ValueError(f"{name} must be a number of seconds above {minimum:g}, got {value!r}")
 
 
 def _positive(name: str, value: int) -> None:

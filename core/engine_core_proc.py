@@ -12,13 +12,15 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections import defaultdict
 
 import msgspec
 import zmq
 
-from pagedserve.core.config import EngineArgs
+from pagedserve.core.config import CORE_HEARTBEAT_INTERVAL_S, EngineArgs
 from pagedserve.core.engine_core import EngineCore
+from pagedserve.core.errors import INVALID, error_kind
 from pagedserve.core.process_utils import describe_exception, setup_child_process
 from pagedserve.core.throttled_log import ThrottledLog
 from pagedserve.ipc.messages import (AbortRequests, EngineCoreInput, EngineCoreOutput, EngineCoreOutputs,
@@ -152,6 +154,7 @@ class EngineCoreProc:
             self._utility(client, msg)
 
     def _add_request(self, client: bytes, req: EngineCoreRequest) -> None:
+        kind = INVALID
         if req.request_id in self.owner:
             error = f"request_id {req.request_id!r} is already in use"
         else:
@@ -160,8 +163,9 @@ class EngineCoreProc:
                 self.owner[req.request_id] = client
                 return
             except ValueError as exc:
-                error = str(exc)
-        out = EngineCoreOutput(request_id=req.request_id, new_token_ids=[], finish_reason="error", error=error)
+                error, kind = str(exc), error_kind(exc)
+        out = EngineCoreOutput(request_id=req.request_id, new_token_ids=[], finish_reason="error", error=error,
+                               error_kind=kind)
         self.outputs.put((client, EngineCoreOutputs(outputs=[out])))
 
     def _utility(self, client: bytes, call: UtilityCall) -> None:
@@ -231,13 +235,32 @@ class EngineCoreProc:
             self.inputs.put((client, msg))
 
     def _output_loop(self) -> None:
+        """Send queued outputs; beat to every client that got nothing for a heartbeat interval.
+
+        The beats come from this thread, not the busy loop, so a long step still beats (torch releases
+        the GIL) while a stopped or dead process falls silent, which is what clients watch for.
+        """
         encoder = MsgpackEncoder()
+        last_sent: dict[bytes, float] = {}
+        next_beat = time.monotonic() + CORE_HEARTBEAT_INTERVAL_S
         while True:
-            item = self.outputs.get()
+            try:
+                item = self.outputs.get(timeout=max(0.0, next_beat - time.monotonic()))
+            except queue.Empty:
+                item = ()
             if item is None:
                 self._flush_remaining(encoder)
                 return
-            self._send_frames(encoder, *item)
+            now = time.monotonic()
+            if item:
+                self._send_frames(encoder, *item)
+                last_sent[item[0]] = now
+            if now >= next_beat:
+                for client in list(self.clients):
+                    if now - last_sent.get(client, 0.0) >= CORE_HEARTBEAT_INTERVAL_S:
+                        self._send_frames(encoder, client, EngineCoreOutputs())
+                        last_sent[client] = now
+                next_beat = now + CORE_HEARTBEAT_INTERVAL_S
 
     def _flush_remaining(self, encoder: MsgpackEncoder) -> None:
         while True:

@@ -8,8 +8,8 @@ import uuid
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from pagedserve.core.config import EngineArgs, EngineConfig
-from pagedserve.core.errors import OVERLOADED_PREFIX, EngineOverloadedError, is_overloaded
+from pagedserve.core.config import CORE_HEARTBEAT_INTERVAL_S, EngineArgs, EngineConfig
+from pagedserve.core.errors import OVERLOADED, EngineOverloadedError
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.frontend.core_client import AsyncMPClient, CoreProcess, EngineDeadError
 from pagedserve.frontend.input_processor import InputProcessor, ProcessedPrompt, PromptType
@@ -47,16 +47,24 @@ class AsyncEngineClient:
         """Start an engine core process (and its workers) owned by this client."""
         config = args.create_engine_config()
         proc = CoreProcess(args, log_level)
-        return cls(config, AsyncMPClient(proc.addresses, proc.token, proc))
+        return cls(config, AsyncMPClient(proc.addresses, proc.token, proc,
+                                         heartbeat_timeout_s=args.engine_heartbeat_timeout))
 
     @classmethod
-    async def connect(cls, address: str, token: str, timeout_s: float = 30.0) -> "AsyncEngineClient":
+    async def connect(cls, address: str, token: str, timeout_s: float = 30.0,
+                      heartbeat_timeout_s: float = 30.0) -> "AsyncEngineClient":
         """Attach to the engine core of a running `engine-serve` (its --engine-address and --engine-token).
-        This client tokenizes and detokenizes for itself; the core serves every client."""
+        This client tokenizes and detokenizes for itself; the core serves every client. A core silent
+        for heartbeat_timeout_s (stopped, killed, unreachable) fails every pending request with
+        EngineDeadError."""
         from pagedserve.core.engine_core_proc import CoreAddresses
         from pagedserve.frontend.core_client import split_engine_address
+        if not heartbeat_timeout_s >= 2 * CORE_HEARTBEAT_INTERVAL_S:
+            raise ValueError(f"heartbeat_timeout_s must be >= {2 * CORE_HEARTBEAT_INTERVAL_S:g} s (the core "
+                             f"beats every {CORE_HEARTBEAT_INTERVAL_S:g} s), got {heartbeat_timeout_s!r}")
         inp, out = split_engine_address(address)
-        client = AsyncMPClient(CoreAddresses(input=inp, output=out, handshake=""), token)
+        client = AsyncMPClient(CoreAddresses(input=inp, output=out, handshake=""), token,
+                               heartbeat_timeout_s=heartbeat_timeout_s)
         try:
             source_args = await _first_answer(client, "get_engine_args", timeout_s)
             source_args = dict(source_args)
@@ -147,7 +155,7 @@ class AsyncEngineClient:
                         queue = self._queues.get(out.request_id)
                         if queue is not None:
                             queue.put_nowait(out if not out.error else
-                                             _request_error(out.error, outputs.engine_dead is not None))
+                                             _request_error(out, outputs.engine_dead is not None))
                     if processed.reqs_to_abort:
                         await self.client.abort_requests(processed.reqs_to_abort)
                     await asyncio.sleep(0)
@@ -211,14 +219,14 @@ class AsyncEngineClient:
         self.client.close()
 
 
-def _request_error(message: str, engine_dead: bool) -> Exception:
+def _request_error(out: RequestOutput, engine_dead: bool) -> Exception:
     """The exception a caller sees for a request the engine core ended with an error: the engine died
     (EngineDeadError), its queue is full (EngineOverloadedError) or it refused the request (ValueError)."""
     if engine_dead:
-        return EngineDeadError(message)
-    if is_overloaded(message):
-        return EngineOverloadedError(message[len(OVERLOADED_PREFIX):])
-    return ValueError(message)
+        return EngineDeadError(out.error)
+    if out.error_kind == OVERLOADED:
+        return EngineOverloadedError(out.error)
+    return ValueError(out.error)
 
 
 async def _first_answer(client: AsyncMPClient, method: str, timeout_s: float) -> Any:

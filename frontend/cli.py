@@ -42,6 +42,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="secret clients must present to the engine core (or env PAGEDSERVE_ENGINE_TOKEN)")
     p.add_argument("--worker-heartbeat-timeout", type=float, default=30.0,
                    help="seconds a worker process may go without a heartbeat before the engine fails (TP > 1)")
+    p.add_argument("--engine-heartbeat-timeout", type=float, default=30.0,
+                   help="seconds the server may hear nothing from the engine core (it beats every second) "
+                        "before it declares the core dead, ends open streams with an error and turns /health 503")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get HTTP 413")
     p.add_argument("--max-waiting-requests", type=int, default=4096,
                    help="new requests beyond this many waiting in the engine core (all clients) get HTTP 429")
@@ -61,7 +64,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
         scheduling_policy=ns.scheduling_policy, tensor_parallel_size=ns.tensor_parallel_size,
         enforce_eager=ns.enforce_eager, worker_heartbeat_timeout=ns.worker_heartbeat_timeout,
-        max_waiting_requests=ns.max_waiting_requests)
+        engine_heartbeat_timeout=ns.engine_heartbeat_timeout, max_waiting_requests=ns.max_waiting_requests)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,7 +94,8 @@ def serve(args: EngineArgs, ns: argparse.Namespace, level: int) -> None:
     # the finally below (SIGINT already does), so the engine core and its ipc folder go too.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     proc = CoreProcess(args, level, address=ns.engine_address, token=ns.engine_token)
-    engine = AsyncEngineClient(args.create_engine_config(), AsyncMPClient(proc.addresses, proc.token, proc))
+    client = AsyncMPClient(proc.addresses, proc.token, proc, heartbeat_timeout_s=args.engine_heartbeat_timeout)
+    engine = AsyncEngineClient(args.create_engine_config(), client)
     _announce(proc, bool(ns.engine_token))
     settings = ServerSettings(served_model_name=engine.model_config.served_model_name, api_key=ns.api_key,
                               max_body_bytes=ns.max_body_bytes,

@@ -100,8 +100,11 @@ class CoreProcess:
 
 
 class _ClientBase:
-    def __init__(self, addresses: CoreAddresses, token: str, proc: CoreProcess | None) -> None:
+    def __init__(self, addresses: CoreAddresses, token: str, proc: CoreProcess | None,
+                 heartbeat_timeout_s: float) -> None:
         self.addresses = addresses
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._last_heard: float | None = None       # None until the core first answers: it beats after
         self.token = token.encode()
         self.proc = proc
         self.identity = uuid.uuid4().bytes
@@ -119,7 +122,19 @@ class _ClientBase:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
 
+    def _check_silence(self) -> None:
+        """Called when a poll found nothing: a core silent past the timeout is stopped, hung or gone
+        (a killed core that is not our child, or one on another host, is only noticed this way)."""
+        if self.dead is None and self._last_heard is not None:
+            silent = time.monotonic() - self._last_heard
+            if silent > self.heartbeat_timeout_s:
+                self.dead = (f"the engine core at {self.addresses.input} sent nothing for {silent:.0f} s "
+                             f"(engine heartbeat timeout {self.heartbeat_timeout_s:g} s): it is stopped, "
+                             "hung or unreachable")
+        self._check_alive()
+
     def _decode(self, frames: list) -> EngineCoreOutputs:
+        self._last_heard = time.monotonic()
         outputs = self.decoder.decode(frames)
         if outputs.engine_dead:
             self.dead = outputs.engine_dead
@@ -129,8 +144,9 @@ class _ClientBase:
 class SyncMPClient(_ClientBase):
     """Blocking client (offline LLM)."""
 
-    def __init__(self, addresses: CoreAddresses, token: str, proc: CoreProcess | None = None) -> None:
-        super().__init__(addresses, token, proc)
+    def __init__(self, addresses: CoreAddresses, token: str, proc: CoreProcess | None = None,
+                 heartbeat_timeout_s: float = 30.0) -> None:
+        super().__init__(addresses, token, proc, heartbeat_timeout_s)
         ctx = zmq.Context.instance()
         self.input = make_socket(ctx, addresses.input, zmq.DEALER, bind=False, identity=self.identity)
         self.output = make_socket(ctx, addresses.output, zmq.DEALER, bind=False, identity=self.identity)
@@ -168,6 +184,7 @@ class SyncMPClient(_ClientBase):
             if self.output.poll(_POLL_MS if deadline is None else
                                 max(1, min(_POLL_MS, int((deadline - time.monotonic()) * 1000)))):
                 return self._decode(self.output.recv_multipart(copy=False))
+            self._check_silence()
         return None
 
     def call_utility(self, method: str, *args: Any, timeout_s: float = 30.0) -> Any:
@@ -198,8 +215,9 @@ class SyncMPClient(_ClientBase):
 class AsyncMPClient(_ClientBase):
     """asyncio client (AsyncEngineClient); `get_output` awaits the next batch of outputs."""
 
-    def __init__(self, addresses: CoreAddresses, token: str, proc: CoreProcess | None = None) -> None:
-        super().__init__(addresses, token, proc)
+    def __init__(self, addresses: CoreAddresses, token: str, proc: CoreProcess | None = None,
+                 heartbeat_timeout_s: float = 30.0) -> None:
+        super().__init__(addresses, token, proc, heartbeat_timeout_s)
         self.ctx = zmq.asyncio.Context()
         self.input = make_socket(self.ctx, addresses.input, zmq.DEALER, bind=False, identity=self.identity)
         self.output = make_socket(self.ctx, addresses.output, zmq.DEALER, bind=False, identity=self.identity)
@@ -222,6 +240,7 @@ class AsyncMPClient(_ClientBase):
         self._check_alive()
         if await self.output.poll(int(timeout_s * 1000)):
             return self._decode(await self.output.recv_multipart(copy=False))
+        self._check_silence()
         return None
 
     def close(self) -> None:

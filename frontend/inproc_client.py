@@ -5,6 +5,7 @@ from typing import Any
 
 from pagedserve.core.config import EngineConfig
 from pagedserve.core.engine_core import EngineCore
+from pagedserve.core.errors import error_kind
 from pagedserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
 
@@ -18,7 +19,8 @@ class InprocClient:
             self.core.add_request(request)
         except ValueError as exc:
             self._rejected.append(EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
-                                                   finish_reason="error", error=str(exc)))
+                                                   finish_reason="error", error=str(exc),
+                                                   error_kind=error_kind(exc)))
 
     def get_output(self, timeout_s: float | None = None) -> EngineCoreOutputs:
         if self._rejected:

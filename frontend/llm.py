@@ -35,7 +35,8 @@ class LLM:
         if multiprocess_core:
             from pagedserve.frontend.core_client import CoreProcess, SyncMPClient
             proc = CoreProcess(self.engine_args, logging.getLogger().getEffectiveLevel())
-            self.client = SyncMPClient(proc.addresses, proc.token, proc)
+            self.client = SyncMPClient(proc.addresses, proc.token, proc,
+                                       heartbeat_timeout_s=self.engine_args.engine_heartbeat_timeout)
         else:
             from pagedserve.frontend.inproc_client import InprocClient
             self.client = InprocClient(self.config)

@@ -38,6 +38,7 @@ class _Parent:
     arrival_time: float = field(default_factory=time.time)
     first_token_time: float | None = None
     error: str | None = None
+    error_kind: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -94,7 +95,7 @@ class OutputProcessor:
             elif out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
                 if out.error:
-                    parent.error = out.error
+                    parent.error, parent.error_kind = out.error, out.error_kind
             if seq.finish_reason is not None:
                 del self._seqs[out.request_id]
             touched[id(parent)] = parent
@@ -133,7 +134,7 @@ class OutputProcessor:
         if parent.first_token_time is not None:
             metrics["first_token_time"] = parent.first_token_time
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
-                             parent.num_cached_tokens, metrics, parent.error)
+                             parent.num_cached_tokens, metrics, parent.error, parent.error_kind)
 
     @staticmethod
     def _completion(seq: _Sequence, delta: bool) -> CompletionOutput:

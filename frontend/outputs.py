@@ -35,3 +35,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    error_kind: str | None = None          # with error: "invalid" (never runnable) | "overloaded" (retry later)

@@ -49,6 +49,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: Optional[list[LogprobsEntry]] = None
     num_cached_tokens: int = 0
     error: Optional[str] = None
+    error_kind: Optional[str] = None        # with error: core.errors.INVALID | OVERLOADED
 
     @property
     def finished(self) -> bool:

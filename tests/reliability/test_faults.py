@@ -10,6 +10,9 @@ Bounds, measured from the fault (generous: CI shares two cores):
 - SIGSTOP of a worker: its heartbeat stops; the engine fails after `--worker-heartbeat-timeout` T,
   never before T minus one heartbeat interval, and streams fail within T + KILL_BOUND_S.
 - SIGSTOP then SIGCONT shorter than T minus one interval: nothing fails, every stream completes.
+- SIGSTOP of the engine core: it stops beating; after `--engine-heartbeat-timeout` T every client of it
+  (the server, and an AsyncEngineClient.connect from here) declares it dead, streams fail within
+  T + KILL_BOUND_S and /health turns 503. A pause shorter than T minus one beat is survived.
 """
 from __future__ import annotations
 
@@ -26,11 +29,13 @@ import psutil
 import pytest
 import zmq
 
-from pagedserve.core.config import EngineArgs
+from pagedserve.core.config import CORE_HEARTBEAT_INTERVAL_S, EngineArgs
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.core.sampling_params import SamplingParams
 from pagedserve.executor.heartbeat import heartbeat_interval
 from pagedserve.executor.multiproc_executor import WorkerDiedError
+from pagedserve.frontend.async_client import AsyncEngineClient
+from pagedserve.frontend.core_client import EngineDeadError
 from pagedserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest, UtilityCall
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from server_process import Server
@@ -225,3 +230,53 @@ def test_sigstop_sole_worker_tp1(tiny_llama_dir):
         core.shutdown()
     assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
     assert not any(os.path.exists(r) for r in roots)
+
+
+async def stop_core_under_load(srv: Server, core: psutil.Process) -> tuple[list[StreamResult], float, str, float]:
+    """HTTP streams plus a generation of an AsyncEngineClient.connect client in this process, then the core
+    is stopped: (stream results, when it stopped, the connected client's error, when that came)."""
+    client = await AsyncEngineClient.connect(f"tcp://127.0.0.1:{srv.engine_port}", srv.token,
+                                             heartbeat_timeout_s=HEARTBEAT_S)
+    started = asyncio.Event()
+
+    async def consume() -> tuple[str, float]:
+        try:
+            async for _ in client.generate([9, 9, 9], SamplingParams(max_tokens=900, ignore_eos=True)):
+                started.set()
+        except EngineDeadError as exc:
+            return str(exc), time.monotonic()
+        return "finished without an error", time.monotonic()
+    task = asyncio.create_task(consume())
+    try:
+        await asyncio.wait_for(started.wait(), 60)
+        results, fault_at = await streams_through(srv, core.suspend, timeout_s=HEARTBEAT_S + 30)
+        error, ended_at = await asyncio.wait_for(task, 30)
+        return results, fault_at, error, ended_at - fault_at
+    finally:
+        task.cancel()
+        client.shutdown()
+
+
+def test_sigstop_engine_core(tiny_llama_dir):
+    """A stopped core is alive to its parent's sentinel; only its silence shows, to every client."""
+    srv = Server("--kv-cache-memory", "0.02", "--engine-heartbeat-timeout", str(HEARTBEAT_S), model=tiny_llama_dir)
+    kids = srv.children()
+    core = srv.child("ps-engine-core")
+    try:
+        def pause() -> None:
+            core.suspend()
+            time.sleep(HEARTBEAT_S - CORE_HEARTBEAT_INTERVAL_S - 1.0)
+            core.resume()
+        results, _ = asyncio.run(streams_through(srv, pause, max_tokens=16))
+        assert [r.error for r in results] == [None] * 4
+        assert [r.usage["completion_tokens"] for r in results] == [16] * 4
+
+        results, fault_at, error, detected = asyncio.run(stop_core_under_load(srv, core))
+        assert_all_failed(results, fault_at, "sent nothing for", HEARTBEAT_S + KILL_BOUND_S)
+        assert min(r.ended_at - fault_at for r in results) >= HEARTBEAT_S - 0.1
+        assert "sent nothing for" in error and HEARTBEAT_S - 0.1 <= detected <= HEARTBEAT_S + KILL_BOUND_S, \
+            (error, detected)
+        wait_health_503(srv)
+    finally:
+        core.resume()
+        srv.stop_and_check_clean(kids)
