@@ -11,9 +11,11 @@ def build_sampling_metadata(states: list[CachedRequestState], eos_token_ids: tup
                             device: torch.device) -> SamplingMetadata:
     params = [s.sampling_params for s in states]
     greedy = [p.is_greedy for p in params]
+    all_greedy = all(greedy)
     meta = SamplingMetadata(
-        temperature=_tensor([0.0 if g else p.temperature for p, g in zip(params, greedy)], device),
-        all_greedy=all(greedy), all_random=not any(greedy))
+        temperature=None if all_greedy else _tensor([0.0 if g else p.temperature for p, g in zip(params, greedy)],
+                                                    device),
+        all_greedy=all_greedy, all_random=not any(greedy))
     if not meta.all_greedy:
         if any(p.top_p < 1.0 for p in params):
             meta.top_p = _tensor([p.top_p for p in params], device)

@@ -9,7 +9,9 @@ import torch
 @dataclass
 class SamplingMetadata:
     """Row i describes logits row i. Optional tensors are None when no row needs them."""
-    temperature: torch.Tensor                  # [n] float32; 0.0 marks a greedy row
+    # [n] float32, 0.0 marks a greedy row; None when every row is greedy (argmax needs no tensor, and on
+    # a GPU each tensor built here is a host-to-device copy on the step's critical path).
+    temperature: torch.Tensor | None
     all_greedy: bool
     all_random: bool
     top_p: torch.Tensor | None = None          # [n] float32 in (0, 1]

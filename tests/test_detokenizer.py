@@ -76,3 +76,18 @@ def test_multibyte_stop_string_is_not_leaked(tokenizer):
     deltas = stream(tokenizer, [], ids, stop=["世界"])
     assert "".join(deltas) == "你好"
     assert not any(REPLACEMENT in d or "世" in d for d in deltas)
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_fast_decoder_matches_tokenizer_decode(tokenizer, skip_special):
+    """The detokenizer decodes through the Rust tokenizer directly; it must give transformers' text."""
+    import random
+
+    from pagedserve.frontend.detokenizer import fast_decoder
+    decode = fast_decoder(tokenizer)
+    rng = random.Random(0)
+    specials = list(tokenizer.all_special_ids)
+    for _ in range(200):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 12))]
+        ids.insert(rng.randint(0, len(ids)), rng.choice(specials))
+        assert decode(ids, skip_special) == tokenizer.decode(ids, skip_special_tokens=skip_special), ids
