@@ -11,8 +11,12 @@ from pagedserve.core.model_files import ModelSource, load_hf_config, resolve_mod
 logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-# The engine core sends every client it knows something at least this often, an empty message if idle.
+# The engine core sends every live client something at least this often, an empty message if idle.
 CORE_HEARTBEAT_INTERVAL_S = 1.0
+# A client that is listening sends the core something (a ping if nothing else) at least this often; the core
+# stops sending stats and beats to a client it has not heard from for CLIENT_EXPIRY_S (it left).
+CLIENT_KEEPALIVE_S = 10.0
+CLIENT_EXPIRY_S = 60.0
 
 
 @dataclass(frozen=True)

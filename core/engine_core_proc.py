@@ -18,7 +18,7 @@ from collections import defaultdict
 import msgspec
 import zmq
 
-from pagedserve.core.config import CORE_HEARTBEAT_INTERVAL_S, EngineArgs
+from pagedserve.core.config import CLIENT_EXPIRY_S, CORE_HEARTBEAT_INTERVAL_S, EngineArgs
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.core.errors import INVALID, error_kind
 from pagedserve.core.process_utils import describe_exception, setup_child_process
@@ -91,7 +91,9 @@ class EngineCoreProc:
         self.inputs: queue.Queue[tuple[bytes, EngineCoreInput]] = queue.Queue()
         self.outputs: queue.Queue[tuple[bytes, EngineCoreOutputs] | None] = queue.Queue()
         self.owner: dict[str, bytes] = {}          # request id -> client identity
-        self.clients: set[bytes] = set()
+        # client identity -> when it last sent anything (monotonic); written by the input thread only.
+        self.clients: dict[bytes, float] = {}
+        self._next_prune = 0.0
         self._stop = threading.Event()
         self._bad_input_log = ThrottledLog(logger)
         # Bind before the handshake goes out, so clients can connect as soon as they hear "ready".
@@ -118,7 +120,10 @@ class EngineCoreProc:
             self._stop.set()
             self.outputs.put(None)
             threads[1].join(timeout=5)
+            threads[0].join(timeout=1)       # it polls with a timeout, so it sees the stop
             self.core.shutdown()
+            self.input_socket.close()
+            self.output_socket.close()
         return code
 
     # ---------------------------------------------------------------- busy loop
@@ -192,9 +197,15 @@ class EngineCoreProc:
             per_client[client].append(out)
             if out.finish_reason is not None:
                 del self.owner[out.request_id]
-        for client in self.clients | set(per_client):
+        for client in self._live_clients() | set(per_client):
             self.outputs.put((client, EngineCoreOutputs(outputs=per_client.get(client, []),
                                                         scheduler_stats=outputs.scheduler_stats)))
+
+    def _live_clients(self) -> set[bytes]:
+        """Clients heard from lately (live ones keep alive): stats and beats go to them, not to every
+        client that ever connected."""
+        now = time.monotonic()
+        return {c for c, heard in list(self.clients.items()) if now - heard < CLIENT_EXPIRY_S}
 
     def _fail_everything(self, reason: str) -> None:
         per_client: dict[bytes, list[EngineCoreOutput]] = defaultdict(list)
@@ -202,7 +213,7 @@ class EngineCoreProc:
             per_client[client].append(EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error",
                                                        error=reason))
         self.owner.clear()
-        for client in self.clients | set(per_client):
+        for client in self._live_clients() | set(per_client):
             self.outputs.put((client, EngineCoreOutputs(outputs=per_client.get(client, []), engine_dead=reason)))
 
     # ---------------------------------------------------------------- socket threads
@@ -230,9 +241,18 @@ class EngineCoreProc:
                 self._bad_input_log.log("decode", "dropped an undecodable message from a client: %s: %s",
                                         type(exc).__name__, str(exc)[:200])
                 continue
-            if client not in self.clients:
-                self.clients.add(client)
+            self.clients[client] = time.monotonic()
+            self._forget_departed()
             self.inputs.put((client, msg))
+
+    def _forget_departed(self) -> None:
+        """Drop expired clients, at most once per expiry period (on the input thread, the only writer)."""
+        now = time.monotonic()
+        if now < self._next_prune:
+            return
+        self._next_prune = now + CLIENT_EXPIRY_S
+        for client in [c for c, heard in self.clients.items() if now - heard >= CLIENT_EXPIRY_S]:
+            del self.clients[client]
 
     def _output_loop(self) -> None:
         """Send queued outputs; beat to every client that got nothing for a heartbeat interval.
@@ -256,10 +276,13 @@ class EngineCoreProc:
                 self._send_frames(encoder, *item)
                 last_sent[item[0]] = now
             if now >= next_beat:
-                for client in list(self.clients):
+                live = self._live_clients()
+                for client in live:
                     if now - last_sent.get(client, 0.0) >= CORE_HEARTBEAT_INTERVAL_S:
                         self._send_frames(encoder, client, EngineCoreOutputs())
                         last_sent[client] = now
+                for client in [c for c in last_sent if c not in live]:
+                    del last_sent[client]
                 next_beat = now + CORE_HEARTBEAT_INTERVAL_S
 
     def _flush_remaining(self, encoder: MsgpackEncoder) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pagedserve.core.config import EngineArgs
+from pagedserve.core.config import CLIENT_KEEPALIVE_S, CORE_HEARTBEAT_INTERVAL_S, EngineArgs
 from pagedserve.core.engine_core_proc import CoreAddresses, engine_args_to_json, run_engine_core
 from pagedserve.ipc.messages import (AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineHandshake,
                                      EngineReady, EngineStartupFailed, UtilityCall)
@@ -104,7 +104,9 @@ class _ClientBase:
                  heartbeat_timeout_s: float) -> None:
         self.addresses = addresses
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self._last_heard: float | None = None       # None until the core first answers: it beats after
+        self._heard_at: float | None = None       # None until the core first answers: it beats after that
+        self._listened_at = 0.0                   # when this client last polled for outputs
+        self._sent_at = time.monotonic()
         self.token = token.encode()
         self.proc = proc
         self.identity = uuid.uuid4().bytes
@@ -114,7 +116,15 @@ class _ClientBase:
         self._call_ids = itertools.count()
 
     def _frames(self, msg: Any) -> list:
+        self._sent_at = time.monotonic()
         return [self.token, *self.encoder.encode(msg)]
+
+    def _keepalive(self) -> list | None:
+        """The frames of a ping when this client has sent nothing for CLIENT_KEEPALIVE_S: the core sends
+        stats and beats only to clients it has heard from lately."""
+        if time.monotonic() - self._sent_at < CLIENT_KEEPALIVE_S:
+            return None
+        return self._frames(UtilityCall(next(self._call_ids), "ping"))
 
     def _check_alive(self) -> None:
         if self.dead is None and self.proc is not None and not self.proc.is_alive():
@@ -125,8 +135,12 @@ class _ClientBase:
     def _check_silence(self) -> None:
         """Called when a poll found nothing: a core silent past the timeout is stopped, hung or gone
         (a killed core that is not our child, or one on another host, is only noticed this way)."""
-        if self.dead is None and self._last_heard is not None:
-            silent = time.monotonic() - self._last_heard
+        now = time.monotonic()
+        if self._heard_at is not None and now - self._listened_at > 2 * CORE_HEARTBEAT_INTERVAL_S:
+            self._heard_at = now      # nobody listened in between (e.g. an idle LLM): the clock starts now
+        self._listened_at = now
+        if self.dead is None and self._heard_at is not None:
+            silent = now - self._heard_at
             if silent > self.heartbeat_timeout_s:
                 self.dead = (f"the engine core at {self.addresses.input} sent nothing for {silent:.0f} s "
                              f"(engine heartbeat timeout {self.heartbeat_timeout_s:g} s): it is stopped, "
@@ -134,7 +148,7 @@ class _ClientBase:
         self._check_alive()
 
     def _decode(self, frames: list) -> EngineCoreOutputs:
-        self._last_heard = time.monotonic()
+        self._heard_at = self._listened_at = time.monotonic()
         outputs = self.decoder.decode(frames)
         if outputs.engine_dead:
             self.dead = outputs.engine_dead
@@ -181,6 +195,8 @@ class SyncMPClient(_ClientBase):
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while deadline is None or time.monotonic() < deadline:
             self._check_alive()
+            if (ping := self._keepalive()) is not None:
+                self.input.send_multipart(ping, copy=False)
             if self.output.poll(_POLL_MS if deadline is None else
                                 max(1, min(_POLL_MS, int((deadline - time.monotonic()) * 1000)))):
                 return self._decode(self.output.recv_multipart(copy=False))
@@ -238,6 +254,8 @@ class AsyncMPClient(_ClientBase):
 
     async def get_output(self, timeout_s: float = _POLL_MS / 1000) -> EngineCoreOutputs | None:
         self._check_alive()
+        if (ping := self._keepalive()) is not None:
+            await self.input.send_multipart(ping, copy=False)
         if await self.output.poll(int(timeout_s * 1000)):
             return self._decode(await self.output.recv_multipart(copy=False))
         self._check_silence()

@@ -131,9 +131,9 @@ def test_sigkill_engine_core(tiny_llama_dir):
 
 
 class RawEngineClient:
-    """A second client of the engine core over tcp, speaking the wire protocol itself."""
+    """A second client of the engine core, speaking the wire protocol itself."""
 
-    def __init__(self, srv: Server) -> None:
+    def __init__(self, input_address: str, output_address: str, token: str) -> None:
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.DEALER)
         self.output = self.ctx.socket(zmq.DEALER)
@@ -141,10 +141,14 @@ class RawEngineClient:
             sock.setsockopt(zmq.IDENTITY, os.urandom(16))
             sock.setsockopt(zmq.LINGER, 0)
         self.output.setsockopt(zmq.IDENTITY, self.input.getsockopt(zmq.IDENTITY))
-        self.input.connect(f"tcp://127.0.0.1:{srv.engine_port}")
-        self.output.connect(f"tcp://127.0.0.1:{srv.engine_port + 1}")
-        self.token = srv.token.encode()
+        self.input.connect(input_address)
+        self.output.connect(output_address)
+        self.token = token.encode()
         self.encoder, self.decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
+
+    @classmethod
+    def of(cls, srv: Server) -> "RawEngineClient":
+        return cls(f"tcp://127.0.0.1:{srv.engine_port}", f"tcp://127.0.0.1:{srv.engine_port + 1}", srv.token)
 
     def send(self, msg: object) -> None:
         self.input.send_multipart([self.token, *self.encoder.encode(msg)])
@@ -170,7 +174,7 @@ def test_sigstop_worker_short_pause_survives_long_one_fails(tiny_llama_dir):
     srv = Server(*TP2, model=tiny_llama_dir)
     kids = srv.children()
     engine_procs = [p for p in kids if p.name().startswith("ps-")]
-    other = RawEngineClient(srv)
+    other = RawEngineClient.of(srv)
     try:
         other.recv_until(lambda out: bool(out.utility_results), timeout_s=30)
         # A pause well inside the timeout: the streams stall, then finish with every token.
@@ -280,3 +284,52 @@ def test_sigstop_engine_core(tiny_llama_dir):
     finally:
         core.resume()
         srv.stop_and_check_clean(kids)
+
+
+def test_core_beats_live_clients_and_forgets_departed_ones(tiny_llama_dir, monkeypatch):
+    """In-process core with short keepalive/expiry: a listening client keeps itself alive (and hears beats
+    while idle); one that left stops getting stats and beats once expired, instead of one per step forever."""
+    import threading
+
+    import pagedserve.core.engine_core_proc as core_proc
+    import pagedserve.frontend.core_client as core_client
+    from pagedserve.ipc.sockets import IpcPaths
+    monkeypatch.setattr(core_proc, "CLIENT_EXPIRY_S", 2.0)
+    monkeypatch.setattr(core_client, "CLIENT_KEEPALIVE_S", 0.5)
+    config = EngineArgs(model=tiny_llama_dir, dtype="float32", kv_cache_memory=0.02).create_engine_config()
+    paths = IpcPaths("beat")
+    addresses = core_proc.CoreAddresses(input=paths.new("in"), output=paths.new("out"), handshake="")
+    ctx = zmq.Context()
+    proc = core_proc.EngineCoreProc(EngineCore(config), ctx, addresses, "tok")
+    runner = threading.Thread(target=proc.run, daemon=True)
+    runner.start()
+    live = core_client.SyncMPClient(addresses, "tok", heartbeat_timeout_s=3.0)
+    gone = RawEngineClient(addresses.input, addresses.output, "tok")     # pings once, then never again
+    identity = gone.input.getsockopt(zmq.IDENTITY)
+    try:
+        gone.recv_until(lambda out: bool(out.utility_results), timeout_s=30)
+        deadline = time.monotonic() + 5.0          # idle, listening: only beats and keepalive answers arrive
+        heard = 0
+        while time.monotonic() < deadline:
+            heard += live.get_output(timeout_s=0.5) is not None
+        assert live.dead is None and heard >= 4, heard
+        assert identity not in proc._live_clients() and live.identity in proc._live_clients()
+        assert identity not in proc.clients                       # pruned on a later message
+        while gone.output.poll(0):                                 # what it got before it expired
+            gone.output.recv_multipart()
+        # Work for the live client: every step sends stats, but never to the departed client.
+        live.add_request(EngineCoreRequest("r", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True), 0.0))
+        outs = []
+        while not any(o.finished for o in outs):
+            step = live.get_output(timeout_s=5)
+            outs += step.outputs if step else []
+        assert sum(len(o.new_token_ids) for o in outs) == 8
+        assert not gone.output.poll(1500), "a departed client still gets messages"
+    finally:
+        gone.close()
+        live.close()
+        proc._stop.set()
+        runner.join(10)
+        assert not runner.is_alive()
+        ctx.term()
+        paths.close()
