@@ -2,10 +2,15 @@
 
 Control messages (scheduler outputs, calls) go from rank 0 to every rank as msgpack bytes over a gloo
 broadcast, so multi-node works through torchrun's own rendezvous and needs no extra sockets.
+
+Liveness: torchrun's agent ends the job when a rank exits. A rank that is stopped or hung instead leaves
+the others waiting in a collective; every collective here is bounded by `worker_heartbeat_timeout`
+(the launcher gives the same bound to its process group), so that wait ends in an error, not a hang.
 """
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from typing import Any
 
 import msgspec
@@ -25,9 +30,9 @@ logger = logging.getLogger(__name__)
 class ControlChannel:
     """Rank 0 -> all ranks message broadcast, and an all-gather of small results, on a gloo group."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float) -> None:
         # gloo even when tensors use NCCL: control bytes live on the host.
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(WorkerInput)
 
@@ -68,7 +73,7 @@ class TorchrunExecutor(Executor):
         if dist.get_world_size() != config.parallel.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size ({config.parallel.tensor_parallel_size}) must equal the "
                              f"torchrun world size ({dist.get_world_size()})")
-        self.channel = ControlChannel()
+        self.channel = ControlChannel(config.parallel.worker_heartbeat_timeout_s)
         self.worker = Worker(config, rank=0)
         self.worker.init_device()
         self.worker.load_model()
@@ -89,7 +94,7 @@ class TorchrunExecutor(Executor):
 def serve_torchrun_worker(config: EngineConfig) -> None:
     """The loop of ranks > 0: follow rank 0's broadcasts until it says shut down."""
     rank = dist.get_rank()
-    channel = ControlChannel()
+    channel = ControlChannel(config.parallel.worker_heartbeat_timeout_s)
     worker = Worker(config, rank=rank)
     worker.init_device()
     worker.load_model()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt", action="append", default=[], help="text prompt (repeatable)")
     p.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--worker-heartbeat-timeout", type=float, default=300.0,
+                   help="seconds a rank may keep the others waiting in a collective; a stopped or hung rank "
+                        "fails the launch after this instead of hanging it (allow for start-up skew)")
     p.add_argument("--log-level", default="warning")
     return p.parse_args()
 
@@ -35,9 +39,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=args.log_level.upper())
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")   # env:// from torchrun
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",     # env:// from torchrun
+                            timeout=timedelta(seconds=args.worker_heartbeat_timeout))
     engine_args = dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                       tensor_parallel_size=dist.get_world_size(), distributed_executor_backend="torchrun")
+                       tensor_parallel_size=dist.get_world_size(), distributed_executor_backend="torchrun",
+                       worker_heartbeat_timeout=args.worker_heartbeat_timeout)
     try:
         if dist.get_rank() == 0:
             _run_frontend(args, engine_args)

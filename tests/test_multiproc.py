@@ -169,3 +169,45 @@ def test_torchrun_launcher_two_cpu_ranks(tiny_llama_dir, tp1_tokens):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["token_ids"] for r in rows] == expected
+
+
+def test_torchrun_stopped_rank_fails_the_launch(tiny_llama_dir):
+    """A SIGSTOPped rank keeps the others waiting in a collective: bounded by --worker-heartbeat-timeout,
+    the launch fails with an error instead of hanging."""
+    import pathlib
+    import subprocess
+    import sys
+
+    from pagedserve.ipc.sockets import free_tcp_port
+    timeout_s = 5.0
+    root = pathlib.Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_tcp_port()), str(root / "scripts" / "torchrun_launch.py"),
+           "--model", tiny_llama_dir, "--dtype", "float32", "--max-tokens", "900", "--log-level", "info",
+           "--worker-heartbeat-timeout", str(timeout_s)] + ["--prompt-ids", "5,6,7,8"] * 4
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    rank1 = None
+    try:
+        lines = []
+        for line in proc.stdout:              # rank 0 logs this once the engine is ready to generate
+            lines.append(line)
+            if "engine core ready" in line:
+                break
+        ranks = {p.environ().get("RANK"): p for p in psutil.Process(proc.pid).children(recursive=True)}
+        rank1 = ranks["1"]
+        rank1.suspend()
+        stopped_at = time.monotonic()
+        rest, _ = proc.communicate(timeout=timeout_s + 120)
+        took = time.monotonic() - stopped_at
+        assert proc.returncode != 0, "".join(lines) + rest
+        assert not any(line.startswith("{") for line in rest.splitlines()), "rank 0 finished its prompts"
+        assert took >= timeout_s - 1, took
+        # Rank 0's collective gives up after the timeout; torchrun then ends the stopped rank.
+        assert f"Timed out waiting {int(timeout_s * 1000)}ms" in rest, rest[-3000:]
+    finally:
+        if rank1 is not None and rank1.is_running():
+            rank1.resume()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
