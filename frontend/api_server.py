@@ -110,7 +110,7 @@ def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         if (bad := check_model(body.model)) is not None:
             return bad
         try:
-            rid, jobs = make_jobs(body)
+            rid, jobs = await engine.run_tokenizer(make_jobs, body)
         except (ValueError, ValidationError) as exc:
             return _status_for(ValueError(str(exc)))
         if engine.is_dead:
@@ -170,9 +170,11 @@ def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
             return error_response(400, "give exactly one of prompt or messages", "invalid_request_error", "prompt")
         if body.messages is not None:
             messages = ChatCompletionRequest(messages=body.messages).text_messages()
-            tokens = engine.input_processor.apply_chat_template(messages, body.add_generation_prompt).prompt_token_ids
+            prompt = await engine.run_tokenizer(engine.input_processor.apply_chat_template, messages,
+                                                body.add_generation_prompt)
+            tokens = prompt.prompt_token_ids
         else:
-            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await engine.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len})
 
     @app.post("/detokenize")
@@ -182,6 +184,6 @@ def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         vocab = engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             return error_response(400, f"tokens must be in [0, {vocab})", "invalid_request_error", "tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": await engine.run_tokenizer(engine.tokenizer.decode, body.tokens)})
 
     return app

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from pagedserve.core.config import CORE_HEARTBEAT_INTERVAL_S, EngineArgs, EngineConfig
 from pagedserve.core.errors import OVERLOADED, EngineOverloadedError
@@ -18,6 +20,7 @@ from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AsyncEngineClient:
@@ -28,6 +31,9 @@ class AsyncEngineClient:
         self.tokenizer = load_tokenizer(config.model.source)
         self.input_processor = InputProcessor(self.tokenizer, config.model)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Tokenizing a multi-MiB prompt takes seconds; on the event loop it would stall every stream.
+        # One thread: calls stay serialized, as they were on the loop.
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._children: dict[str, list[str]] = {}
         self._handler: asyncio.Task | None = None
@@ -102,7 +108,8 @@ class AsyncEngineClient:
         rid = request_id or f"{self._prefix}-{next(self._ids)}"
         if rid in self._queues:
             raise ValueError(f"request_id {rid!r} is already in use")
-        parsed = prompt if isinstance(prompt, ProcessedPrompt) else self.input_processor.parse_prompt(prompt)
+        parsed = prompt if isinstance(prompt, ProcessedPrompt) else \
+            await self.run_tokenizer(self.input_processor.parse_prompt, prompt)
         child_ids, requests = self.input_processor.make_requests(rid, parsed, sampling_params, priority)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = queue
@@ -204,8 +211,14 @@ class AsyncEngineClient:
 
     # ---------------------------------------------------------------- helpers
 
+    async def run_tokenizer(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) on the tokenizer thread: for tokenizer-bound work (encoding, chat templates,
+        decoding long id lists), so the event loop keeps streaming meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool,
+                                                                functools.partial(fn, *args, **kwargs))
+
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await self.run_tokenizer(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     async def check_health(self) -> None:
         if self.is_dead:
@@ -217,6 +230,7 @@ class AsyncEngineClient:
             self._handler.cancel()
         self._fail_all(EngineDeadError("the client was shut down"))
         self.client.close()
+        self._tokenizer_pool.shutdown(wait=False)
 
 
 def _request_error(out: RequestOutput, engine_dead: bool) -> Exception:

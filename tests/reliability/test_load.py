@@ -92,3 +92,39 @@ def test_mass_disconnect_under_load_frees_every_block(load_server):
     assert outcomes["disconnected"] >= CLIENTS // 2, outcomes
     m = load_server.wait_idle()
     assert (m["num_requests_running"], m["num_requests_waiting"], m["kv_cache_usage_perc"]) == (0, 0, 0)
+
+
+def test_huge_prompt_does_not_stall_other_streams(load_server):
+    """Tokenizing a 7 MiB prompt takes seconds; it runs off the event loop, so a stream that is already
+    running keeps getting its chunks meanwhile, and the huge prompt still gets its 400."""
+    import time
+
+    import httpx
+    huge = "hello world, some text. " * (7 * 1024 * 1024 // 24)
+
+    async def scenario() -> tuple[list[float], float, float, int]:
+        arrivals: list[float] = []
+        big: dict[str, float] = {}
+        async with httpx.AsyncClient(headers=load_server.auth, timeout=120) as client:
+            async def stream() -> None:
+                body = {"prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "stream": True}
+                async with client.stream("POST", f"{load_server.url}/v1/completions", json=body) as resp:
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: {"):
+                            arrivals.append(time.monotonic())
+
+            async def huge_request() -> int:
+                while len(arrivals) < 3:
+                    await asyncio.sleep(0.01)
+                big["start"] = time.monotonic()
+                resp = await client.post(f"{load_server.url}/v1/completions", json={"prompt": huge, "max_tokens": 1})
+                big["end"] = time.monotonic()
+                return resp.status_code
+            status = (await asyncio.gather(stream(), huge_request()))[1]
+        return arrivals, big["start"], big["end"], status
+
+    arrivals, start, end, status = asyncio.run(scenario())
+    assert status == 400
+    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if a >= start and b <= end + 0.5]
+    assert end - start > 1.0, "the huge prompt was too quick to tell anything"
+    assert during and max(during) < 0.5 * (end - start), (max(during), end - start)
