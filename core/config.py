@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str = ""
     enforce_eager: bool = False     # CUDA: no decode graphs
+    tokenizer: str | None = None    # a tokenizer folder other than the model's own
 
     @property
     def num_layers(self) -> int:
@@ -103,6 +105,7 @@ class EngineConfig:
 class EngineArgs:
     """The knobs a user sets (mirrors `vllm serve` flags); `create_engine_config` validates them."""
     model: str | None = None
+    tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -135,7 +138,8 @@ class EngineArgs:
         model = ModelConfig(
             source=source, hf_config=hf_config, dtype=_resolve_dtype(self.dtype, device),
             device=device, max_model_len=max_len, seed=self.seed,
-            served_model_name=self.served_model_name or source.name, enforce_eager=self.enforce_eager)
+            served_model_name=self.served_model_name or source.name, enforce_eager=self.enforce_eager,
+            tokenizer=self.tokenizer)
         cache = CacheConfig(
             block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -158,6 +162,9 @@ class EngineArgs:
                             source_args=dataclasses.asdict(self))
 
     def _validate(self) -> None:
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
+            raise ValueError(f"tokenizer must be a local tokenizer folder (nothing is downloaded), "
+                             f"got {self.tokenizer!r}")
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("tensor_parallel_size", self.tensor_parallel_size)

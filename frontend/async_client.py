@@ -28,7 +28,7 @@ class AsyncEngineClient:
         self.config = config
         self.model_config = config.model
         self.client = client
-        self.tokenizer = load_tokenizer(config.model.source)
+        self.tokenizer = load_tokenizer(config.model.source, config.model.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, config.model)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Tokenizing a multi-MiB prompt takes seconds; on the event loop it would stall every stream.

@@ -9,6 +9,7 @@ import stat
 import sys
 
 from pagedserve.core.config import EngineArgs
+from pagedserve.frontend.tokenizer import load_chat_template
 
 logger = logging.getLogger("pagedserve.serve")
 
@@ -32,6 +33,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--tokenizer", default=None, help="a tokenizer folder other than the model's own")
+    p.add_argument("--chat-template", default=None,
+                   help="chat template for /v1/chat/completions instead of the tokenizer's: a file or the "
+                        "Jinja text itself")
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (with --ssl-certfile)")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain")
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, /version and the "
                         "API description (or env PAGEDSERVE_API_KEY)")
@@ -58,7 +65,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     if ns.model_tag and ns.model and ns.model_tag != ns.model:
         raise ValueError("give the model once: positionally or with --model")
     return EngineArgs(
-        model=ns.model or ns.model_tag, served_model_name=ns.served_model_name, dtype=ns.dtype, seed=ns.seed,
+        model=ns.model or ns.model_tag, tokenizer=ns.tokenizer, served_model_name=ns.served_model_name, dtype=ns.dtype, seed=ns.seed,
         max_model_len=ns.max_model_len, block_size=ns.block_size, kv_cache_memory=ns.kv_cache_memory,
         gpu_memory_utilization=ns.gpu_memory_utilization, enable_prefix_caching=ns.enable_prefix_caching,
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
@@ -75,15 +82,21 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("engine-serve: a tcp:// --engine-address requires --engine-token (or PAGEDSERVE_ENGINE_TOKEN)")
     if ns.max_concurrent_requests is not None and ns.max_concurrent_requests <= 0:
         sys.exit("engine-serve: --max-concurrent-requests must be a positive integer")
+    if bool(ns.ssl_keyfile) != bool(ns.ssl_certfile):
+        sys.exit("engine-serve: HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    for flag in ("ssl_keyfile", "ssl_certfile"):
+        if getattr(ns, flag) and not os.path.isfile(getattr(ns, flag)):
+            sys.exit(f"engine-serve: --{flag.replace('_', '-')} {getattr(ns, flag)!r} is not a file")
     try:
         args = engine_args_from(ns)
         args.create_engine_config()          # fail fast, in this process, on bad flags or model paths
+        chat_template = load_chat_template(ns.chat_template) if ns.chat_template else None
     except ValueError as exc:
         sys.exit(f"engine-serve: {exc}")
-    serve(args, ns, level)
+    serve(args, ns, level, chat_template)
 
 
-def serve(args: EngineArgs, ns: argparse.Namespace, level: int) -> None:
+def serve(args: EngineArgs, ns: argparse.Namespace, level: int, chat_template: str | None) -> None:
     import uvicorn
 
     from pagedserve.frontend.api_server import ServerSettings, build_app
@@ -96,6 +109,8 @@ def serve(args: EngineArgs, ns: argparse.Namespace, level: int) -> None:
     proc = CoreProcess(args, level, address=ns.engine_address, token=ns.engine_token)
     client = AsyncMPClient(proc.addresses, proc.token, proc, heartbeat_timeout_s=args.engine_heartbeat_timeout)
     engine = AsyncEngineClient(args.create_engine_config(), client)
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template     # before serving starts: never changes after
     _announce(proc, bool(ns.engine_token))
     settings = ServerSettings(served_model_name=engine.model_config.served_model_name, api_key=ns.api_key,
                               max_body_bytes=ns.max_body_bytes,
@@ -103,7 +118,7 @@ def serve(args: EngineArgs, ns: argparse.Namespace, level: int) -> None:
     app = build_app(engine, settings)
     try:
         uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, loop="uvloop",
-                    timeout_graceful_shutdown=10)
+                    timeout_graceful_shutdown=10, ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile)
     finally:
         engine.shutdown()
         logger.info("engine-serve stopped")

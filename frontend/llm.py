@@ -22,14 +22,13 @@ class LLM:
     """Offline engine. `multiprocess_core=True` runs the engine core in its own process (as the
     server does); otherwise it runs here. tensor_parallel_size > 1 always uses worker processes."""
 
-    def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
-                 multiprocess_core: bool = False, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, *, multiprocess_core: bool = False, **kwargs: Any) -> None:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise ValueError(f"LLM got unknown argument(s): {', '.join(sorted(unknown))}")
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.config = self.engine_args.create_engine_config()
-        self.tokenizer = load_tokenizer(self.config.model.source, tokenizer)
+        self.tokenizer = load_tokenizer(self.config.model.source, self.config.model.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, self.config.model)
         self.output_processor = OutputProcessor(self.tokenizer)
         if multiprocess_core:

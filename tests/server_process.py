@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -50,11 +51,16 @@ class Server:
     """
 
     def __init__(self, *extra: str, model: str | None = None, api_key: str = API_KEY, token: str = TOKEN,
-                 log_level: str = "warning", max_model_len: int = 1024, startup_s: float = 180) -> None:
+                 log_level: str = "warning", max_model_len: int = 1024, startup_s: float = 180,
+                 tls: tuple[str, str] | None = None) -> None:
+        """tls: (certificate, key) files: serve HTTPS, and trust that certificate here."""
         self.engine_port = free_port_pair()       # the engine core listens on PORT and PORT + 1
         self.port = free_port(avoid={self.engine_port, self.engine_port + 1})
         self.api_key, self.token = api_key, token
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=tls[0]) if tls else True
+        if tls:
+            extra = (*extra, "--ssl-certfile", tls[0], "--ssl-keyfile", tls[1])
         self.tmpdir = tempfile.mkdtemp(prefix="ps-test-srv-")
         self.log_path = os.path.join(self.tmpdir, "server.log")
         cmd = [sys.executable, "-m", "pagedserve.frontend.cli", *([model] if model else []), "--port", str(self.port),
@@ -72,7 +78,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"engine-serve exited: {self.output()[-3000:]}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=1, verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -118,7 +124,7 @@ class Server:
         return rss, fds
 
     def health(self) -> int:
-        return httpx.get(f"{self.url}/health", timeout=10).status_code
+        return httpx.get(f"{self.url}/health", timeout=10, verify=self.verify).status_code
 
     def metric(self, name: str) -> float:
         text = httpx.get(f"{self.url}/metrics").text
