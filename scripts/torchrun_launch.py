@@ -50,6 +50,9 @@ def main() -> None:
         else:
             from pagedserve.executor.torchrun_executor import serve_torchrun_worker
             serve_torchrun_worker(EngineArgs(**engine_args).create_engine_config())
+        # Tear down together: a rank that destroys its gloo group while a peer still uses it can die in
+        # gloo's destructor and fail the job after all the work is done.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

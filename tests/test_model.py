@@ -153,6 +153,9 @@ def _tp_worker(rank: int, world: int, init_method: str, paths: list[str], prompt
         results = [prefill_logits(load_model(model_config(p), TPGroup(rank, world)), prompt) for p in paths]
         if rank == 0:
             torch.save(results, out)
+        # Tear down together: a rank that destroys its gloo group while its peer still uses the pair
+        # sockets can die in gloo's destructor ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
