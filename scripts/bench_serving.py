@@ -18,6 +18,7 @@ import os
 import platform
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -194,7 +195,7 @@ def run_all(args: argparse.Namespace) -> list[str]:
     lines += [offline_line(o, s) for o, s in pairs]
     if pairs:
         ratios = sorted(s["tok_per_s"] / o["tok_per_s"] for o, s in pairs)
-        median = ratios[len(ratios) // 2]
+        median = statistics.median(ratios)
         lines.append(f"\nServing / offline over {len(pairs)} alternating pair(s): median {median:.2f}x, range "
                      f"{ratios[0]:.2f}–{ratios[-1]:.2f}x (target >= 0.90x: {'met' if median >= 0.9 else 'missed'}).")
     lines.append(f"Load average at the end: {load()}.")
