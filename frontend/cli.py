@@ -65,7 +65,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     if ns.model_tag and ns.model and ns.model_tag != ns.model:
         raise ValueError("give the model once: positionally or with --model")
     return EngineArgs(
-        model=ns.model or ns.model_tag, tokenizer=ns.tokenizer, served_model_name=ns.served_model_name, dtype=ns.dtype, seed=ns.seed,
+        model=ns.model or ns.model_tag, tokenizer=ns.tokenizer, served_model_name=ns.served_model_name,
+        dtype=ns.dtype, seed=ns.seed,
         max_model_len=ns.max_model_len, block_size=ns.block_size, kv_cache_memory=ns.kv_cache_memory,
         gpu_memory_utilization=ns.gpu_memory_utilization, enable_prefix_caching=ns.enable_prefix_caching,
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,

@@ -98,8 +98,9 @@ def main() -> None:
     from pagedserve import LLM
     path = make_tiny_model(os.path.join(tempfile.mkdtemp(prefix="ps-overhead-"), "tiny"))
     llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=128, kv_cache_memory=0.25)
-    lines = [f"\n### Host work per step, tiny model (2 layers, hidden 64), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-             f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, threads {torch.get_num_threads()}\n",
+    when = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
+    lines = [f"\n### Host work per step, tiny model (2 layers, hidden 64), {when}, {platform.machine()}, "
+             f"{os.cpu_count()} cores, torch {torch.__version__}, threads {torch.get_num_threads()}\n",
              "µs per step; `other` = the rest of `EngineCore.step`; `host` = wall per step minus the forward.\n",
              "| batch | steps | wall | " + " | ".join(PHASES) + " | other | host |",
              "|---" * (len(PHASES) + 5) + "|"]
