@@ -43,6 +43,8 @@ from pagedserve.ipc.messages import (EngineCoreOutput, EngineCoreOutputs, Execut
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from pagedserve.ipc.sockets import IpcPaths, make_socket
 
+from bench_report import emit  # scripts/ is on sys.path when a script runs
+
 BLOCK_SIZE = 16
 MAX_NUM_BATCHED_TOKENS = 2048
 VOCAB = 49152
@@ -342,10 +344,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="append the table to this markdown file")
     args = p.parse_args()
     table = run(args)
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(table + "\n")
+    emit(table, args.out)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_report import emit  # noqa: E402
 from bench_throughput import workload_w1  # noqa: E402
 
 
@@ -216,10 +217,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     table = "\n".join(run_all(args))
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(table + "\n")
+    emit(table, args.out)
 
 
 if __name__ == "__main__":

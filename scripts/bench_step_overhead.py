@@ -22,6 +22,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_report import emit  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from bench_throughput import StepProfile  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
@@ -113,10 +114,7 @@ def main() -> None:
             profiles.append(f"\ncProfile, batch {batch} (top 15 by own time):\n\n```\n{top.strip()}\n```")
     llm.shutdown()
     table = "\n".join(lines + profiles)
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(table + "\n")
+    emit(table, args.out)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
+from bench_report import emit  # scripts/ is on sys.path when a script runs
+
 
 def random_workload(num_requests: int, prompt_lens: tuple[int, int], max_tokens: tuple[int, int],
                     seed: int = 0) -> list[tuple[list[int], int]]:
@@ -199,10 +201,7 @@ def parent_main(args: argparse.Namespace) -> None:
         results.append(json.loads(lines[-1][len("RESULT "):]))
         print(json.dumps(results[-1]), flush=True)
     table = format_table(args, results)
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(table + "\n")
+    emit(table, args.out)
 
 
 def _forward_args(args: argparse.Namespace) -> list[str]:
