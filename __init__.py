@@ -1,9 +1,9 @@
 """pagedserve: an LLM serving engine with a paged KV cache and continuous batching."""
-from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.version import __version__
 
 __all__ = ["LLM", "AsyncEngineClient", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs",
            "EngineDeadError"]
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str):
@@ -21,6 +21,6 @@ def __getattr__(name: str):
         from pagedserve.frontend.core_client import EngineDeadError
         return EngineDeadError
     if name == "EngineArgs":
-        from pagedserve.core.config import EngineArgs
+        from pagedserve.common.config import EngineArgs
         return EngineArgs
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

@@ -3,24 +3,37 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 from pagedserve.core.block_hash import BlockHasher
-from pagedserve.core.config import EngineConfig
-from pagedserve.core.errors import EngineOverloadedError
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.errors import EngineOverloadedError
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from pagedserve.ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput,
+                                     SchedulerOutput)
 
 logger = logging.getLogger(__name__)
 
 
+class ExecutorLike(Protocol):
+    """What the core drives. The executor classes satisfy it; the core never imports them, whoever builds
+    the core injects one (executor.procs.backends.get_executor_class)."""
+
+    def determine_num_blocks(self) -> int: ...
+    def initialize_cache(self, num_blocks: int) -> None: ...
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def check_health(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
-        from pagedserve.executor.executor import Executor
+    def __init__(self, config: EngineConfig, executor_class: Callable[[EngineConfig], ExecutorLike]) -> None:
         self.config = config
         start = time.perf_counter()
-        self.executor = Executor.get_class(config)(config)
+        self.executor = executor_class(config)
         try:
             self.num_blocks = self._init_kv_cache()
         except BaseException:

@@ -14,15 +14,16 @@ import signal
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import msgspec
 import zmq
 
-from pagedserve.core.config import CLIENT_EXPIRY_S, CORE_HEARTBEAT_INTERVAL_S, EngineArgs
-from pagedserve.core.engine_core import EngineCore
-from pagedserve.core.errors import INVALID, error_kind
-from pagedserve.core.process_utils import describe_exception, setup_child_process
-from pagedserve.core.throttled_log import ThrottledLog
+from pagedserve.common.config import CLIENT_EXPIRY_S, CORE_HEARTBEAT_INTERVAL_S, EngineArgs, EngineConfig
+from pagedserve.core.engine_core import EngineCore, ExecutorLike
+from pagedserve.common.errors import INVALID, error_kind
+from pagedserve.common.process_utils import describe_exception, setup_child_process
+from pagedserve.common.throttled_log import ThrottledLog
 from pagedserve.ipc.messages import (AbortRequests, EngineCoreInput, EngineCoreOutput, EngineCoreOutputs,
                                      EngineCoreRequest, EngineReady, EngineStartupFailed, UtilityCall,
                                      UtilityResult)
@@ -54,9 +55,11 @@ def engine_args_from_json(data: bytes) -> EngineArgs:
     return EngineArgs(**msgspec.json.decode(data))
 
 
-def run_engine_core(args_json: bytes, addresses: CoreAddresses, token: str, parent_pid: int,
-                    log_level: int = logging.INFO, ipc_root: str | None = None) -> None:
-    """Entry point of the engine core process. ipc_root: the folder this core's ipc folders go in."""
+def run_engine_core(args_json: bytes, executor_class: Callable[[EngineConfig], ExecutorLike],
+                    addresses: CoreAddresses, token: str, parent_pid: int, log_level: int = logging.INFO,
+                    ipc_root: str | None = None) -> None:
+    """Entry point of the engine core process. executor_class: injected by the launcher (the core never
+    picks one itself); ipc_root: the folder this core's ipc folders go in."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
     setup_child_process("ps-engine-core", parent_pid)
     if ipc_root is not None:
@@ -65,7 +68,7 @@ def run_engine_core(args_json: bytes, addresses: CoreAddresses, token: str, pare
     handshake = make_socket(ctx, addresses.handshake, zmq.PUSH, bind=False)
     encoder = MsgpackEncoder()
     try:
-        core = EngineCore(engine_args_from_json(args_json).create_engine_config())
+        core = EngineCore(engine_args_from_json(args_json).create_engine_config(), executor_class)
     except BaseException as exc:  # the parent needs the reason, whatever it is
         logger.error("engine core failed to start: %s", exc)
         handshake.send_multipart(encoder.encode(EngineStartupFailed(error=describe_exception(exc))))

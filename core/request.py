@@ -5,7 +5,7 @@ import enum
 import time
 
 from pagedserve.core.block_hash import BlockHasher
-from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from pagedserve.core.config import SchedulerConfig
+from pagedserve.common.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.request_queue import make_queue

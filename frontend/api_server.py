@@ -12,8 +12,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import pagedserve
-from pagedserve.core.errors import EngineOverloadedError
+from pagedserve.common.errors import EngineOverloadedError
+from pagedserve.common.version import __version__
 from pagedserve.frontend.admission import Admission, CountedStreamingResponse
 from pagedserve.frontend.async_client import AsyncEngineClient
 from pagedserve.frontend.core_client import EngineDeadError
@@ -63,7 +63,7 @@ def _status_for(exc: BaseException, retry_after_s: int = 1) -> JSONResponse:
 
 
 def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="pagedserve", version=pagedserve.__version__)
+    app = FastAPI(title="pagedserve", version=__version__)
     serving = OpenAIServing(engine, settings.served_model_name)
     metrics = Metrics(settings.served_model_name)
     engine.finished_hooks.append(metrics.observe_finished)
@@ -160,7 +160,7 @@ def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": pagedserve.__version__}
+        return {"version": __version__}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:

@@ -10,9 +10,9 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from pagedserve.core.config import CORE_HEARTBEAT_INTERVAL_S, EngineArgs, EngineConfig
-from pagedserve.core.errors import OVERLOADED, EngineOverloadedError
-from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.common.config import CORE_HEARTBEAT_INTERVAL_S, EngineArgs, EngineConfig
+from pagedserve.common.errors import OVERLOADED, EngineOverloadedError
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.frontend.core_client import AsyncMPClient, CoreProcess, EngineDeadError
 from pagedserve.frontend.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedserve.frontend.output_processor import OutputProcessor

@@ -8,7 +8,7 @@ import signal
 import stat
 import sys
 
-from pagedserve.core.config import EngineArgs
+from pagedserve.common.config import EngineArgs
 from pagedserve.frontend.tokenizer import load_chat_template
 
 logger = logging.getLogger("pagedserve.serve")

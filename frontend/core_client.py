@@ -13,8 +13,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pagedserve.core.config import CLIENT_KEEPALIVE_S, CORE_HEARTBEAT_INTERVAL_S, EngineArgs
+from pagedserve.common.config import CLIENT_KEEPALIVE_S, CORE_HEARTBEAT_INTERVAL_S, EngineArgs
 from pagedserve.core.engine_core_proc import CoreAddresses, engine_args_to_json, run_engine_core
+from pagedserve.executor.procs.backends import get_executor_class
 from pagedserve.ipc.messages import (AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineHandshake,
                                      EngineReady, EngineStartupFailed, UtilityCall)
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
@@ -58,8 +59,10 @@ class CoreProcess:
         ctx = zmq.Context.instance()
         handshake = make_socket(ctx, self.addresses.handshake, zmq.PULL, bind=True)
         spawn = multiprocessing.get_context("spawn")
+        # The launcher picks the executor and injects it; the class travels by reference (module + name).
+        executor_class = get_executor_class(engine_args.executor_backend())
         self.proc = spawn.Process(target=run_engine_core, name="pagedserve-engine-core",
-                                  args=(engine_args_to_json(engine_args), self.addresses, self.token,
+                                  args=(engine_args_to_json(engine_args), executor_class, self.addresses, self.token,
                                         os.getpid(), log_level, self.paths.root))
         self.proc.start()
         try:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.core.errors import EngineOverloadedError
+from pagedserve.common.errors import EngineOverloadedError
 from pagedserve.frontend.core_client import EngineDeadError
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,15 +3,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.core.config import EngineConfig
+from pagedserve.common.config import EngineConfig
 from pagedserve.core.engine_core import EngineCore
-from pagedserve.core.errors import error_kind
+from pagedserve.common.errors import error_kind
+from pagedserve.executor.procs.backends import get_executor_class
 from pagedserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
 
 class InprocClient:
     def __init__(self, config: EngineConfig) -> None:
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, get_executor_class(config.parallel.distributed_executor_backend))
         self._rejected: list[EngineCoreOutput] = []
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Union
 
-from pagedserve.core.config import ModelConfig
-from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.common.config import ModelConfig
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.ipc.messages import EngineCoreRequest
 
 PromptType = Union[str, list[int], dict[str, Any]]

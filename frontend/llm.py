@@ -8,8 +8,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedserve.core.config import EngineArgs
-from pagedserve.core.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.common.config import EngineArgs
+from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.frontend.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.core.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.frontend.detokenizer import IncrementalDetokenizer
 from pagedserve.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.ipc.messages import EngineCoreOutput, LogprobsEntry

@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedserve.core.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
 
 
 class StrictModel(BaseModel):

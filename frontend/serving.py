@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.frontend.async_client import AsyncEngineClient
 from pagedserve.frontend.errors import classify, error_payload
 from pagedserve.frontend.input_processor import ProcessedPrompt

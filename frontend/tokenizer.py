@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from pagedserve.core.model_files import ModelSource
+from pagedserve.common.model_files import ModelSource
 
 logger = logging.getLogger(__name__)
 

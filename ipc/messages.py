@@ -5,7 +5,7 @@ from typing import Optional, Union
 
 import msgspec
 
-from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- frontend -> engine core
 

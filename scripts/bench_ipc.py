@@ -32,10 +32,10 @@ import msgspec
 import zmq
 
 from pagedserve.core.block_hash import BlockHasher
-from pagedserve.core.config import SchedulerConfig
+from pagedserve.common.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request
-from pagedserve.core.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.ipc.broadcast import BroadcastReader, BroadcastWriter
 from pagedserve.ipc.messages import (EngineCoreOutput, EngineCoreOutputs, ExecuteModel, ModelRunnerOutput,

@@ -32,7 +32,7 @@ PHASES = ("schedule", "update_states", "prepare_inputs", "stage_inputs", "model_
 
 
 def instrument(llm) -> tuple[StepProfile, list[int]]:
-    import pagedserve.executor.model_runner as mr
+    import pagedserve.executor.worker.model_runner as mr
     prof, steps = StepProfile(), [0]
     core = llm.engine
     runner = core.executor.worker.runner

@@ -91,7 +91,7 @@ class StepProfile:
 def run_pagedserve(args: argparse.Namespace) -> dict:
     import torch
     from pagedserve import LLM, SamplingParams
-    import pagedserve.executor.model_runner as mr
+    import pagedserve.executor.worker.model_runner as mr
 
     reqs = workload(args)
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
@@ -139,7 +139,7 @@ def _timed_generate(llm, reqs, args: argparse.Namespace, SamplingParams, profile
 def run_hf(args: argparse.Namespace) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
-    from pagedserve.core.model_files import resolve_model
+    from pagedserve.common.model_files import resolve_model
 
     source = resolve_model(args.model)
     dtype = getattr(torch, args.dtype)

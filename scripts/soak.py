@@ -151,7 +151,7 @@ def make_tiny_model(path: str) -> str:
     import torch
     import transformers
 
-    from pagedserve.core.model_files import resolve_model
+    from pagedserve.common.model_files import resolve_model
     from pagedserve.frontend.tokenizer import load_tokenizer
     config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=128, vocab_size=49152,

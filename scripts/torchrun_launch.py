@@ -17,8 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pagedserve.core.config import EngineArgs
-from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.common.config import EngineArgs
+from pagedserve.common.sampling_params import SamplingParams
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,7 +48,7 @@ def main() -> None:
         if dist.get_rank() == 0:
             _run_frontend(args, engine_args)
         else:
-            from pagedserve.executor.torchrun_executor import serve_torchrun_worker
+            from pagedserve.executor.procs.torchrun_executor import serve_torchrun_worker
             serve_torchrun_worker(EngineArgs(**engine_args).create_engine_config())
         # Tear down together: a rank that destroys its gloo group while a peer still uses it can die in
         # gloo's destructor and fail the job after all the work is done.

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from pagedserve.core.model_files import embedded_model_path
+from pagedserve.common.model_files import embedded_model_path
 
 # Two cores: keep torch from oversubscribing when tests start engine processes.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

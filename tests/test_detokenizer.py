@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.core.model_files import resolve_model
-from pagedserve.core.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.common.model_files import resolve_model
+from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.tokenizer import load_tokenizer
 from pagedserve.ipc.messages import EngineCoreOutput

@@ -12,7 +12,7 @@ import pytest
 import torch
 import zmq
 
-from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.ipc import messages as m
 from pagedserve.ipc.broadcast import BroadcastOverflowError, BroadcastReader, BroadcastWriter
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder

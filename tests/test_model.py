@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import hf_greedy, random_prompts
-from pagedserve.core.config import ModelConfig
-from pagedserve.core.model_files import load_hf_config, resolve_model
-from pagedserve.executor.model_loader import load_model
-from pagedserve.executor.models import get_model_class
-from pagedserve.executor.parallel_state import TPGroup
+from pagedserve.common.config import ModelConfig
+from pagedserve.common.model_files import load_hf_config, resolve_model
+from pagedserve.executor.model.model_loader import load_model
+from pagedserve.executor.model.models import get_model_class
+from pagedserve.executor.model.parallel_state import TPGroup
 from tiny_models import make_tiny_model, prefill_logits
 
 PROMPT_LEN = 40
@@ -186,7 +186,7 @@ def test_tp2_logits_equal_tp1(tmp_path):
 @pytest.mark.parametrize("tp_size,kv_heads", [(2, 2), (2, 4), (4, 2), (4, 1)])
 def test_qkv_rank_shards(tp_size, kv_heads):
     """Each rank gets its query heads and the KV head(s) those queries attend with (replicated if needed)."""
-    from pagedserve.executor.layers.linear import QKVParallelLinear
+    from pagedserve.executor.model.layers.linear import QKVParallelLinear
     heads, head_dim, hidden = 4, 3, 5
     full = {s: torch.randn(n * head_dim, hidden) for s, n in (("q", heads), ("k", kv_heads), ("v", kv_heads))}
     for rank in range(tp_size):
@@ -261,7 +261,7 @@ def test_gguf_tensor_reader_matches_stock_reader(tmp_path):
     """Our reader steps over metadata arrays (strings, nested) yet finds the same tensors as gguf's."""
     import gguf
     import numpy as np
-    from pagedserve.executor.model_loader import _tensor_reader
+    from pagedserve.executor.model.model_loader import _tensor_reader
     path = str(tmp_path / "synthetic.gguf")
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_string("general.name", "synthetic")
@@ -288,7 +288,7 @@ def test_gguf_tensor_reader_matches_stock_reader(tmp_path):
 
 def test_reverse_permute_undoes_llama_cpp_permute():
     import numpy as np
-    from pagedserve.executor.model_loader import reverse_permute
+    from pagedserve.executor.model.model_loader import reverse_permute
 
     def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:   # convert_hf_to_gguf.py's permute
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

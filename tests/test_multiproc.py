@@ -12,7 +12,7 @@ import pytest
 
 from conftest import random_prompts
 from pagedserve import LLM, SamplingParams
-from pagedserve.core.config import EngineArgs
+from pagedserve.common.config import EngineArgs
 from pagedserve.frontend.core_client import CoreProcess, EngineDeadError, SyncMPClient
 from pagedserve.ipc.messages import EngineCoreRequest
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.core.block_hash import BlockHasher
-from pagedserve.core.config import SchedulerConfig
+from pagedserve.common.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
 

@@ -29,11 +29,12 @@ import psutil
 import pytest
 import zmq
 
-from pagedserve.core.config import CORE_HEARTBEAT_INTERVAL_S, EngineArgs
+from pagedserve.common.config import CORE_HEARTBEAT_INTERVAL_S, EngineArgs
 from pagedserve.core.engine_core import EngineCore
-from pagedserve.core.sampling_params import SamplingParams
-from pagedserve.executor.heartbeat import heartbeat_interval
-from pagedserve.executor.multiproc_executor import WorkerDiedError
+from pagedserve.executor.procs.backends import get_executor_class
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.executor.procs.heartbeat import heartbeat_interval
+from pagedserve.executor.procs.multiproc_executor import WorkerDiedError
 from pagedserve.frontend.async_client import AsyncEngineClient
 from pagedserve.frontend.core_client import EngineDeadError
 from pagedserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest, UtilityCall
@@ -217,7 +218,7 @@ def test_sigstop_sole_worker_tp1(tiny_llama_dir):
     timeout_s = 2.0
     config = EngineArgs(model=tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, tensor_parallel_size=1,
                         distributed_executor_backend="mp", worker_heartbeat_timeout=timeout_s).create_engine_config()
-    core = EngineCore(config)
+    core = EngineCore(config, get_executor_class(config.parallel.distributed_executor_backend))
     worker = psutil.Process().children()[-1]
     roots = [core.executor.paths.root, core.executor.writer.paths.root]
     try:
@@ -300,7 +301,7 @@ def test_core_beats_live_clients_and_forgets_departed_ones(tiny_llama_dir, monke
     paths = IpcPaths("beat")
     addresses = core_proc.CoreAddresses(input=paths.new("in"), output=paths.new("out"), handshake="")
     ctx = zmq.Context()
-    proc = core_proc.EngineCoreProc(EngineCore(config), ctx, addresses, "tok")
+    proc = core_proc.EngineCoreProc(EngineCore(config, get_executor_class("uni")), ctx, addresses, "tok")
     runner = threading.Thread(target=proc.run, daemon=True)
     runner.start()
     live = core_client.SyncMPClient(addresses, "tok", heartbeat_timeout_s=3.0)

@@ -21,9 +21,10 @@ import psutil
 import pytest
 import zmq
 
-from pagedserve.core.config import EngineArgs
+from pagedserve.common.config import EngineArgs
 from pagedserve.core.engine_core import EngineCore
-from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.executor.procs.backends import get_executor_class
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.ipc import messages as m
 from pagedserve.ipc.serial import TENSOR_EXT, MsgpackDecoder, MsgpackEncoder
 from server_process import Server
@@ -221,7 +222,7 @@ def test_worker_channels_drop_bad_frames(tiny_llama_dir, capfd, caplog):
     """The core -> workers broadcast, and the workers -> core response and heartbeat sockets."""
     config = EngineArgs(model=tiny_llama_dir, dtype="float32", kv_cache_memory=0.02,
                         tensor_parallel_size=2).create_engine_config()
-    core = EngineCore(config)
+    core = EngineCore(config, get_executor_class(config.parallel.distributed_executor_backend))
     executor = core.executor
     try:
         def run(rid: str) -> list[int]:

@@ -17,10 +17,10 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from pagedserve.core.config import EngineConfig
-from pagedserve.executor.executor import Executor
-from pagedserve.executor.worker import Worker
-from pagedserve.executor.worker_proc import WORKER_METHODS
+from pagedserve.common.config import EngineConfig
+from pagedserve.executor.procs.executor import Executor
+from pagedserve.executor.worker.worker import Worker
+from pagedserve.executor.procs.worker_proc import WORKER_METHODS
 from pagedserve.ipc.messages import (ExecuteModel, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerInput,
                                      WorkerShutdown)
 

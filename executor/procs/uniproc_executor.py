@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.core.config import EngineConfig
-from pagedserve.executor.executor import Executor
-from pagedserve.executor.worker import Worker
+from pagedserve.common.config import EngineConfig
+from pagedserve.executor.procs.executor import Executor
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
 
 
@@ -14,6 +13,7 @@ class UniProcExecutor(Executor):
         super().__init__(config)
         if config.parallel.tensor_parallel_size != 1:
             raise ValueError("the in-process executor runs tensor_parallel_size=1 only")
+        from pagedserve.executor.worker.worker import Worker    # here, not at import: see backends.py
         self.worker = Worker(config, rank=0)
         self.worker.init_device()
         self.worker.load_model()

@@ -6,9 +6,9 @@ import os
 
 import torch
 
-from pagedserve.core.config import EngineConfig
-from pagedserve.executor.model_runner import ModelRunner
-from pagedserve.executor.parallel_state import TPGroup
+from pagedserve.common.config import EngineConfig
+from pagedserve.executor.worker.model_runner import ModelRunner
+from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class Worker:
         torch.manual_seed(self.config.model.seed)
 
     def load_model(self) -> None:
-        from pagedserve.executor.model_loader import load_model
+        from pagedserve.executor.model.model_loader import load_model
         model = load_model(self.config.model, self.tp)
         self.runner = ModelRunner(self.config, model, self.device, self.dtype)
 
@@ -65,7 +65,7 @@ class Worker:
     def _profile_gpu_blocks(self) -> int:
         """What is left of the utilization budget after weights, the peak of the largest mixed step and
         the memory the decode CUDA graphs will hold, measured with a throwaway one-block cache."""
-        from pagedserve.executor.profiling import dummy_prefill_batch, peak_step_bytes
+        from pagedserve.executor.worker.profiling import dummy_prefill_batch, peak_step_bytes
         assert self.runner is not None
         sched, cache, model = self.config.scheduler, self.config.cache, self.config.model
         self.runner.initialize_kv_cache(1)

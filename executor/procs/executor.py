@@ -4,27 +4,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from pagedserve.core.config import EngineConfig
+from pagedserve.common.config import EngineConfig
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-
-    @staticmethod
-    def get_class(config: EngineConfig) -> type["Executor"]:
-        backend = config.parallel.distributed_executor_backend
-        if backend == "uni":
-            from pagedserve.executor.uniproc_executor import UniProcExecutor
-            return UniProcExecutor
-        if backend == "mp":
-            from pagedserve.executor.multiproc_executor import MultiProcExecutor
-            return MultiProcExecutor
-        if backend == "torchrun":
-            from pagedserve.executor.torchrun_executor import TorchrunExecutor
-            return TorchrunExecutor
-        raise ValueError(f"distributed_executor_backend {backend!r} is not available")
 
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:

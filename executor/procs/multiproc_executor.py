@@ -12,11 +12,11 @@ from typing import Any
 import msgspec
 import zmq
 
-from pagedserve.core.config import EngineConfig
-from pagedserve.core.throttled_log import ThrottledLog
-from pagedserve.executor.executor import Executor
-from pagedserve.executor.heartbeat import HeartbeatWatch, heartbeat_interval
-from pagedserve.executor.worker_proc import run_worker
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.throttled_log import ThrottledLog
+from pagedserve.executor.procs.executor import Executor
+from pagedserve.executor.procs.heartbeat import HeartbeatWatch, heartbeat_interval
+from pagedserve.executor.procs.worker_proc import run_worker
 from pagedserve.ipc.broadcast import BroadcastWriter
 from pagedserve.ipc.messages import (ExecuteModel, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerResponse,
                                      WorkerShutdown)

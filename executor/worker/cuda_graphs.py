@@ -11,7 +11,7 @@ import time
 import torch
 from torch import nn
 
-from pagedserve.executor.step_buffers import StepBuffers
+from pagedserve.executor.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
 

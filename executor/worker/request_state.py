@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.core.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.ipc.messages import NewRequestData
 
 _MASK63 = (1 << 63) - 1

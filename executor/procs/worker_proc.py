@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import logging
 import signal
+from typing import Any
 
 import msgspec
 import zmq
 
-from pagedserve.core.config import EngineArgs
-from pagedserve.core.process_utils import describe_exception, setup_child_process
-from pagedserve.core.throttled_log import ThrottledLog
-from pagedserve.executor.heartbeat import HeartbeatSender
-from pagedserve.executor.worker import Worker
+from pagedserve.common.config import EngineArgs
+from pagedserve.common.process_utils import describe_exception, setup_child_process
+from pagedserve.common.throttled_log import ThrottledLog
+from pagedserve.executor.procs.heartbeat import HeartbeatSender
 from pagedserve.ipc.broadcast import BroadcastReader
 from pagedserve.ipc.messages import ExecuteModel, WorkerCall, WorkerInput, WorkerResponse, WorkerShutdown
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
@@ -39,6 +39,7 @@ def run_worker(args_json: bytes, rank: int, init_method: str, broadcast_handle: 
         sock.send_multipart(encoder.encode(resp), copy=False)
 
     try:
+        from pagedserve.executor.worker.worker import Worker    # here, not at import: see backends.py
         config = EngineArgs(**msgspec.json.decode(args_json)).create_engine_config()
         worker = Worker(config, rank=rank, distributed_init_method=init_method)
         worker.init_device()
@@ -55,7 +56,7 @@ def run_worker(args_json: bytes, rank: int, init_method: str, broadcast_handle: 
     raise SystemExit(code)
 
 
-def _serve(worker: Worker, reader: BroadcastReader, reply, rank: int) -> int:
+def _serve(worker: Any, reader: BroadcastReader, reply, rank: int) -> int:
     decoder = MsgpackDecoder(WorkerInput)
     while True:
         try:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.core.model_files import rope_settings
+from pagedserve.common.model_files import rope_settings
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.executor.parallel_state import TPGroup, split_evenly
+from pagedserve.executor.model.parallel_state import TPGroup, split_evenly
 from pagedserve.kernels import ops
 
 

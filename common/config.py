@@ -7,11 +7,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.core.model_files import ModelSource, load_hf_config, resolve_model
+from pagedserve.common.model_files import ModelSource, load_hf_config, resolve_model
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# "uni" (in-process) | "mp" (one process per rank) | "torchrun" (ranks started by torchrun)
+EXECUTOR_BACKENDS = ("uni", "mp", "torchrun")
 # The engine core sends every live client something at least this often, an empty message if idle.
 CORE_HEARTBEAT_INTERVAL_S = 1.0
 # A client that is listening sends the core something (a ping if nothing else) at least this often; the core
@@ -83,8 +85,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    # "uni" (in-process) | "mp" (one process per rank) | "torchrun" (ranks started by torchrun)
-    distributed_executor_backend: str = "uni"
+    distributed_executor_backend: str = "uni"     # one of EXECUTOR_BACKENDS
     # A worker process whose heartbeat thread is silent this long is hung (or SIGSTOPped): the engine
     # fails. The beat comes from its own thread, so a long step does not count against it.
     worker_heartbeat_timeout_s: float = 30.0
@@ -153,13 +154,16 @@ class EngineArgs:
             max_num_batched_tokens=batched, max_num_seqs=self.max_num_seqs, max_model_len=max_len,
             policy=self.scheduling_policy, enable_chunked_prefill=self.enable_chunked_prefill,
             max_waiting_requests=self.max_waiting_requests)
-        tp = self.tensor_parallel_size
-        backend = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
-        parallel = ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend,
+        parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                  distributed_executor_backend=self.executor_backend(),
                                   worker_heartbeat_timeout_s=float(self.worker_heartbeat_timeout))
         _check_parallel(parallel, model)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler, parallel=parallel,
                             source_args=dataclasses.asdict(self))
+
+    def executor_backend(self) -> str:
+        """The executor backend to build: the one asked for, else in-process for one rank."""
+        return self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "mp")
 
     def _validate(self) -> None:
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
@@ -184,8 +188,8 @@ class EngineArgs:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        if self.distributed_executor_backend not in (None, "uni", "mp", "torchrun"):
-            raise ValueError("distributed_executor_backend must be 'uni', 'mp' or 'torchrun', "
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                              f"got {self.distributed_executor_backend!r}")
 
     @classmethod

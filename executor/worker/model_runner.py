@@ -6,13 +6,13 @@ import logging
 import torch
 from torch import nn
 
-from pagedserve.core.config import EngineConfig
-from pagedserve.executor.cuda_graphs import CudaGraphRunner, capture_sizes
-from pagedserve.executor.input_prep import prepare_inputs
-from pagedserve.executor.request_state import CachedRequestState
-from pagedserve.executor.sampler import Sampler
-from pagedserve.executor.sampling_inputs import build_sampling_metadata
-from pagedserve.executor.step_buffers import PreparedBatch, StepBuffers
+from pagedserve.common.config import EngineConfig
+from pagedserve.executor.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from pagedserve.executor.worker.input_prep import prepare_inputs
+from pagedserve.executor.worker.request_state import CachedRequestState
+from pagedserve.executor.worker.sampler import Sampler
+from pagedserve.executor.worker.sampling_inputs import build_sampling_metadata
+from pagedserve.executor.worker.step_buffers import PreparedBatch, StepBuffers
 from pagedserve.ipc.messages import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)

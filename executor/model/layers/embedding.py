@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.executor.parallel_state import TPGroup
+from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.kernels import ops
 
 

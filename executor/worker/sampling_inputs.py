@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.executor.request_state import CachedRequestState
-from pagedserve.executor.sampling_metadata import SamplingMetadata
+from pagedserve.executor.worker.request_state import CachedRequestState
+from pagedserve.executor.worker.sampling_metadata import SamplingMetadata
 
 
 def build_sampling_metadata(states: list[CachedRequestState], eos_token_ids: tuple[int, ...],

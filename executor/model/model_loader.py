@@ -22,9 +22,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from pagedserve.core.config import ModelConfig
-from pagedserve.executor.models import get_model_class
-from pagedserve.executor.parallel_state import TPGroup
+from pagedserve.common.config import ModelConfig
+from pagedserve.executor.model.models import get_model_class
+from pagedserve.executor.model.parallel_state import TPGroup
 
 logger = logging.getLogger(__name__)
 

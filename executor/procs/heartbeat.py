@@ -12,7 +12,7 @@ import time
 
 import zmq
 
-from pagedserve.core.throttled_log import ThrottledLog
+from pagedserve.common.throttled_log import ThrottledLog
 from pagedserve.ipc.messages import WorkerHeartbeat
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from pagedserve.ipc.sockets import make_socket

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedserve.executor.sampling_metadata import SamplingMetadata
-from pagedserve.executor.step_buffers import HostBatch
+from pagedserve.executor.worker.sampling_metadata import SamplingMetadata
+from pagedserve.executor.worker.step_buffers import HostBatch
 
 
 def dummy_prefill_batch(num_tokens: int, num_seqs: int, max_model_len: int, block_size: int) -> HostBatch:

@@ -5,7 +5,7 @@ from typing import Any
 
 from torch import nn
 
-from pagedserve.executor.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+from pagedserve.executor.model.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                               Qwen3ForCausalLM)
 
 _BY_ARCHITECTURE: dict[str, type[nn.Module]] = {

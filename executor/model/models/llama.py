@@ -8,14 +8,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.executor.layers.activation import SiluAndMul
-from pagedserve.executor.layers.attention import PagedAttention
-from pagedserve.executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedserve.executor.layers.layernorm import RMSNorm
-from pagedserve.executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+from pagedserve.executor.model.layers.activation import SiluAndMul
+from pagedserve.executor.model.layers.attention import PagedAttention
+from pagedserve.executor.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.executor.model.layers.layernorm import RMSNorm
+from pagedserve.executor.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                                copy_weight)
-from pagedserve.executor.layers.rotary import get_rope
-from pagedserve.executor.parallel_state import TPGroup
+from pagedserve.executor.model.layers.rotary import get_rope
+from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.kernels import ops
 from pagedserve.kernels.metadata import AttentionMetadata
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.executor.sampling_metadata import SamplerOutput, SamplingMetadata
+from pagedserve.executor.worker.sampling_metadata import SamplerOutput, SamplingMetadata
 
 _NEG_INF = float("-inf")
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedserve.executor.request_state import CachedRequestState
-from pagedserve.executor.step_buffers import HostBatch
+from pagedserve.executor.worker.request_state import CachedRequestState
+from pagedserve.executor.worker.step_buffers import HostBatch
 
 
 def order_rows(states: dict[str, CachedRequestState], num_scheduled: dict[str, int]) -> list[str]:
