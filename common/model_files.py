@@ -1,10 +1,13 @@
 """Find a model's files and read its configuration (HF folder or GGUF file), without loading weights."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -165,3 +168,38 @@ def read_generation_config(source: ModelSource) -> dict[str, Any]:
         with open(path) as f:
             return json.load(f)
     return {}
+
+
+def cache_root() -> str:
+    return os.environ.get("PAGEDSERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve"))
+
+
+def tokenizer_folder(source: ModelSource, tokenizer: str | None = None) -> str:
+    """The folder a frontend loads the tokenizer from: --tokenizer, the HF folder, or for a GGUF file its
+    vocabulary converted once (~10 s) into a cache folder keyed by the file's identity. The engine core
+    resolves it at start-up and tells its frontends, so they never parse model files themselves."""
+    if tokenizer is not None:
+        return tokenizer
+    if source.format == "hf":
+        return source.path
+    stat = os.stat(source.path)
+    key = hashlib.sha256(f"{source.path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = os.path.join(cache_root(), "tokenizers", key)
+    if not os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+        _convert_gguf_tokenizer(source.path, cached)
+    return cached
+
+
+def _convert_gguf_tokenizer(path: str, cached: str) -> None:
+    from transformers import AutoTokenizer
+    logger.info("converting the GGUF tokenizer of %s (cached afterwards)", path)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    os.makedirs(os.path.dirname(cached), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(cached))
+    try:
+        tok.save_pretrained(tmp)
+        if os.path.exists(cached):     # a corrupt or partial entry: replace it
+            shutil.rmtree(cached, ignore_errors=True)
+        os.replace(tmp, cached)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)   # another process won the race; its copy is as good

@@ -3,17 +3,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import msgspec
 
 from pagedserve.core.block_hash import BlockHasher
-from pagedserve.common.config import EngineConfig
+from pagedserve.common.config import EngineArgs, EngineConfig
 from pagedserve.common.errors import EngineOverloadedError
+from pagedserve.common.model_files import tokenizer_folder
+from pagedserve.common.request_checks import check_prompt
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput,
-                                     SchedulerOutput)
+from pagedserve.ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo,
+                                     ModelRunnerOutput, SchedulerOutput)
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +48,14 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.block_hasher = BlockHasher(cache.block_size) if cache.enable_prefix_caching else None
         self.eos_token_ids = config.model.eos_token_ids
+        self._info: EngineInfo | None = None
         logger.info("engine core ready in %.1f s: %d KV blocks", time.perf_counter() - start, self.num_blocks)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs,
+                         executor_class: Callable[[EngineConfig], ExecutorLike]) -> "EngineCore":
+        """The core builds (and validates) its own configuration; callers hand it the user's knobs."""
+        return cls(args.create_engine_config(), executor_class)
 
     def _init_kv_cache(self) -> int:
         num_blocks = self.executor.determine_num_blocks()
@@ -63,7 +74,9 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         """Validate and queue a request; ValueError (naming the field) if it can never run,
         EngineOverloadedError if the waiting queue is full."""
-        max_tokens = self._validate(req)
+        model = self.config.model
+        max_tokens = check_prompt(req.prompt_token_ids, req.sampling_params.max_tokens, model.max_model_len,
+                                  model.vocab_size)
         bound = self.config.scheduler.max_waiting_requests
         if bound is not None and len(self.scheduler.waiting) >= bound:
             raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting "
@@ -71,25 +84,6 @@ class EngineCore:
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params, self.eos_token_ids,
                           max_tokens, self.block_hasher, req.arrival_time, req.priority, req.client_index)
         self.scheduler.add_request(request)
-
-    def _validate(self, req: EngineCoreRequest) -> int:
-        prompt_len = len(req.prompt_token_ids)
-        max_len = self.config.model.max_model_len
-        vocab = self.config.model.vocab_size
-        if prompt_len == 0:
-            raise ValueError("prompt must contain at least one token")
-        if any(not 0 <= t < vocab for t in req.prompt_token_ids):
-            raise ValueError(f"prompt_token_ids must be in [0, {vocab}) for this model")
-        if prompt_len >= max_len:
-            raise ValueError(f"prompt is {prompt_len} tokens, but max_model_len is {max_len}: "
-                             "it leaves no room to generate")
-        max_tokens = req.sampling_params.max_tokens
-        if max_tokens is None:
-            return max_len - prompt_len
-        if prompt_len + max_tokens > max_len:
-            raise ValueError(f"max_tokens ({max_tokens}) plus the prompt ({prompt_len} tokens) exceeds "
-                             f"max_model_len ({max_len})")
-        return max_tokens
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -110,6 +104,34 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---------------------------------------------------------------- what clients may ask
+
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            cfg = self.config
+            self._info = EngineInfo(
+                served_model_name=cfg.model.served_model_name, model_path=cfg.model.source.path,
+                tokenizer=tokenizer_folder(cfg.model.source, cfg.model.tokenizer),
+                max_model_len=cfg.model.max_model_len, vocab_size=cfg.model.vocab_size,
+                eos_token_ids=list(cfg.model.eos_token_ids),
+                max_waiting_requests=cfg.scheduler.max_waiting_requests, block_size=cfg.cache.block_size,
+                num_blocks=self.num_blocks)
+        return self._info
+
+    def call_utility(self, method: str, args: Sequence[Any] = ()) -> Any:
+        """The one table of what a client may call by name (in-process or over the socket); results are
+        plain data, ready for msgpack."""
+        handlers: dict[str, Callable[..., Any]] = {
+            "ping": lambda: "pong",
+            "reset_prefix_cache": self.reset_prefix_cache,
+            "get_stats": lambda: msgspec.to_builtins(self.scheduler.make_stats()),
+            "get_engine_info": lambda: msgspec.to_builtins(self.info()),
+        }
+        handler = handlers.get(method)
+        if handler is None:
+            raise ValueError(f"unknown utility method {method!r} (allowed: {', '.join(handlers)})")
+        return handler(*args)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

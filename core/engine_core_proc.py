@@ -32,8 +32,6 @@ from pagedserve.ipc.sockets import IPC_ROOT_ENV, make_socket
 
 logger = logging.getLogger(__name__)
 
-# Utility methods a client may call by name; nothing else is reachable.
-UTILITY_METHODS = ("ping", "reset_prefix_cache", "get_stats", "get_engine_args")
 _POLL_MS = 100
 # Bigger frames are refused by ZeroMQ before they are buffered (the peer is disconnected); a request at
 # any max_model_len this engine serves is far smaller.
@@ -68,7 +66,7 @@ def run_engine_core(args_json: bytes, executor_class: Callable[[EngineConfig], E
     handshake = make_socket(ctx, addresses.handshake, zmq.PUSH, bind=False)
     encoder = MsgpackEncoder()
     try:
-        core = EngineCore(engine_args_from_json(args_json).create_engine_config(), executor_class)
+        core = EngineCore.from_engine_args(engine_args_from_json(args_json), executor_class)
     except BaseException as exc:  # the parent needs the reason, whatever it is
         logger.error("engine core failed to start: %s", exc)
         handshake.send_multipart(encoder.encode(EngineStartupFailed(error=describe_exception(exc))))
@@ -76,10 +74,7 @@ def run_engine_core(args_json: bytes, executor_class: Callable[[EngineConfig], E
         ctx.term()
         raise SystemExit(1)
     proc = EngineCoreProc(core, ctx, addresses, token)
-    cfg = core.config
-    handshake.send_multipart(encoder.encode(EngineReady(
-        num_blocks=core.num_blocks, max_model_len=cfg.model.max_model_len, vocab_size=cfg.model.vocab_size,
-        block_size=cfg.cache.block_size)))
+    handshake.send_multipart(encoder.encode(EngineReady(info=core.info())))
     handshake.close(linger=2000)
     code = proc.run()
     raise SystemExit(code)
@@ -178,16 +173,10 @@ class EngineCoreProc:
 
     def _utility(self, client: bytes, call: UtilityCall) -> None:
         result = UtilityResult(call_id=call.call_id)
-        if call.method == "ping":
-            result.result = "pong"
-        elif call.method == "reset_prefix_cache":
-            result.result = self.core.reset_prefix_cache()
-        elif call.method == "get_engine_args":
-            result.result = self.core.config.source_args
-        elif call.method == "get_stats":
-            result.result = msgspec.to_builtins(self.core.scheduler.make_stats())
-        else:
-            result.error = f"unknown utility method {call.method!r} (allowed: {', '.join(UTILITY_METHODS)})"
+        try:
+            result.result = self.core.call_utility(call.method, call.args)
+        except Exception as exc:    # a client's bad call must not take the core down
+            result.error = str(exc)
         self.outputs.put((client, EngineCoreOutputs(utility_results=[result])))
 
     def _send(self, outputs: EngineCoreOutputs) -> None:

@@ -6,7 +6,9 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from pagedserve.common.errors import EngineOverloadedError
 from pagedserve.frontend.async_client import AsyncEngineClient
+from pagedserve.frontend.metrics import Metrics
 
 
 class Admission:
@@ -14,22 +16,28 @@ class Admission:
     (shared by every client). The core enforces the queue bound exactly when a request arrives; the
     check here, on the core's last reported queue length, answers before a stream has sent its 200."""
 
-    def __init__(self, engine: AsyncEngineClient, max_concurrent: int | None) -> None:
+    def __init__(self, engine: AsyncEngineClient, max_concurrent: int | None, metrics: Metrics) -> None:
         self.engine = engine
         self.max_concurrent = max_concurrent
-        self.max_waiting = engine.config.scheduler.max_waiting_requests
+        self.max_waiting = engine.info.max_waiting_requests
+        self.metrics = metrics
         self.in_flight = 0
 
-    def refusal(self) -> tuple[str, str] | None:
-        """(reason, message) if a new request must be refused now, else None."""
+    def check(self) -> None:
+        """EngineOverloadedError (HTTP 429) if a new request must be refused now."""
         if self.max_concurrent is not None and self.in_flight >= self.max_concurrent:
-            return "concurrency", (f"this server already has {self.in_flight} requests in flight "
-                                   f"(max_concurrent_requests={self.max_concurrent}); retry later")
+            self.count_refusal("concurrency")
+            raise EngineOverloadedError(f"this server already has {self.in_flight} requests in flight "
+                                        f"(max_concurrent_requests={self.max_concurrent}); retry later")
         stats = self.engine.last_stats
         if self.max_waiting is not None and stats is not None and stats.num_waiting >= self.max_waiting:
-            return "queue", (f"{stats.num_waiting} requests are already waiting "
-                             f"(max_waiting_requests={self.max_waiting}); retry later")
-        return None
+            self.count_refusal("queue")
+            raise EngineOverloadedError(f"{stats.num_waiting} requests are already waiting "
+                                        f"(max_waiting_requests={self.max_waiting}); retry later")
+
+    def count_refusal(self, reason: str) -> None:
+        """reason: "concurrency" (this server's in-flight bound) or "queue" (the engine's waiting bound)."""
+        self.metrics.rejected.labels(self.metrics.model, reason).inc()
 
     def enter(self) -> Callable[[], None]:
         """Count one request in; the returned function counts it out (calling it again does nothing)."""

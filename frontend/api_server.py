@@ -1,28 +1,28 @@
-"""The OpenAI-compatible HTTP API (FastAPI) over one AsyncEngineClient."""
+"""The OpenAI-compatible HTTP API (FastAPI) over one AsyncEngineClient: routes and error mapping only.
+
+Generation endpoints hand over to OpenAIServing at once; the small endpoints answer here from the engine's
+narrow face (`info`, `tokenize`, `render_chat`, `detokenize`, `check_health`, `last_stats`).
+"""
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.common.errors import EngineOverloadedError
 from pagedserve.common.version import __version__
-from pagedserve.frontend.admission import Admission, CountedStreamingResponse
+from pagedserve.frontend.admission import Admission
 from pagedserve.frontend.async_client import AsyncEngineClient
 from pagedserve.frontend.core_client import EngineDeadError
-from pagedserve.frontend.errors import classify, error_payload
+from pagedserve.frontend.errors import ModelNotFoundError, classify, error_payload
 from pagedserve.frontend.http_guards import ApiKeyMiddleware, BodyLimitMiddleware
 from pagedserve.frontend.metrics import Metrics
 from pagedserve.frontend.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           ModelCard, ModelList, TokenizeRequest)
-from pagedserve.frontend.serving import OpenAIServing, run_until_disconnect
+from pagedserve.frontend.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +48,17 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
     return JSONResponse(status_code=status, content=error_payload(status, message, kind, param), headers=headers)
 
 
-def _status_for(exc: BaseException, retry_after_s: int = 1) -> JSONResponse:
+def response_for(exc: BaseException, retry_after_s: int) -> JSONResponse:
+    """The HTTP answer to an exception raised while handling a request."""
     status, kind = classify(exc)
     if status == 429:
         return error_response(429, str(exc), kind, retry_after_s=retry_after_s)
     if status == 503:
         return error_response(503, f"the engine is not available: {exc}", kind)
+    if status == 404:
+        return error_response(404, str(exc), kind, "model")
     if status == 400:
-        message = str(exc)
+        message = str(exc)      # validation messages start with the field they are about
         param = message.split(" ", 1)[0].rstrip(":") if message else None
         return error_response(400, message, kind, param)
     logger.error("internal error", exc_info=exc)
@@ -64,85 +67,25 @@ def _status_for(exc: BaseException, retry_after_s: int = 1) -> JSONResponse:
 
 def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="pagedserve", version=__version__)
-    serving = OpenAIServing(engine, settings.served_model_name)
     metrics = Metrics(settings.served_model_name)
     engine.finished_hooks.append(metrics.observe_finished)
-    admission = Admission(engine, settings.max_concurrent_requests)
+    admission = Admission(engine, settings.max_concurrent_requests, metrics)
+    serving = OpenAIServing(engine, settings.served_model_name, admission)
     app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
-
-    # The last added runs first: the key is checked before any of the body is read.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=OPEN_PATHS)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
-        return error_response(400, message, "invalid_request_error", loc or None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # Routing and body-parsing errors (404, 405, undecodable body) get OpenAI's error shape too.
-        kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), kind)
-
-    @app.exception_handler(ValueError)
-    async def on_bad_value(_: Request, exc: ValueError) -> JSONResponse:
-        # Registered for ValueError itself, so it is answered without the traceback Exception handlers log.
-        return _status_for(exc)
-
-    @app.exception_handler(Exception)
-    async def on_error(_: Request, exc: Exception) -> JSONResponse:
-        return _status_for(exc)
-
-    def check_model(model: str | None) -> JSONResponse | None:
-        if model is not None and model != settings.served_model_name:
-            return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-        return None
-
-    def refuse(reason: str, message: str) -> JSONResponse:
-        metrics.rejected.labels(settings.served_model_name, reason).inc()
-        return error_response(429, message, "overloaded_error", retry_after_s=settings.retry_after_s)
-
-    async def respond(request: Request, body: Any, make_jobs, full, stream) -> Response:
-        if (bad := check_model(body.model)) is not None:
-            return bad
-        try:
-            rid, jobs = await engine.run_tokenizer(make_jobs, body)
-        except (ValueError, ValidationError) as exc:
-            return _status_for(ValueError(str(exc)))
-        if engine.is_dead:
-            return _status_for(EngineDeadError(engine.client.dead or "engine is dead"))
-        if (refused := admission.refusal()) is not None:
-            return refuse(*refused)
-        leave = admission.enter()
-        if body.stream:
-            return CountedStreamingResponse(stream(body, jobs, rid), leave, media_type="text/event-stream")
-        try:
-            return JSONResponse(await run_until_disconnect(full(body, jobs, rid), request.is_disconnected))
-        except asyncio.CancelledError:
-            return Response(status_code=499)
-        except EngineOverloadedError as exc:
-            return refuse("queue", str(exc))
-        except Exception as exc:
-            return _status_for(exc, settings.retry_after_s)
-        finally:
-            leave()
+    _add_guards_and_handlers(app, settings)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await respond(request, body, serving.completion_jobs, serving.completion, serving.completion_stream)
+        return await serving.completions(body, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        return await respond(request, body, serving.chat_job, serving.chat, serving.chat_stream)
+        return await serving.chat(body, request)
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = ModelCard(id=settings.served_model_name, root=engine.model_config.source.path,
-                         max_model_len=engine.model_config.max_model_len)
+        info = engine.info
+        card = ModelCard(id=settings.served_model_name, root=info.model_path, max_model_len=info.max_model_len)
         return ModelList(data=[card]).model_dump()
 
     @app.get("/health")
@@ -164,26 +107,55 @@ def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
-        if (bad := check_model(body.model)) is not None:
-            return bad
+        serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
-            return error_response(400, "give exactly one of prompt or messages", "invalid_request_error", "prompt")
+            raise ValueError("prompt: give exactly one of prompt or messages")
         if body.messages is not None:
             messages = ChatCompletionRequest(messages=body.messages).text_messages()
-            prompt = await engine.run_tokenizer(engine.input_processor.apply_chat_template, messages,
-                                                body.add_generation_prompt)
-            tokens = prompt.prompt_token_ids
+            prompt = await engine.render_chat(messages, body.add_generation_prompt)
         else:
-            tokens = await engine.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len})
+            prompt = await engine.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = prompt.prompt_token_ids
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.info.max_model_len})
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
-        if (bad := check_model(body.model)) is not None:
-            return bad
-        vocab = engine.model_config.vocab_size
+        serving.check_model(body.model)
+        vocab = engine.info.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
-            return error_response(400, f"tokens must be in [0, {vocab})", "invalid_request_error", "tokens")
-        return JSONResponse({"prompt": await engine.run_tokenizer(engine.tokenizer.decode, body.tokens)})
+            raise ValueError(f"tokens must be in [0, {vocab})")
+        return JSONResponse({"prompt": await engine.detokenize(body.tokens)})
 
     return app
+
+
+def _add_guards_and_handlers(app: FastAPI, settings: ServerSettings) -> None:
+    # The last added runs first: the key is checked before any of the body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=OPEN_PATHS)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
+        return error_response(400, message, "invalid_request_error", loc or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Routing and body-parsing errors (404, 405, undecodable body) get OpenAI's error shape too.
+        kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), kind)
+
+    async def expected(_: Request, exc: Exception) -> JSONResponse:
+        return response_for(exc, settings.retry_after_s)
+
+    # Registered per class, so these expected errors are answered without the traceback that Starlette's
+    # catch-all Exception handler logs (and re-raises).
+    for cls in (ValueError, ModelNotFoundError, EngineDeadError):
+        app.add_exception_handler(cls, expected)
+
+    @app.exception_handler(Exception)
+    async def on_error(_: Request, exc: Exception) -> JSONResponse:
+        return response_for(exc, settings.retry_after_s)

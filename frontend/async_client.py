@@ -1,4 +1,9 @@
-"""AsyncEngineClient: the asyncio API over an engine core process (its own, or a running daemon's)."""
+"""AsyncEngineClient: the asyncio API over an engine core process (its own, or a running daemon's).
+
+Its face is narrow on purpose: the HTTP layer (and any Python caller) uses `info` (the engine's limits and
+names, as the core told them), `tokenize`, `render_chat`, `detokenize`, `prepare` + `stream` (or
+`generate`, which is both), `abort`, `is_dead`, `check_health`, `last_stats` and `finished_hooks`.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -10,26 +15,29 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from pagedserve.common.config import CORE_HEARTBEAT_INTERVAL_S, EngineArgs, EngineConfig
+import msgspec
+
+from pagedserve.common.config import CORE_HEARTBEAT_INTERVAL_S, EngineArgs
 from pagedserve.common.errors import OVERLOADED, EngineOverloadedError
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.frontend.core_client import AsyncMPClient, CoreProcess, EngineDeadError
-from pagedserve.frontend.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from pagedserve.frontend.core_client import AsyncMPClient, CoreProcess, EngineDeadError, split_engine_address
+from pagedserve.frontend.input_processor import InputProcessor, PreparedRequest, ProcessedPrompt, PromptType
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.tokenizer import load_tokenizer
+from pagedserve.ipc.messages import EngineInfo, SchedulerStats
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig, client: AsyncMPClient) -> None:
-        self.config = config
-        self.model_config = config.model
+    def __init__(self, info: EngineInfo, client: AsyncMPClient, chat_template: str | None = None) -> None:
+        """info: what the engine core said about itself; chat_template: used instead of the tokenizer's."""
+        self.info = info
         self.client = client
-        self.tokenizer = load_tokenizer(config.model.source, config.model.tokenizer)
-        self.input_processor = InputProcessor(self.tokenizer, config.model)
+        self.tokenizer = load_tokenizer(info.tokenizer)
+        self.input_processor = InputProcessor(self.tokenizer, info, chat_template)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Tokenizing a multi-MiB prompt takes seconds; on the event loop it would stall every stream.
         # One thread: calls stay serialized, as they were on the loop.
@@ -39,8 +47,7 @@ class AsyncEngineClient:
         self._handler: asyncio.Task | None = None
         self._connected = False
         self._connect_lock: asyncio.Lock | None = None
-        self._utility: dict[int, asyncio.Future] = {}
-        self.last_stats = None
+        self.last_stats: SchedulerStats | None = None
         # Called with every finished RequestOutput and its total generated tokens (metrics).
         self.finished_hooks: list[Callable[[RequestOutput, int], None]] = []
         self._prefix = uuid.uuid4().hex[:8]
@@ -49,12 +56,12 @@ class AsyncEngineClient:
     # ---------------------------------------------------------------- construction
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, log_level: int = logging.INFO) -> "AsyncEngineClient":
+    def from_engine_args(cls, args: EngineArgs, log_level: int = logging.INFO,
+                         chat_template: str | None = None) -> "AsyncEngineClient":
         """Start an engine core process (and its workers) owned by this client."""
-        config = args.create_engine_config()
         proc = CoreProcess(args, log_level)
-        return cls(config, AsyncMPClient(proc.addresses, proc.token, proc,
-                                         heartbeat_timeout_s=args.engine_heartbeat_timeout))
+        client = AsyncMPClient(proc.addresses, proc.token, proc, heartbeat_timeout_s=args.engine_heartbeat_timeout)
+        return cls(proc.info, client, chat_template)
 
     @classmethod
     async def connect(cls, address: str, token: str, timeout_s: float = 30.0,
@@ -64,7 +71,6 @@ class AsyncEngineClient:
         for heartbeat_timeout_s (stopped, killed, unreachable) fails every pending request with
         EngineDeadError."""
         from pagedserve.core.engine_core_proc import CoreAddresses
-        from pagedserve.frontend.core_client import split_engine_address
         if not heartbeat_timeout_s >= 2 * CORE_HEARTBEAT_INTERVAL_S:
             raise ValueError(f"heartbeat_timeout_s must be >= {2 * CORE_HEARTBEAT_INTERVAL_S:g} s (the core "
                              f"beats every {CORE_HEARTBEAT_INTERVAL_S:g} s), got {heartbeat_timeout_s!r}")
@@ -72,53 +78,62 @@ class AsyncEngineClient:
         client = AsyncMPClient(CoreAddresses(input=inp, output=out, handshake=""), token,
                                heartbeat_timeout_s=heartbeat_timeout_s)
         try:
-            source_args = await _first_answer(client, "get_engine_args", timeout_s)
-            source_args = dict(source_args)
+            info = msgspec.convert(await client.call_utility("get_engine_info", timeout_s=timeout_s), EngineInfo)
         except BaseException:
             client.close()
             raise
-        source_args["distributed_executor_backend"] = None
-        source_args["tensor_parallel_size"] = 1     # only the model/tokenizer settings matter here
-        config = EngineArgs(**source_args).create_engine_config()
-        return cls(config, client)
+        engine = cls(info, client)
+        engine._connected = True
+        return engine
+
+    # ---------------------------------------------------------------- the narrow face
 
     @property
     def is_dead(self) -> bool:
         return self.client.dead is not None
 
-    async def _ensure_handler(self) -> None:
-        if self._handler is not None and not self._handler.done():
-            return
-        if self._connect_lock is None:
-            self._connect_lock = asyncio.Lock()
-        async with self._connect_lock:
-            if not self._connected:
-                # Outputs for a peer the core's output socket has not seen yet would be lost.
-                await _first_answer(self.client, "ping", 30.0)
-                self._connected = True
-            if self._handler is None or self._handler.done():
-                self._handler = asyncio.get_running_loop().create_task(self._output_loop())
+    async def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
+        """A text, token-id or dict prompt as token ids (on the tokenizer thread)."""
+        return await self._run_tokenizer(self.input_processor.parse_prompt, prompt, add_special_tokens)
 
-    # ---------------------------------------------------------------- requests
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                          template_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
+        return await self._run_tokenizer(self.input_processor.apply_chat_template, messages,
+                                         add_generation_prompt, template_kwargs=template_kwargs)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self._run_tokenizer(self.tokenizer.decode, token_ids)
+
+    def prepare(self, prompt: ProcessedPrompt, sampling_params: SamplingParams, request_id: str | None = None,
+                priority: int = 0) -> PreparedRequest:
+        """Validate against the engine's limits and fan out n > 1: a bad request fails here, before a
+        stream has answered anything."""
+        rid = request_id or f"{self._prefix}-{next(self._ids)}"
+        if rid in self._queues:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        return self.input_processor.make_requests(rid, prompt, sampling_params, priority)
 
     async def generate(self, prompt: PromptType | ProcessedPrompt, sampling_params: SamplingParams,
                        request_id: str | None = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         """Yield RequestOutputs as tokens arrive; leaving the generator early aborts the request."""
+        parsed = prompt if isinstance(prompt, ProcessedPrompt) else await self.tokenize(prompt)
+        async for out in self.stream(self.prepare(parsed, sampling_params, request_id, priority)):
+            yield out
+
+    async def stream(self, prepared: PreparedRequest) -> AsyncGenerator[RequestOutput, None]:
+        """Run a prepared request; leaving the generator early aborts it."""
         await self._ensure_handler()
-        rid = request_id or f"{self._prefix}-{next(self._ids)}"
+        rid = prepared.request_id
         if rid in self._queues:
             raise ValueError(f"request_id {rid!r} is already in use")
-        parsed = prompt if isinstance(prompt, ProcessedPrompt) else \
-            await self.run_tokenizer(self.input_processor.parse_prompt, prompt)
-        child_ids, requests = self.input_processor.make_requests(rid, parsed, sampling_params, priority)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = queue
-        self._children[rid] = child_ids
-        self.output_processor.add_request(rid, parsed.prompt, parsed.prompt_token_ids, child_ids,
-                                          [r.sampling_params for r in requests])
+        self._children[rid] = prepared.child_ids
+        self.output_processor.add_request(rid, prepared.prompt.prompt, prepared.prompt.prompt_token_ids,
+                                          prepared.child_ids, [r.sampling_params for r in prepared.requests])
         finished = False
         try:
-            for request in requests:
+            for request in prepared.requests:
                 await self.client.add_request(request)
             while True:
                 item = await queue.get()
@@ -144,13 +159,40 @@ class AsyncEngineClient:
             await self.client.abort_requests(children)
             queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
 
+    async def check_health(self) -> None:
+        if self.is_dead:
+            raise EngineDeadError(self.client.dead)
+        await self.client.call_utility("ping", timeout_s=5.0)
+
+    async def call_utility(self, method: str, *args: Any, timeout_s: float = 10.0) -> Any:
+        return await self.client.call_utility(method, *args, timeout_s=timeout_s)
+
+    def shutdown(self) -> None:
+        if self._handler is not None:
+            self._handler.cancel()
+        self._fail_all(EngineDeadError("the client was shut down"))
+        self.client.close()
+        self._tokenizer_pool.shutdown(wait=False)
+
+    # ---------------------------------------------------------------- outputs
+
+    async def _ensure_handler(self) -> None:
+        if self._handler is not None and not self._handler.done():
+            return
+        if self._connect_lock is None:
+            self._connect_lock = asyncio.Lock()
+        async with self._connect_lock:
+            if not self._connected:
+                # Outputs for a peer the core's output socket has not seen yet would be lost.
+                await self.client.call_utility("ping", timeout_s=30.0)
+                self._connected = True
+            if self._handler is None or self._handler.done():
+                self._handler = asyncio.get_running_loop().create_task(self._output_loop())
+
     async def _output_loop(self) -> None:
         try:
             while True:
                 outputs = await self.client.get_output()
-                if outputs is None:
-                    continue
-                self._dispatch_utility(outputs.utility_results)
                 if outputs.scheduler_stats is not None:
                     self.last_stats = outputs.scheduler_stats
                 # Chunks keep one huge batch from holding the event loop for long.
@@ -186,51 +228,12 @@ class AsyncEngineClient:
     def _fail_all(self, exc: BaseException) -> None:
         for queue in self._queues.values():
             queue.put_nowait(exc)
-        for fut in self._utility.values():
-            if not fut.done():
-                fut.set_exception(exc)
 
-    def _dispatch_utility(self, results: list) -> None:
-        for result in results:
-            fut = self._utility.pop(result.call_id, None)
-            if fut is not None and not fut.done():
-                if result.error:
-                    fut.set_exception(RuntimeError(result.error))
-                else:
-                    fut.set_result(result.result)
-
-    async def call_utility(self, method: str, *args: Any, timeout_s: float = 10.0) -> Any:
-        await self._ensure_handler()
-        call_id = await self.client.send_utility(method, *args)
-        fut = asyncio.get_running_loop().create_future()
-        self._utility[call_id] = fut
-        try:
-            return await asyncio.wait_for(fut, timeout_s)
-        finally:
-            self._utility.pop(call_id, None)
-
-    # ---------------------------------------------------------------- helpers
-
-    async def run_tokenizer(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def _run_tokenizer(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """fn(*args, **kwargs) on the tokenizer thread: for tokenizer-bound work (encoding, chat templates,
         decoding long id lists), so the event loop keeps streaming meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool,
                                                                 functools.partial(fn, *args, **kwargs))
-
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self.run_tokenizer(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
-
-    async def check_health(self) -> None:
-        if self.is_dead:
-            raise EngineDeadError(self.client.dead)
-        await self.call_utility("ping", timeout_s=5.0)
-
-    def shutdown(self) -> None:
-        if self._handler is not None:
-            self._handler.cancel()
-        self._fail_all(EngineDeadError("the client was shut down"))
-        self.client.close()
-        self._tokenizer_pool.shutdown(wait=False)
 
 
 def _request_error(out: RequestOutput, engine_dead: bool) -> Exception:
@@ -241,20 +244,3 @@ def _request_error(out: RequestOutput, engine_dead: bool) -> Exception:
     if out.error_kind == OVERLOADED:
         return EngineOverloadedError(out.error)
     return ValueError(out.error)
-
-
-async def _first_answer(client: AsyncMPClient, method: str, timeout_s: float) -> Any:
-    """Call a utility before the output loop runs, resending until the core's output socket knows us."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while loop.time() < deadline:
-        call_id = await client.send_utility(method)
-        resend_at = loop.time() + 0.5
-        while loop.time() < resend_at:
-            out = await client.get_output(timeout_s=0.1)
-            for result in (out.utility_results if out else ()):
-                if result.call_id == call_id:
-                    if result.error:
-                        raise RuntimeError(result.error)
-                    return result.result
-    raise TimeoutError(f"no answer from the engine core within {timeout_s} s (wrong address or token?)")

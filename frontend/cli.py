@@ -90,7 +90,6 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"engine-serve: --{flag.replace('_', '-')} {getattr(ns, flag)!r} is not a file")
     try:
         args = engine_args_from(ns)
-        args.create_engine_config()          # fail fast, in this process, on bad flags or model paths
         chat_template = load_chat_template(ns.chat_template) if ns.chat_template else None
     except ValueError as exc:
         sys.exit(f"engine-serve: {exc}")
@@ -107,13 +106,14 @@ def serve(args: EngineArgs, ns: argparse.Namespace, level: int, chat_template: s
     # uvicorn re-raises the SIGTERM it handled once it has shut down; as an exception it unwinds through
     # the finally below (SIGINT already does), so the engine core and its ipc folder go too.
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    proc = CoreProcess(args, level, address=ns.engine_address, token=ns.engine_token)
+    try:
+        proc = CoreProcess(args, level, address=ns.engine_address, token=ns.engine_token)
+    except (RuntimeError, TimeoutError) as exc:     # the engine core could not start (bad flags, model): it said why
+        sys.exit(f"engine-serve: {exc}")
     client = AsyncMPClient(proc.addresses, proc.token, proc, heartbeat_timeout_s=args.engine_heartbeat_timeout)
-    engine = AsyncEngineClient(args.create_engine_config(), client)
-    if chat_template is not None:
-        engine.tokenizer.chat_template = chat_template     # before serving starts: never changes after
+    engine = AsyncEngineClient(proc.info, client, chat_template)
     _announce(proc, bool(ns.engine_token))
-    settings = ServerSettings(served_model_name=engine.model_config.served_model_name, api_key=ns.api_key,
+    settings = ServerSettings(served_model_name=proc.info.served_model_name, api_key=ns.api_key,
                               max_body_bytes=ns.max_body_bytes,
                               max_concurrent_requests=ns.max_concurrent_requests)
     app = build_app(engine, settings)

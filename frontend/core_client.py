@@ -1,6 +1,7 @@
 """Clients of an engine core process: start and supervise it, send requests, receive outputs."""
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import multiprocessing
@@ -17,7 +18,7 @@ from pagedserve.common.config import CLIENT_KEEPALIVE_S, CORE_HEARTBEAT_INTERVAL
 from pagedserve.core.engine_core_proc import CoreAddresses, engine_args_to_json, run_engine_core
 from pagedserve.executor.procs.backends import get_executor_class
 from pagedserve.ipc.messages import (AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineHandshake,
-                                     EngineReady, EngineStartupFailed, UtilityCall)
+                                     EngineReady, EngineStartupFailed, UtilityCall, UtilityResult)
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from pagedserve.ipc.sockets import IpcPaths, cleanup_ipc_path, make_socket
 
@@ -25,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_STARTUP_TIMEOUT", "900"))
 _POLL_MS = 100
+# A utility call is re-sent this often until answered: the core's output socket drops replies to a peer it
+# has not seen yet, so the first call of a new client may be lost (the repeat is harmless: calls are reads
+# or idempotent).
+UTILITY_RESEND_S = 0.5
 
 
 class EngineDeadError(RuntimeError):
@@ -66,7 +71,7 @@ class CoreProcess:
                                         os.getpid(), log_level, self.paths.root))
         self.proc.start()
         try:
-            self.ready = self._wait_ready(handshake)
+            self.info = self._wait_ready(handshake).info
         except BaseException:
             self.shutdown()
             raise
@@ -150,6 +155,19 @@ class _ClientBase:
                              "hung or unreachable")
         self._check_alive()
 
+    def _utility_call(self, method: str, args: tuple[Any, ...]) -> UtilityCall:
+        return UtilityCall(next(self._call_ids), method, list(args))
+
+    @staticmethod
+    def _answer(results: list[UtilityResult], call_id: int) -> UtilityResult | None:
+        return next((r for r in results if r.call_id == call_id), None)
+
+    @staticmethod
+    def _unwrap(result: UtilityResult) -> Any:
+        if result.error:
+            raise RuntimeError(result.error)
+        return result.result
+
     def _decode(self, frames: list) -> EngineCoreOutputs:
         self._heard_at = self._listened_at = time.monotonic()
         outputs = self.decoder.decode(frames)
@@ -171,15 +189,11 @@ class SyncMPClient(_ClientBase):
         self._wait_connected()
 
     def _wait_connected(self, timeout_s: float = 30.0) -> None:
-        # A reply to a peer the core's output ROUTER has not seen yet is dropped: ping until one returns.
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                self.call_utility("ping", timeout_s=0.5)
-                return
-            except TimeoutError:
-                continue
-        raise TimeoutError(f"could not reach the engine core at {self.addresses.input} within {timeout_s} s")
+        try:
+            self.call_utility("ping", timeout_s=timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"could not reach the engine core at {self.addresses.input} within {timeout_s} s") \
+                from None
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()
@@ -207,21 +221,20 @@ class SyncMPClient(_ClientBase):
         return None
 
     def call_utility(self, method: str, *args: Any, timeout_s: float = 30.0) -> Any:
-        call_id = next(self._call_ids)
-        self._check_alive()
-        self.input.send_multipart(self._frames(UtilityCall(call_id, method, list(args))), copy=False)
+        call = self._utility_call(method, args)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            out = self._recv(timeout_s=min(_POLL_MS / 1000, timeout_s))
-            if out is None:
-                continue
-            for result in out.utility_results:
-                if result.call_id == call_id:
-                    if result.error:
-                        raise RuntimeError(result.error)
-                    return result.result
-            if out.outputs or out.engine_dead:
-                self._pending.append(out)      # keep request outputs for get_output
+            self._check_alive()
+            self.input.send_multipart(self._frames(call), copy=False)
+            resend_at = min(deadline, time.monotonic() + UTILITY_RESEND_S)
+            while (left := resend_at - time.monotonic()) > 0:
+                out = self._recv(timeout_s=left)
+                if out is None:
+                    continue
+                if (answer := self._answer(out.utility_results, call.call_id)) is not None:
+                    return self._unwrap(answer)
+                if out.outputs or out.engine_dead:
+                    self._pending.append(out)      # keep request outputs for get_output
         raise TimeoutError(f"engine core did not answer {method!r} within {timeout_s} s")
 
     def close(self) -> None:
@@ -232,7 +245,9 @@ class SyncMPClient(_ClientBase):
 
 
 class AsyncMPClient(_ClientBase):
-    """asyncio client (AsyncEngineClient); `get_output` awaits the next batch of outputs."""
+    """asyncio client (AsyncEngineClient). One reader task owns the output socket: it answers utility calls
+    and queues everything else for `get_output`, so a utility call works before, during and without a
+    consumer of request outputs."""
 
     def __init__(self, addresses: CoreAddresses, token: str, proc: CoreProcess | None = None,
                  heartbeat_timeout_s: float = 30.0) -> None:
@@ -240,6 +255,9 @@ class AsyncMPClient(_ClientBase):
         self.ctx = zmq.asyncio.Context()
         self.input = make_socket(self.ctx, addresses.input, zmq.DEALER, bind=False, identity=self.identity)
         self.output = make_socket(self.ctx, addresses.output, zmq.DEALER, bind=False, identity=self.identity)
+        self._reader: asyncio.Task | None = None
+        self._outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
+        self._calls: dict[int, asyncio.Future] = {}
 
     async def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()
@@ -249,22 +267,68 @@ class AsyncMPClient(_ClientBase):
         if request_ids and self.dead is None:
             await self.input.send_multipart(self._frames(AbortRequests(request_ids)), copy=False)
 
-    async def send_utility(self, method: str, *args: Any) -> int:
-        call_id = next(self._call_ids)
-        self._check_alive()
-        await self.input.send_multipart(self._frames(UtilityCall(call_id, method, list(args))), copy=False)
-        return call_id
+    async def call_utility(self, method: str, *args: Any, timeout_s: float = 10.0) -> Any:
+        self._ensure_reader()
+        call = self._utility_call(method, args)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call.call_id] = future
+        deadline = time.monotonic() + timeout_s
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                self._check_alive()
+                await self.input.send_multipart(self._frames(call), copy=False)
+                done, _ = await asyncio.wait({future}, timeout=min(left, UTILITY_RESEND_S))
+                if done:
+                    return self._unwrap(future.result())
+        finally:
+            self._calls.pop(call.call_id, None)
+        raise TimeoutError(f"no answer to {method!r} from the engine core within {timeout_s} s "
+                           "(wrong address or token?)")
 
-    async def get_output(self, timeout_s: float = _POLL_MS / 1000) -> EngineCoreOutputs | None:
-        self._check_alive()
-        if (ping := self._keepalive()) is not None:
-            await self.input.send_multipart(ping, copy=False)
-        if await self.output.poll(int(timeout_s * 1000)):
-            return self._decode(await self.output.recv_multipart(copy=False))
-        self._check_silence()
-        return None
+    async def get_output(self) -> EngineCoreOutputs:
+        """The next outputs that carry anything; EngineDeadError once the core is dead or silent."""
+        self._ensure_reader()
+        assert self._outputs is not None
+        item = await self._outputs.get()
+        if isinstance(item, BaseException):
+            self._outputs.put_nowait(item)      # every later caller sees it too
+            raise item
+        return item
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None:
+            self._outputs = asyncio.Queue()
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        assert self._outputs is not None
+        try:
+            while True:
+                self._check_alive()
+                if (ping := self._keepalive()) is not None:
+                    await self.input.send_multipart(ping, copy=False)
+                if not await self.output.poll(_POLL_MS):
+                    self._check_silence()
+                    continue
+                outputs = self._decode(await self.output.recv_multipart(copy=False))
+                for result in outputs.utility_results:
+                    future = self._calls.get(result.call_id)
+                    if future is not None and not future.done():
+                        future.set_result(result)
+                if outputs.outputs or outputs.scheduler_stats is not None or outputs.engine_dead:
+                    self._outputs.put_nowait(outputs)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:   # dead, silent, or a bug here: every waiter must hear of it
+            error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine client failed: {exc}")
+            self._outputs.put_nowait(error)
+            for future in self._calls.values():
+                if not future.done():
+                    future.set_exception(error)
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
         self.input.close(linger=0)
         self.output.close(linger=0)
         self.ctx.term()

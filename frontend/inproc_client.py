@@ -3,16 +3,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.common.config import EngineConfig
-from pagedserve.core.engine_core import EngineCore
+from pagedserve.common.config import EngineArgs
 from pagedserve.common.errors import error_kind
+from pagedserve.core.engine_core import EngineCore
 from pagedserve.executor.procs.backends import get_executor_class
-from pagedserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from pagedserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo
 
 
 class InprocClient:
-    def __init__(self, config: EngineConfig) -> None:
-        self.core = EngineCore(config, get_executor_class(config.parallel.distributed_executor_backend))
+    def __init__(self, args: EngineArgs) -> None:
+        # This client builds the core, so it picks and injects the executor (the core never imports one).
+        self.core = EngineCore.from_engine_args(args, get_executor_class(args.executor_backend()))
+        self.info: EngineInfo = self.core.info()
         self._rejected: list[EngineCoreOutput] = []
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -33,9 +35,7 @@ class InprocClient:
         self.core.abort_requests(request_ids)
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        if method == "reset_prefix_cache":
-            return self.core.reset_prefix_cache()
-        raise ValueError(f"unknown utility method {method!r}")
+        return self.core.call_utility(method, args)
 
     def close(self) -> None:
         self.core.shutdown()

@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Union
 
-from pagedserve.common.config import ModelConfig
+from pagedserve.common.request_checks import check_prompt
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.ipc.messages import EngineCoreRequest
+from pagedserve.ipc.messages import EngineCoreRequest, EngineInfo
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -19,21 +19,32 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
 
 
+@dataclass
+class PreparedRequest:
+    """One user request, validated and ready for the engine: one EngineCoreRequest per sample."""
+    request_id: str
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    child_ids: list[str]
+    requests: list[EngineCoreRequest]
+
+
 class InputProcessor:
-    def __init__(self, tokenizer: Any, model_config: ModelConfig) -> None:
+    def __init__(self, tokenizer: Any, info: EngineInfo, chat_template: str | None = None) -> None:
+        """chat_template: the template to render chats with instead of the tokenizer's own."""
         self.tokenizer = tokenizer
-        self.max_model_len = model_config.max_model_len
-        self.vocab_size = model_config.vocab_size
+        self.info = info
+        self.chat_template = chat_template
         self._reserved: set[str] | None = None
 
-    def parse_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+    def parse_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
         if isinstance(prompt, str):
-            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
+            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return ProcessedPrompt(prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"]))
             if isinstance(prompt.get("prompt"), str):
-                return self.parse_prompt(prompt["prompt"])
+                return self.parse_prompt(prompt["prompt"], add_special_tokens)
             raise ValueError("prompt: a dict prompt needs 'prompt' (str) or 'prompt_token_ids' (list of int)")
         if isinstance(prompt, (list, tuple)):
             return ProcessedPrompt(None, self._check_ids(prompt))
@@ -43,9 +54,7 @@ class InputProcessor:
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in ids):
             raise ValueError("prompt_token_ids must be a list of integers")
-        if any(not 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}) for this model")
-        return list(ids)
+        return list(ids)       # their range is checked with the rest, in check_prompt
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             chat_template: str | None = None,
@@ -55,6 +64,7 @@ class InputProcessor:
         kwargs = dict(template_kwargs or {})
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        chat_template = chat_template if chat_template is not None else self.chat_template
         if getattr(self.tokenizer, "chat_template", None) is None and chat_template is None:
             raise ValueError("messages: this model's tokenizer has no chat template; pass chat_template")
         # Template variables only: a request must not swap the template, or change what the call returns.
@@ -78,32 +88,20 @@ class InputProcessor:
             self._reserved = {n for n, p in params.items() if p.kind != p.VAR_KEYWORD} | {"tokenizer_kwargs", "messages"}
         return self._reserved
 
-    def validate_length(self, prompt_len: int, params: SamplingParams) -> None:
-        if prompt_len == 0:
-            raise ValueError("prompt must not be empty")
-        if prompt_len >= self.max_model_len:
-            raise ValueError(f"prompt: {prompt_len} tokens, but this model's maximum context length "
-                             f"(max_model_len) is {self.max_model_len}")
-        if params.max_tokens is not None and prompt_len + params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens: {params.max_tokens} requested, but the prompt uses {prompt_len} of "
-                             f"the {self.max_model_len} tokens of max_model_len")
-
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                      priority: int = 0, arrival_time: float | None = None,
-                      client_index: int = 0) -> tuple[list[str], list[EngineCoreRequest]]:
-        """One engine request per sample: n > 1 fans out into children that share the prompt's
-        blocks through the prefix cache."""
+                      priority: int = 0, arrival_time: float | None = None) -> PreparedRequest:
+        """Validate (check_prompt, the core's own check, run early) and build one engine request per
+        sample: n > 1 fans out into children that share the prompt's blocks through the prefix cache."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int) or not -(1 << 63) <= priority < (1 << 63):
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
-        self.validate_length(len(prompt.prompt_token_ids), params)
+        check_prompt(prompt.prompt_token_ids, params.max_tokens, self.info.max_model_len, self.info.vocab_size)
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
             children = [(request_id, params)]
         else:
             children = [(f"{request_id}#{i}", params.clone(
                 n=1, seed=None if params.seed is None else params.seed + i)) for i in range(params.n)]
-        requests = [EngineCoreRequest(cid, prompt.prompt_token_ids, p, arrival, priority, client_index)
-                    for cid, p in children]
-        return [c for c, _ in children], requests
+        requests = [EngineCoreRequest(cid, prompt.prompt_token_ids, p, arrival, priority) for cid, p in children]
+        return PreparedRequest(request_id, prompt, params, [c for c, _ in children], requests)

@@ -27,18 +27,19 @@ class LLM:
         if unknown:
             raise ValueError(f"LLM got unknown argument(s): {', '.join(sorted(unknown))}")
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.config = self.engine_args.create_engine_config()
-        self.tokenizer = load_tokenizer(self.config.model.source, self.config.model.tokenizer)
-        self.input_processor = InputProcessor(self.tokenizer, self.config.model)
-        self.output_processor = OutputProcessor(self.tokenizer)
         if multiprocess_core:
             from pagedserve.frontend.core_client import CoreProcess, SyncMPClient
             proc = CoreProcess(self.engine_args, logging.getLogger().getEffectiveLevel())
             self.client = SyncMPClient(proc.addresses, proc.token, proc,
                                        heartbeat_timeout_s=self.engine_args.engine_heartbeat_timeout)
+            self.info = proc.info
         else:
             from pagedserve.frontend.inproc_client import InprocClient
-            self.client = InprocClient(self.config)
+            self.client = InprocClient(self.engine_args)
+            self.info = self.client.info
+        self.tokenizer = load_tokenizer(self.info.tokenizer)
+        self.input_processor = InputProcessor(self.tokenizer, self.info)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     @property
@@ -75,13 +76,14 @@ class LLM:
             # Offline callers want one result per prompt: only the final output is needed.
             p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
             rid = str(next(self._ids))
-            batch.append((rid, prompt, self.input_processor.make_requests(rid, prompt, p, prio)))
-        for rid, prompt, (child_ids, requests) in batch:   # validated all before queueing any
-            self.output_processor.add_request(rid, prompt.prompt, prompt.prompt_token_ids, child_ids,
-                                              [r.sampling_params for r in requests])
-            for request in requests:
+            batch.append(self.input_processor.make_requests(rid, prompt, p, prio))
+        for prepared in batch:   # validated all before queueing any
+            self.output_processor.add_request(prepared.request_id, prepared.prompt.prompt,
+                                              prepared.prompt.prompt_token_ids, prepared.child_ids,
+                                              [r.sampling_params for r in prepared.requests])
+            for request in prepared.requests:
                 self.client.add_request(request)
-        return self._run_engine([rid for rid, _, _ in batch], use_tqdm)
+        return self._run_engine([prepared.request_id for prepared in batch], use_tqdm)
 
     def _run_engine(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -62,6 +61,12 @@ class CompletionRequest(_SamplingFields):
     logprobs: Optional[int] = None
     echo: bool = False
 
+    def prompt_list(self) -> list[Union[str, list[int]]]:
+        """The prompts of this request: one string or id list, or a batch of them."""
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            return list(self.prompt)
+        return [self.prompt]
+
     def to_sampling_params(self) -> SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
@@ -119,10 +124,6 @@ class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now() -> int:

@@ -1,52 +1,19 @@
-"""Load the model's tokenizer (HF folder, or converted once from GGUF and cached)."""
+"""Load the tokenizer the engine core named, and `--chat-template` values."""
 from __future__ import annotations
 
-import hashlib
-import logging
 import os
-import shutil
-import tempfile
 from typing import Any
 
-from pagedserve.common.model_files import ModelSource
 
-logger = logging.getLogger(__name__)
-
-
-def cache_root() -> str:
-    return os.environ.get("PAGEDSERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve"))
-
-
-def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any:
+def load_tokenizer(folder: str) -> Any:
+    """The tokenizer in `folder` (EngineInfo.tokenizer). A folder with tokenizer.json loads as a fast
+    tokenizer directly: AutoTokenizer would import torch (through transformers' config classes), and the
+    API process has no other use for it. Anything else goes through AutoTokenizer."""
+    if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(folder)
     from transformers import AutoTokenizer
-    if tokenizer is not None:
-        return AutoTokenizer.from_pretrained(tokenizer)
-    if source.format == "hf":
-        return AutoTokenizer.from_pretrained(source.path)
-    return _gguf_tokenizer(source.path)
-
-
-def _gguf_tokenizer(path: str) -> Any:
-    # Converting a GGUF vocabulary takes ~10 s; the converted tokenizer is cached by file identity.
-    from transformers import AutoTokenizer
-    stat = os.stat(path)
-    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = os.path.join(cache_root(), "tokenizers", key)
-    if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
-        try:
-            return AutoTokenizer.from_pretrained(cached)
-        except Exception:  # a corrupt cache entry: rebuild it
-            logger.warning("tokenizer cache %s is unreadable; rebuilding", cached)
-    logger.info("converting the GGUF tokenizer of %s (cached afterwards)", path)
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    os.makedirs(os.path.dirname(cached), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(cached))
-    try:
-        tok.save_pretrained(tmp)
-        os.replace(tmp, cached) if not os.path.exists(cached) else shutil.rmtree(tmp)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)   # another process won the race; its copy is as good
-    return tok
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def load_chat_template(value: str) -> str:

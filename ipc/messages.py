@@ -72,12 +72,23 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     engine_dead: Optional[str] = None       # set once, as the core's last words: why it died
 
 
-class EngineReady(msgspec.Struct, array_like=True, tag="ready"):
-    """Startup handshake from the engine core process: what the frontend needs to know."""
-    num_blocks: int
+class EngineInfo(msgspec.Struct, kw_only=True):
+    """Everything a frontend needs from the engine core it talks to. The core tells (in its handshake, and to
+    any client through the `get_engine_info` utility); no frontend rebuilds the engine's configuration."""
+    served_model_name: str
+    model_path: str                  # where the weights were loaded from (HF folder or .gguf file)
+    tokenizer: str                   # a folder AutoTokenizer loads (a GGUF vocabulary is converted there once)
     max_model_len: int
     vocab_size: int
+    eos_token_ids: list[int]
+    max_waiting_requests: Optional[int]   # the core's queue bound; None = unbounded
     block_size: int
+    num_blocks: int
+
+
+class EngineReady(msgspec.Struct, array_like=True, tag="ready"):
+    """Startup handshake from the engine core process."""
+    info: EngineInfo
 
 
 class EngineStartupFailed(msgspec.Struct, array_like=True, tag="failed"):

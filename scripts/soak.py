@@ -151,14 +151,14 @@ def make_tiny_model(path: str) -> str:
     import torch
     import transformers
 
-    from pagedserve.common.model_files import resolve_model
+    from pagedserve.common.model_files import resolve_model, tokenizer_folder
     from pagedserve.frontend.tokenizer import load_tokenizer
     config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=128, vocab_size=49152,
                                       max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    load_tokenizer(resolve_model(None)).save_pretrained(path)
+    load_tokenizer(tokenizer_folder(resolve_model(None))).save_pretrained(path)
     return path
 
 

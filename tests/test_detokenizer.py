@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.common.model_files import resolve_model
+from pagedserve.common.model_files import resolve_model, tokenizer_folder
 from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.tokenizer import load_tokenizer
@@ -21,7 +21,7 @@ TEXTS = ["Party time 🎉🎉 and 😀!", "你好，世界！我爱你", "日本
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path):
-    return load_tokenizer(resolve_model(smollm2_path))
+    return load_tokenizer(tokenizer_folder(resolve_model(smollm2_path)))
 
 
 def encode(tokenizer, text: str) -> list[int]:

@@ -46,9 +46,9 @@ def make_tiny_model(path: str, arch: str = "llama", sharded: bool = False, seed:
         synthetic_tokenizer(fields["vocab_size"]).save_pretrained(path)
         return path
     # Any tokenizer covering the tiny vocabulary will do: reuse the embedded model's.
-    from pagedserve.common.model_files import resolve_model
+    from pagedserve.common.model_files import resolve_model, tokenizer_folder
     from pagedserve.frontend.tokenizer import load_tokenizer
-    load_tokenizer(resolve_model(None)).save_pretrained(path)
+    load_tokenizer(tokenizer_folder(resolve_model(None))).save_pretrained(path)
     return path
 
 

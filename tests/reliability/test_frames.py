@@ -149,12 +149,13 @@ def test_schema_valid_but_hostile_requests_get_answers(server):
     send(m.EngineCoreRequest("dup", [5, 6], SamplingParams(max_tokens=900, ignore_eos=True), 0.0))
     send(m.EngineCoreRequest("dup", [7], SamplingParams(), 0.0))
     send(m.AbortRequests(["not-mine", "x" * 1000]))
-    for method in ("__class__", "shutdown", "_fail_everything", "get_engine_args"):
-        send(m.UtilityCall(99, method, [1, None, "x"]))
+    for method in ("__class__", "shutdown", "_fail_everything", "get_engine_info"):
+        send(m.UtilityCall(99, method, [1, None, "x"]))     # a real method with arguments it does not take, too
+    send(m.UtilityCall(99, "get_engine_info"))
     ended: list[tuple[str, str, str | None]] = []
     utility: list[m.UtilityResult] = []
     deadline = time.monotonic() + 60
-    while (len(ended) < len(bad) + 2 or len(utility) < 4) and time.monotonic() < deadline:
+    while (len(ended) < len(bad) + 2 or len(utility) < 5) and time.monotonic() < deadline:
         if out.poll(200):
             outputs = dec.decode(out.recv_multipart())
             assert outputs.engine_dead is None
@@ -170,14 +171,14 @@ def test_schema_valid_but_hostile_requests_get_answers(server):
     errors = {rid: error for rid, reason, error in ended if reason == "error"}
     assert set(errors) == {*bad, "dup"} and "already in use" in errors["dup"]
     assert ("x" * 20, "length", None) in ended and ("dup", "abort", None) in ended
-    assert [u.error is not None for u in utility] == [True, True, True, False]
+    assert [u.error is not None for u in utility] == [True, True, True, True, False]
     assert server.health() == 200
 
 
 def test_engine_token_rejected(server):
     """Without the token, with a wrong one, a prefix of it or more than it: no answer, ever."""
     token = server.token.encode()
-    body = MsgpackEncoder().encode(m.UtilityCall(1, "get_engine_args"))
+    body = MsgpackEncoder().encode(m.UtilityCall(1, "get_engine_info"))
     bad_tokens = (None, b"", b"wrong", token[:-1], token + b"x", token.upper(), b"\x00" * len(token))
     peers = [engine_peer(server) for _ in bad_tokens]
     for _ in range(4):

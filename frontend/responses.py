@@ -1,0 +1,143 @@
+"""One builder for OpenAI response bodies: completions and chat completions, whole and streamed.
+
+The two APIs differ only in a few places (object names, `text` versus `message`/`delta`, the logprobs
+format, chat's opening role chunk, completions' echo); everything else, choices, finish reasons, usage and
+the stream's chunk envelope, is built once here.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pagedserve.frontend.outputs import CompletionOutput, Logprob, RequestOutput
+
+Api = Literal["completion", "chat"]
+_OBJECTS = {("completion", False): "text_completion", ("completion", True): "text_completion",
+            ("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk"}
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass
+class ResponseBuilder:
+    """The bodies of one HTTP request. Prompt i's sample c is choice i * n + c."""
+    api: Api
+    request_id: str
+    model: str
+    n: int
+    logprobs: bool                          # the request asked for logprobs
+    echo_texts: list[str] | None = None     # completions with echo: each prompt's text, put before its output
+    created: int = field(default_factory=lambda: int(time.time()))
+    _echoed: set[int] = field(default_factory=set)
+
+    # ---------------------------------------------------------------- whole responses
+
+    def whole(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        """finals[i]: the finished output of prompt i."""
+        choices = [self._choice(i, c, stream=False) for i, out in enumerate(finals) for c in out.outputs]
+        choices.sort(key=lambda ch: ch["index"])
+        prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
+        completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
+        return {**self._envelope(stream=False), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+    # ---------------------------------------------------------------- streams
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open with the assistant role for every choice; completion streams open with text."""
+        if self.api != "chat":
+            return []
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]) for i in range(self.n)]
+
+    def delta_choice(self, prompt_index: int, c: CompletionOutput) -> dict[str, Any] | None:
+        """The stream choice for one delta output, or None when it carries nothing to send."""
+        choice = self._choice(prompt_index, c, stream=True)
+        if choice is not None and not self._has_content(choice) and c.finish_reason is None:
+            return None
+        return choice
+
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**self._envelope(stream=True), "choices": choices}
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return {**self._envelope(stream=True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+
+    # ---------------------------------------------------------------- shared
+
+    def _envelope(self, stream: bool) -> dict[str, Any]:
+        return {"id": self.request_id, "object": _OBJECTS[(self.api, stream)], "created": self.created,
+                "model": self.model}
+
+    def _choice(self, prompt_index: int, c: CompletionOutput, stream: bool) -> dict[str, Any]:
+        index = prompt_index * self.n + c.index
+        if self.api == "completion":
+            body: dict[str, Any] = {"text": self._echo(prompt_index, index, stream) + c.text}
+            logprobs = _completion_logprobs(c) if self.logprobs else None
+        elif stream:
+            body = {"delta": {"content": c.text} if c.text else {}}
+            logprobs = _chat_logprobs(c) if self.logprobs else None
+        else:
+            body = {"message": {"role": "assistant", "content": c.text}}
+            logprobs = _chat_logprobs(c) if self.logprobs else None
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+    def _echo(self, prompt_index: int, choice_index: int, stream: bool) -> str:
+        """The prompt's text before a choice's first text (once per choice in a stream)."""
+        if self.echo_texts is None or (stream and choice_index in self._echoed):
+            return ""
+        self._echoed.add(choice_index)
+        return self.echo_texts[prompt_index]
+
+    @staticmethod
+    def _has_content(choice: dict[str, Any]) -> bool:
+        return bool(choice.get("text") or choice.get("delta"))
+
+
+def _completion_logprobs(c: CompletionOutput) -> dict[str, Any] | None:
+    if c.logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = 0
+    for token_id, entry in zip(c.token_ids, c.logprobs):
+        chosen = entry.get(token_id)
+        text = chosen.decoded_token if chosen and chosen.decoded_token is not None else ""
+        tokens.append(text)
+        token_lps.append(chosen.logprob if chosen else None)
+        tops.append({(lp.decoded_token or ""): lp.logprob for _, lp in _top(entry, token_id)})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(c: CompletionOutput) -> dict[str, Any] | None:
+    if c.logprobs is None:
+        return None
+    content = []
+    for token_id, entry in zip(c.token_ids, c.logprobs):
+        chosen = entry.get(token_id)
+        text = chosen.decoded_token if chosen and chosen.decoded_token is not None else ""
+        content.append({"token": text, "logprob": chosen.logprob if chosen else None,
+                        "bytes": list(text.encode("utf-8")),
+                        "top_logprobs": [{"token": lp.decoded_token or "", "logprob": lp.logprob,
+                                          "bytes": list((lp.decoded_token or "").encode("utf-8"))}
+                                         for _, lp in _top(entry, token_id)]})
+    return {"content": content}
+
+
+def _top(entry: dict[int, Logprob], sampled: int) -> list[tuple[int, Logprob]]:
+    """The top-k alternatives of one position (the sampled token counts only if it is among them)."""
+    return sorted(((tid, lp) for tid, lp in entry.items() if tid != sampled or (lp.rank or 0) <= len(entry) - 1),
+                  key=lambda kv: kv[1].rank or 0)
