@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -25,10 +24,6 @@ class ModelSource:
     path: str             # folder (HF) or .gguf file
     format: str           # "hf" | "gguf"
     name: str             # default served model name
-
-    @property
-    def folder(self) -> str:
-        return self.path if self.format == "hf" else os.path.dirname(self.path)
 
 
 def embedded_model_path() -> str:
@@ -160,14 +155,6 @@ def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
         return theta, dict(scaling)
     return theta, None
-
-
-def read_generation_config(source: ModelSource) -> dict[str, Any]:
-    path = os.path.join(source.folder, "generation_config.json") if source.format == "hf" else None
-    if path and os.path.isfile(path):
-        with open(path) as f:
-            return json.load(f)
-    return {}
 
 
 def cache_root() -> str:

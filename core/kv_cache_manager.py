@@ -16,11 +16,6 @@ def cdiv(a: int, b: int) -> int:
 class PrefixCacheStats:
     queries: int = 0      # prompt tokens looked up
     hits: int = 0         # of those, tokens found in the cache
-    requests: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheManager:
@@ -52,7 +47,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_stats.requests += 1
         self.prefix_stats.queries += request.num_tokens
         self.prefix_stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size

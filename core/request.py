@@ -19,10 +19,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ERROR = 13
 
     @property
-    def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
-
-    @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 

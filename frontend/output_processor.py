@@ -67,9 +67,6 @@ class OutputProcessor:
             parent.children.append(seq)
             self._seqs[cid] = seq
 
-    def has_request(self, child_id: str) -> bool:
-        return child_id in self._seqs
-
     def num_unfinished(self) -> int:
         return len(self._seqs)
 

@@ -1,8 +1,10 @@
-"""ipc/: message round trips, tensors as raw frames, no pickle, sockets, broadcast."""
+"""ipc/: message round trips, one frame per message, no tensors, no pickle, sockets, broadcast."""
 from __future__ import annotations
 
 import multiprocessing
 import pathlib
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -54,35 +56,60 @@ class Carrier(msgspec.Struct):
     items: Any
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
-def test_tensor_frames(dtype):
-    big = (torch.randn(64, 33) * 10).to(dtype)
-    obj = Carrier({"big": big, "small": torch.arange(3).to(dtype), "empty": torch.empty(0, 4, dtype=dtype),
-                   "scalar": torch.tensor(1, dtype=dtype), "np": np.arange(100, dtype=np.float64).reshape(10, 10)})
-    frames = MsgpackEncoder().encode(obj)
-    assert len(frames) == 3     # the body, the big tensor, the numpy array: small ones ride inline
-    back = MsgpackDecoder(Carrier).decode(frames).items
-    for key in ("big", "small", "empty", "scalar"):
-        assert back[key].dtype == dtype and torch.equal(back[key], obj.items[key])
-    assert np.array_equal(back["np"], obj.items["np"])
-    # No copy on receive: the tensor's memory is the frame's.
-    assert back["big"].untyped_storage().data_ptr() == np.frombuffer(frames[1], np.uint8).ctypes.data
+@pytest.mark.parametrize("msg,typ", MESSAGES[:3], ids=[type(x[0]).__name__ for x in MESSAGES[:3]])
+def test_a_message_is_one_frame(msg, typ):
+    frames = MsgpackEncoder().encode(msg)
+    assert len(frames) == 1
+    assert MsgpackDecoder(typ).decode(frames[0]) == msg      # the bare body decodes too
 
 
-@pytest.mark.parametrize("bad", [lambda: 1, object(), {object()}, np.array([object()])])
+# Tensors and arrays are refused, not carried: no message has one, and ipc/ must not need torch.
+@pytest.mark.parametrize("bad", [lambda: 1, object(), {object()}, torch.zeros(2), np.zeros(2), np.int64(3)],
+                         ids=["lambda", "object", "set", "tensor", "array", "numpy-scalar"])
 def test_unknown_objects_refused(bad):
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="cannot serialize"):
         MsgpackEncoder().encode(Carrier(bad))
 
 
-@pytest.mark.parametrize("frames", [[b"\xc1"], [b""], [b"\x92\x01"],
-                                    [msgspec.msgpack.encode(msgspec.msgpack.Ext(1, b"\x93\xa7float32\x91\x04\x05"))],
-                                    [msgspec.msgpack.encode(msgspec.msgpack.Ext(9, b""))]])
-def test_garbage_frames_raise_cleanly(frames):
-    with pytest.raises((ValueError, msgspec.DecodeError, msgspec.ValidationError)):
+def _ext(code: int, data: bytes = b"") -> msgspec.msgpack.Ext:
+    return msgspec.msgpack.Ext(code, data)
+
+
+@pytest.mark.parametrize("code", [0, 1, 2, 9, 127])
+def test_ext_frames_rejected(code):
+    """Ext types 1 and 2 were tensors and arrays once; a hostile peer may still send any Ext."""
+    payload = msgspec.msgpack.encode(["float32", [1 << 39, 1 << 39], 1])
+    with pytest.raises(ValueError, match=f"extension type {code} is not accepted"):
+        MsgpackDecoder(Carrier).decode([msgspec.msgpack.encode(Carrier(_ext(code, payload)))])
+    nested = m.EngineCoreOutputs(utility_results=[m.UtilityResult(1, [1, _ext(code)])])
+    with pytest.raises(ValueError, match="extension type"):
+        MsgpackDecoder(m.EngineCoreOutputs).decode(MsgpackEncoder().encode(nested))
+    with pytest.raises((ValueError, msgspec.DecodeError)):
+        MsgpackDecoder(m.EngineCoreInput).decode([msgspec.msgpack.encode(_ext(code, payload))])
+
+
+@pytest.mark.parametrize("frames", [[], [b"\x90", b"extra"], [b"\x91\xa5abort"] * 3, "ab", [None], [1.5], 7])
+def test_not_one_frame_refused(frames):
+    with pytest.raises(ValueError, match="frame"):
         MsgpackDecoder(m.EngineCoreInput).decode(frames)
-    with pytest.raises((ValueError, msgspec.DecodeError, msgspec.ValidationError)):
+
+
+@pytest.mark.parametrize("frames", [[b"\xc1"], [b""], [b"\x92\x01"],
+                                    [msgspec.msgpack.encode(_ext(1, b"\x93\xa7float32\x91\x04\x05"))],
+                                    [msgspec.msgpack.encode(_ext(9))]])
+def test_garbage_frames_raise_cleanly(frames):
+    with pytest.raises((ValueError, msgspec.DecodeError)):
+        MsgpackDecoder(m.EngineCoreInput).decode(frames)
+    with pytest.raises((ValueError, msgspec.DecodeError)):
         MsgpackDecoder(Carrier).decode(frames)
+
+
+def test_ipc_imports_neither_torch_nor_numpy():
+    """The API process imports ipc/; torch (and numpy) stay out of it."""
+    code = ("import sys, pagedserve.ipc.serial, pagedserve.ipc.messages, pagedserve.ipc.sockets, "
+            "pagedserve.ipc.broadcast; print(sorted({'torch', 'numpy'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_no_pickle_in_ipc():

@@ -59,6 +59,19 @@ def test_core_process_matches_inprocess(tiny_llama_dir, tp1_tokens):
     assert wait_no_children() == []
 
 
+def test_worker_calls_only_its_remote_methods(tiny_llama_dir):
+    """One allowlist, Worker.REMOTE_METHODS, for every executor (test_frames covers worker processes)."""
+    from pagedserve.executor.worker.worker import Worker
+    worker = Worker(EngineArgs(model=tiny_llama_dir, dtype="float32").create_engine_config())
+    assert worker.call_remote("ping", []) == "pong"
+    for method in ("load_model", "execute_model", "call_remote", "__init__", "config", "nope"):
+        with pytest.raises(ValueError, match=f"{method!r} is not callable remotely"):
+            worker.call_remote(method, [])
+    with LLM(tiny_llama_dir, dtype="float32") as llm:      # the in-process executor
+        with pytest.raises(ValueError, match="'load_model' is not callable remotely"):
+            llm.engine.executor.collective_rpc("load_model")
+
+
 def test_tp_divisibility_refused_with_message(smollm2_path):
     with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide the model's 9 attention heads"):
         EngineArgs(model=smollm2_path, tensor_parallel_size=2).create_engine_config()

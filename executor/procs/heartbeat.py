@@ -26,32 +26,26 @@ def heartbeat_interval(timeout_s: float) -> float:
     return min(1.0, max(0.05, timeout_s / 5))
 
 
-class HeartbeatSender:
-    """Worker side: a daemon thread that sends WorkerHeartbeat(rank) every interval_s."""
+def start_heartbeat_sender(ctx: zmq.Context, address: str, rank: int, interval_s: float) -> None:
+    """Worker side: a daemon thread that sends WorkerHeartbeat(rank) every interval_s.
 
-    def __init__(self, ctx: zmq.Context, address: str, rank: int, interval_s: float) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(ctx, address, rank, interval_s),
-                                        name="worker-heartbeat", daemon=True)
-        self._thread.start()
+    It beats until the process exits; nothing stops it earlier, since a worker that stops beating
+    while alive would be taken for a hung one.
+    """
+    threading.Thread(target=_send_beats, args=(ctx, address, rank, interval_s), name="worker-heartbeat",
+                     daemon=True).start()
 
-    def _run(self, ctx: zmq.Context, address: str, rank: int, interval_s: float) -> None:
-        # A few queued beats at most: a stalled core needs to know a worker is alive, not how often.
-        sock = make_socket(ctx, address, zmq.PUSH, bind=False, hwm=4)
-        frames = MsgpackEncoder().encode(WorkerHeartbeat(rank))
+
+def _send_beats(ctx: zmq.Context, address: str, rank: int, interval_s: float) -> None:
+    # A few queued beats at most: a stalled core needs to know a worker is alive, not how often.
+    sock = make_socket(ctx, address, zmq.PUSH, bind=False, hwm=4)
+    frames = MsgpackEncoder().encode(WorkerHeartbeat(rank))
+    while True:
         try:
-            while not self._stop.is_set():
-                try:
-                    sock.send_multipart(frames, flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
-                self._stop.wait(interval_s)
-        finally:
-            sock.close(linger=0)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        time.sleep(interval_s)
 
 
 class HeartbeatWatch:

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from pagedserve.common.config import EngineConfig
 from pagedserve.executor.procs.executor import Executor
 from pagedserve.executor.worker.worker import Worker
-from pagedserve.executor.procs.worker_proc import WORKER_METHODS
 from pagedserve.ipc.messages import (ExecuteModel, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerInput,
                                      WorkerShutdown)
 
@@ -59,12 +58,6 @@ class ControlChannel:
         return [msgspec.msgpack.decode(p[:int(s.item())].numpy().tobytes()) for p, s in zip(parts, sizes)]
 
 
-def _call(worker: Worker, call: WorkerCall) -> Any:
-    if call.method not in WORKER_METHODS:
-        raise ValueError(f"worker method {call.method!r} is not callable remotely")
-    return getattr(worker, call.method)(*call.args)
-
-
 class TorchrunExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -80,7 +73,7 @@ class TorchrunExecutor(Executor):
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         call = self.channel.broadcast(WorkerCall(method, list(args)))
-        return self.channel.gather_results(_call(self.worker, call))
+        return self.channel.gather_results(self.worker.call_remote(call.method, call.args))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.channel.broadcast(ExecuteModel(scheduler_output))
@@ -105,4 +98,4 @@ def serve_torchrun_worker(config: EngineConfig) -> None:
         if isinstance(msg, ExecuteModel):
             worker.execute_model(msg.scheduler_output)
         elif isinstance(msg, WorkerCall):
-            channel.gather_results(_call(worker, msg))
+            channel.gather_results(worker.call_remote(msg.method, msg.args))

@@ -19,7 +19,7 @@ class UniProcExecutor(Executor):
         self.worker.load_model()
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        return [getattr(self.worker, method)(*args)]
+        return [self.worker.call_remote(method, args)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)

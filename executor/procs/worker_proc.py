@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -11,16 +11,17 @@ import zmq
 from pagedserve.common.config import EngineArgs
 from pagedserve.common.process_utils import describe_exception, setup_child_process
 from pagedserve.common.throttled_log import ThrottledLog
-from pagedserve.executor.procs.heartbeat import HeartbeatSender
+from pagedserve.executor.procs.heartbeat import start_heartbeat_sender
 from pagedserve.ipc.broadcast import BroadcastReader
 from pagedserve.ipc.messages import ExecuteModel, WorkerCall, WorkerInput, WorkerResponse, WorkerShutdown
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from pagedserve.ipc.sockets import make_socket
 
+if TYPE_CHECKING:     # for the annotation only: the real import is lazy, in run_worker
+    from pagedserve.executor.worker.worker import Worker
+
 logger = logging.getLogger(__name__)
 
-# What the executor may call by name on a worker; nothing else is reachable.
-WORKER_METHODS = ("determine_num_blocks", "initialize_cache", "ping")
 _bad_frame_log = ThrottledLog(logger)
 
 
@@ -31,7 +32,7 @@ def run_worker(args_json: bytes, rank: int, init_method: str, broadcast_handle: 
     setup_child_process(f"ps-worker-{rank}", parent_pid, signal.SIGKILL)
     ctx = zmq.Context()
     if heartbeat is not None:
-        HeartbeatSender(ctx, heartbeat[0], rank, heartbeat[1])
+        start_heartbeat_sender(ctx, heartbeat[0], rank, heartbeat[1])
     sock = make_socket(ctx, response_addr, zmq.PUSH, bind=False)
     encoder = MsgpackEncoder()
 
@@ -56,7 +57,7 @@ def run_worker(args_json: bytes, rank: int, init_method: str, broadcast_handle: 
     raise SystemExit(code)
 
 
-def _serve(worker: Any, reader: BroadcastReader, reply, rank: int) -> int:
+def _serve(worker: Worker, reader: BroadcastReader, reply, rank: int) -> int:
     decoder = MsgpackDecoder(WorkerInput)
     while True:
         try:
@@ -78,9 +79,7 @@ def _serve(worker: Any, reader: BroadcastReader, reply, rank: int) -> int:
                 if rank == 0:                # every rank computes the same tokens; one answer is enough
                     reply(WorkerResponse(rank=rank, kind="output", output=output))
             elif isinstance(msg, WorkerCall):
-                if msg.method not in WORKER_METHODS:
-                    raise ValueError(f"worker method {msg.method!r} is not callable remotely")
-                reply(WorkerResponse(rank=rank, kind="result", result=getattr(worker, msg.method)(*msg.args)))
+                reply(WorkerResponse(rank=rank, kind="result", result=worker.call_remote(msg.method, msg.args)))
         except BaseException as exc:
             logger.exception("worker %d failed", rank)
             reply(WorkerResponse(rank=rank, kind="error", error=describe_exception(exc)))

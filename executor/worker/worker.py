@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -18,6 +20,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class Worker:
+    # What an executor may call by name, from a message (WorkerCall) or in process; nothing else is reachable.
+    REMOTE_METHODS: ClassVar[frozenset[str]] = frozenset({"determine_num_blocks", "initialize_cache", "ping"})
+
     def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
         self.config = config
         self.rank = rank
@@ -43,6 +48,13 @@ class Worker:
         from pagedserve.executor.model.model_loader import load_model
         model = load_model(self.config.model, self.tp)
         self.runner = ModelRunner(self.config, model, self.device, self.dtype)
+
+    def call_remote(self, method: str, args: Sequence[Any] = ()) -> Any:
+        """Worker.<method>(*args) for a method named in REMOTE_METHODS; ValueError for any other name."""
+        if method not in self.REMOTE_METHODS:
+            raise ValueError(f"worker method {method!r} is not callable remotely "
+                             f"(allowed: {', '.join(sorted(self.REMOTE_METHODS))})")
+        return getattr(self, method)(*args)
 
     def ping(self) -> str:
         return "pong"

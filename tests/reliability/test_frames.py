@@ -26,7 +26,7 @@ from pagedserve.core.engine_core import EngineCore
 from pagedserve.executor.procs.backends import get_executor_class
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.ipc import messages as m
-from pagedserve.ipc.serial import TENSOR_EXT, MsgpackDecoder, MsgpackEncoder
+from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from server_process import Server
 
 TP2 = ("--tensor-parallel-size", "2", "--kv-cache-memory", "0.02")
@@ -57,7 +57,8 @@ def hostile_bodies(canary: str) -> dict[str, list[bytes]]:
             m.EngineReady(1, 2, 3, 4))],
         "huge lengths": [b"\xdd\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff", b"\xc6\x7f\xff\xff\xff",
                          b"\xdf\xff\xff\xff\xff", b"\xc9\xff\xff\xff\xff\x01", b"\x94\xa3add" + b"\xdd\xff\xff\xff\xff",
-                         msgspec.msgpack.encode(msgspec.msgpack.Ext(TENSOR_EXT, msgspec.msgpack.encode(
+                         # Ext 1 once carried a tensor's (dtype, shape, frame); any Ext is now refused.
+                         msgspec.msgpack.encode(msgspec.msgpack.Ext(1, msgspec.msgpack.encode(
                              ["float32", [1 << 39, 1 << 39], 1])))],
         "pickle": [pickled, msgspec.msgpack.encode(["add", pickled]),
                    *(msgspec.msgpack.encode(msgspec.msgpack.Ext(code, pickled)) for code in (0, 1, 2, 3, 127))],

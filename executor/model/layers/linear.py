@@ -46,18 +46,6 @@ class LinearBase(nn.Module):
         return ops.linear(x, self.weight, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    """Every rank holds the whole matrix."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp: TPGroup | None = None) -> None:
-        super().__init__(in_features, out_features, bias, tp or TPGroup())
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: int | str | None = None) -> None:
-        copy_weight(param.data, loaded_weight, type(self).__name__)
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; each rank's output is its slice (no communication)."""
 

@@ -23,10 +23,6 @@ _BY_MODEL_TYPE: dict[str, type[nn.Module]] = {
 }
 
 
-def supported_architectures() -> list[str]:
-    return list(_BY_ARCHITECTURE)
-
-
 def get_model_class(hf_config: Any) -> type[nn.Module]:
     architectures = getattr(hf_config, "architectures", None) or []
     if architectures:
