@@ -197,3 +197,16 @@ def test_wrong_engine_token_is_rejected(server):
     proc = subprocess.run([sys.executable, "-c", script, f"tcp://127.0.0.1:{server.engine_port}", "wrong", "x"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "TimeoutError" in proc.stderr
+
+
+def test_api_process_never_loads_torch(server):
+    """The API process tokenizes, detokenizes and serves HTTP: torch lives only in the engine core and its
+    workers (the frontend learns everything it needs from the core's handshake)."""
+    resp = server.client().completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4)
+    assert resp.choices[0].text
+    with open(f"/proc/{server.proc.pid}/maps") as f:
+        api_maps = f.read()
+    with open(f"/proc/{server.child('ps-engine-core').pid}/maps") as f:
+        core_maps = f.read()
+    assert "libtorch" in core_maps          # the check can fail: the core does map it
+    assert "libtorch" not in api_maps
