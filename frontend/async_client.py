@@ -92,6 +92,11 @@ class AsyncEngineClient:
     def is_dead(self) -> bool:
         return self.client.dead is not None
 
+    def check_alive(self) -> None:
+        """EngineDeadError, with the reason, once the engine core is dead or silent."""
+        if self.client.dead is not None:
+            raise EngineDeadError(self.client.dead)
+
     async def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
         """A text, token-id or dict prompt as token ids (on the tokenizer thread)."""
         return await self._run_tokenizer(self.input_processor.parse_prompt, prompt, add_special_tokens)
@@ -160,8 +165,7 @@ class AsyncEngineClient:
             queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
 
     async def check_health(self) -> None:
-        if self.is_dead:
-            raise EngineDeadError(self.client.dead)
+        self.check_alive()
         await self.client.call_utility("ping", timeout_s=5.0)
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float = 10.0) -> Any:

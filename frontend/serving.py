@@ -20,7 +20,6 @@ from fastapi.responses import JSONResponse, Response
 from pagedserve.common.errors import EngineOverloadedError
 from pagedserve.frontend.admission import Admission, CountedStreamingResponse
 from pagedserve.frontend.async_client import AsyncEngineClient
-from pagedserve.frontend.core_client import EngineDeadError
 from pagedserve.frontend.errors import ModelNotFoundError, classify, error_payload
 from pagedserve.frontend.input_processor import PreparedRequest
 from pagedserve.frontend.outputs import RequestOutput
@@ -80,8 +79,7 @@ class OpenAIServing:
 
     async def _run(self, http: Request, body: GenerationRequest, jobs: list[PreparedRequest],
                    builder: ResponseBuilder) -> Response:
-        if self.engine.is_dead:
-            raise EngineDeadError(self.engine.client.dead or "engine is dead")
+        self.engine.check_alive()
         self.admission.check()
         leave = self.admission.enter()
         if body.stream:
