@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,6 +21,7 @@ from pagedserve.frontend.http_guards import ApiKeyMiddleware, BodyLimitMiddlewar
 from pagedserve.frontend.metrics import Metrics
 from pagedserve.frontend.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           ModelCard, ModelList, TokenizeRequest)
+from pagedserve.frontend.server_args import ServerArgs
 from pagedserve.frontend.serving import OpenAIServing, run_until_disconnect
 
 logger = logging.getLogger(__name__)
@@ -33,13 +33,8 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/do
                         "/redoc"})
 
 
-@dataclass(frozen=True)
-class ServerSettings:
-    served_model_name: str
-    api_key: str | None = None
-    max_body_bytes: int = 8 << 20
-    max_concurrent_requests: int | None = None     # generation requests in flight here; None = unbounded
-    retry_after_s: int = 1                         # the Retry-After of a 429
+# The Retry-After of a 429.
+RETRY_AFTER_S = 1
 
 
 def error_response(status: int, message: str, kind: str, param: str | None = None,
@@ -48,7 +43,7 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
     return JSONResponse(status_code=status, content=error_payload(status, message, kind, param), headers=headers)
 
 
-def _status_for(exc: BaseException, retry_after_s: int = 1) -> JSONResponse:
+def _status_for(exc: BaseException, retry_after_s: int = RETRY_AFTER_S) -> JSONResponse:
     status, kind = classify(exc)
     if status == 429:
         return error_response(429, str(exc), kind, retry_after_s=retry_after_s)
@@ -62,10 +57,10 @@ def _status_for(exc: BaseException, retry_after_s: int = 1) -> JSONResponse:
     return error_response(500, "internal server error", kind)
 
 
-def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
+def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name: str) -> FastAPI:
     app = FastAPI(title="pagedserve", version=__version__)
-    serving = OpenAIServing(engine, settings.served_model_name)
-    metrics = Metrics(settings.served_model_name)
+    serving = OpenAIServing(engine, served_model_name)
+    metrics = Metrics(served_model_name)
     engine.finished_hooks.append(metrics.observe_finished)
     admission = Admission(engine, settings.max_concurrent_requests)
     app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
@@ -98,13 +93,13 @@ def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         return _status_for(exc)
 
     def check_model(model: str | None) -> JSONResponse | None:
-        if model is not None and model != settings.served_model_name:
+        if model is not None and model != served_model_name:
             return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         return None
 
     def refuse(reason: str, message: str) -> JSONResponse:
-        metrics.rejected.labels(settings.served_model_name, reason).inc()
-        return error_response(429, message, "overloaded_error", retry_after_s=settings.retry_after_s)
+        metrics.rejected.labels(served_model_name, reason).inc()
+        return error_response(429, message, "overloaded_error", retry_after_s=RETRY_AFTER_S)
 
     async def respond(request: Request, body: Any, make_jobs, full, stream) -> Response:
         if (bad := check_model(body.model)) is not None:
@@ -127,7 +122,7 @@ def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         except EngineOverloadedError as exc:
             return refuse("queue", str(exc))
         except Exception as exc:
-            return _status_for(exc, settings.retry_after_s)
+            return _status_for(exc, RETRY_AFTER_S)
         finally:
             leave()
 
@@ -141,7 +136,7 @@ def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = ModelCard(id=settings.served_model_name, root=engine.model_config.source.path,
+        card = ModelCard(id=served_model_name, root=engine.model_config.source.path,
                          max_model_len=engine.model_config.max_model_len)
         return ModelList(data=[card]).model_dump()
 
