@@ -7,13 +7,20 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.common.arg_utils import setting
 from pagedserve.common.model_files import ModelSource, load_hf_config, resolve_model
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The allowed values of EngineArgs fields: the flags' choices and `_validate` both use these.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # "uni" (in-process) | "mp" (one process per rank) | "torchrun" (ranks started by torchrun)
 EXECUTOR_BACKENDS = ("uni", "mp", "torchrun")
+# What an unset kv_cache_memory (CPU) and max_num_batched_tokens (with chunked prefill) become.
+DEFAULT_CPU_KV_CACHE_GIB = 2.0
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # The engine core sends every live client something at least this often, an empty message if idle.
 CORE_HEARTBEAT_INTERVAL_S = 1.0
 # A client that is listening sends the core something (a ping if nothing else) at least this often; the core
@@ -73,7 +80,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = 128
     max_model_len: int = 8192
     policy: str = "fcfs"             # "fcfs" | "priority"
@@ -104,31 +111,58 @@ class EngineConfig:
 
 @dataclass
 class EngineArgs:
-    """The knobs a user sets (mirrors `vllm serve` flags); `create_engine_config` validates them."""
-    model: str | None = None
-    tokenizer: str | None = None
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory: float | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int | None = None
-    max_waiting_requests: int | None = None
-    scheduling_policy: str = "fcfs"
-    enable_chunked_prefill: bool = True
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    enforce_eager: bool = False
-    worker_heartbeat_timeout: float = 30.0
-    # A client that hears nothing from its engine core this long (the core beats every
-    # CORE_HEARTBEAT_INTERVAL_S) declares it dead: stopped, hung or unreachable.
-    engine_heartbeat_timeout: float = 30.0
+    """The knobs a user sets (mirrors `vllm serve` flags); `create_engine_config` validates them.
+
+    Each field is also an `engine-serve` flag, generated from it (common/arg_utils.py): its help is the
+    flag's help."""
+    model: str | None = setting(
+        None, help="HF model folder or .gguf file (unset: the embedded SmolLM2-135M-Instruct)")
+    tokenizer: str | None = setting(
+        None, help="a local tokenizer folder to use instead of the model's own (nothing is downloaded)")
+    served_model_name: str | None = setting(
+        None, help="the model name the API answers to and reports (unset: the model's folder or file name)")
+    dtype: str = setting("auto", choices=DTYPES,
+                         help="weights and activations; auto: bfloat16 on CUDA and on CPUs with native "
+                              "bf16, else float32")
+    device: str = setting("auto", choices=DEVICES, help="where the model runs; auto: CUDA if available")
+    seed: int = setting(0, help="random seed for sampling requests that bring no seed of their own")
+    max_model_len: int | None = setting(
+        None, help="longest sequence (prompt + output) in tokens (unset: the model's max_position_embeddings)")
+    block_size: int = setting(16, help="tokens per KV-cache block")
+    kv_cache_memory: float | None = setting(
+        None, help=f"KV-cache size in GiB on CPU (unset: {DEFAULT_CPU_KV_CACHE_GIB:g} GiB)")
+    gpu_memory_utilization: float = setting(
+        0.9, help="share of GPU memory (0-1] for weights, activations and the KV cache, which gets the rest")
+    enable_prefix_caching: bool = setting(
+        True, help="reuse the KV blocks of prompt prefixes that earlier requests computed")
+    num_gpu_blocks_override: int | None = setting(
+        None, help="exactly this many KV-cache blocks, instead of sizing the cache from memory (for tests)")
+    max_num_seqs: int = setting(128, help="most requests running in one step")
+    max_num_batched_tokens: int | None = setting(
+        None, help=f"most tokens in one step (unset: {DEFAULT_MAX_NUM_BATCHED_TOKENS} with chunked prefill, "
+                   "else max_model_len)")
+    max_waiting_requests: int | None = setting(
+        4096, help="new requests beyond this many waiting in the engine core (all clients together) are "
+                   "refused: HTTP 429 from the server")
+    scheduling_policy: str = setting(
+        "fcfs", choices=SCHEDULING_POLICIES,
+        help="which waiting request runs first: fcfs (arrival order) or priority (the request's priority "
+             "field, lower first)")
+    enable_chunked_prefill: bool = setting(
+        True, help="split long prompts over several steps, so decodes keep running beside them")
+    tensor_parallel_size: int = setting(1, aliases=("-tp",), help="ranks the model is split over")
+    distributed_executor_backend: str | None = setting(
+        None, choices=EXECUTOR_BACKENDS,
+        help="uni: in-process, mp: a process per rank, torchrun: ranks started by torchrun (unset: uni for "
+             "one rank, else mp)")
+    enforce_eager: bool = setting(False, store_true=True, help="CUDA: no CUDA graphs for decode steps")
+    worker_heartbeat_timeout: float = setting(
+        30.0, help="seconds a worker process may go without a heartbeat before the engine fails (TP > 1); "
+                   "its own thread beats, so a long step does not count")
+    engine_heartbeat_timeout: float = setting(
+        30.0, help=f"seconds a client may hear nothing from the engine core (it beats every "
+                   f"{CORE_HEARTBEAT_INTERVAL_S:g} s) before it declares the core dead: the server then ends "
+                   "open streams with an error and turns /health 503")
 
     def create_engine_config(self) -> EngineConfig:
         self._validate()
@@ -146,7 +180,8 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
             num_blocks_override=self.num_gpu_blocks_override)
-        batched = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill else max_len)
+        unset_batched = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill else max_len
+        batched = self.max_num_batched_tokens or unset_batched
         if not self.enable_chunked_prefill and batched < max_len:
             raise ValueError(f"max_num_batched_tokens ({batched}) must be >= max_model_len ({max_len}) "
                              "when chunked prefill is disabled")
@@ -182,19 +217,20 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _timeout("worker_heartbeat_timeout", self.worker_heartbeat_timeout, 0)
         _timeout("engine_heartbeat_timeout", self.engine_heartbeat_timeout, 2 * CORE_HEARTBEAT_INTERVAL_S)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
-            raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
-                             f"got {self.distributed_executor_backend!r}")
+        _one_of("dtype", self.dtype, DTYPES)
+        _one_of("device", self.device, DEVICES)
+        _one_of("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        if self.distributed_executor_backend is not None:
+            _one_of("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 def _timeout(name: str, value: float, minimum: float) -> None:

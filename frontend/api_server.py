@@ -6,7 +6,6 @@ narrow face (`info`, `tokenize`, `render_chat`, `detokenize`, `check_health`, `l
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +21,7 @@ from pagedserve.frontend.http_guards import ApiKeyMiddleware, BodyLimitMiddlewar
 from pagedserve.frontend.metrics import Metrics
 from pagedserve.frontend.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           ModelCard, ModelList, TokenizeRequest)
+from pagedserve.frontend.server_args import ServerArgs
 from pagedserve.frontend.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -33,13 +33,8 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/do
                         "/redoc"})
 
 
-@dataclass(frozen=True)
-class ServerSettings:
-    served_model_name: str
-    api_key: str | None = None
-    max_body_bytes: int = 8 << 20
-    max_concurrent_requests: int | None = None     # generation requests in flight here; None = unbounded
-    retry_after_s: int = 1                         # the Retry-After of a 429
+# The Retry-After of a 429.
+RETRY_AFTER_S = 1
 
 
 def error_response(status: int, message: str, kind: str, param: str | None = None,
@@ -48,7 +43,7 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
     return JSONResponse(status_code=status, content=error_payload(status, message, kind, param), headers=headers)
 
 
-def response_for(exc: BaseException, retry_after_s: int) -> JSONResponse:
+def response_for(exc: BaseException, retry_after_s: int = RETRY_AFTER_S) -> JSONResponse:
     """The HTTP answer to an exception raised while handling a request."""
     status, kind = classify(exc)
     if status == 429:
@@ -65,12 +60,12 @@ def response_for(exc: BaseException, retry_after_s: int) -> JSONResponse:
     return error_response(500, "internal server error", kind)
 
 
-def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
+def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name: str) -> FastAPI:
     app = FastAPI(title="pagedserve", version=__version__)
-    metrics = Metrics(settings.served_model_name)
+    metrics = Metrics(served_model_name)
     engine.finished_hooks.append(metrics.observe_finished)
     admission = Admission(engine, settings.max_concurrent_requests, metrics)
-    serving = OpenAIServing(engine, settings.served_model_name, admission)
+    serving = OpenAIServing(engine, served_model_name, admission)
     app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
     _add_guards_and_handlers(app, settings)
 
@@ -85,7 +80,7 @@ def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         info = engine.info
-        card = ModelCard(id=settings.served_model_name, root=info.model_path, max_model_len=info.max_model_len)
+        card = ModelCard(id=served_model_name, root=info.model_path, max_model_len=info.max_model_len)
         return ModelList(data=[card]).model_dump()
 
     @app.get("/health")
@@ -129,7 +124,7 @@ def build_app(engine: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def _add_guards_and_handlers(app: FastAPI, settings: ServerSettings) -> None:
+def _add_guards_and_handlers(app: FastAPI, settings: ServerArgs) -> None:
     # The last added runs first: the key is checked before any of the body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
@@ -149,7 +144,7 @@ def _add_guards_and_handlers(app: FastAPI, settings: ServerSettings) -> None:
         return error_response(exc.status_code, str(exc.detail), kind)
 
     async def expected(_: Request, exc: Exception) -> JSONResponse:
-        return response_for(exc, settings.retry_after_s)
+        return response_for(exc)
 
     # Registered per class, so these expected errors are answered without the traceback that Starlette's
     # catch-all Exception handler logs (and re-raises).
@@ -158,4 +153,4 @@ def _add_guards_and_handlers(app: FastAPI, settings: ServerSettings) -> None:
 
     @app.exception_handler(Exception)
     async def on_error(_: Request, exc: Exception) -> JSONResponse:
-        return response_for(exc, settings.retry_after_s)
+        return response_for(exc)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from pagedserve.frontend.input_processor import InputProcessor, ProcessedPrompt,
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.tokenizer import load_tokenizer
+from pagedserve.ipc.messages import EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 
@@ -81,16 +83,28 @@ class LLM:
             self.output_processor.add_request(prepared.request_id, prepared.prompt.prompt,
                                               prepared.prompt.prompt_token_ids, prepared.child_ids,
                                               [r.sampling_params for r in prepared.requests])
-            for request in prepared.requests:
-                self.client.add_request(request)
-        return self._run_engine([prepared.request_id for prepared in batch], use_tqdm)
+        backlog = deque(request for prepared in batch for request in prepared.requests)
+        return self._run_engine([prepared.request_id for prepared in batch], backlog, use_tqdm)
 
-    def _run_engine(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _submit(self, backlog: deque[EngineCoreRequest]) -> None:
+        """Send the core what it will take from the backlog. It refuses a request when max_waiting_requests
+        are already waiting; waiting ones are among the submitted-but-unfinished here, so holding those
+        to the bound keeps every request out of that refusal, however many prompts the caller gave."""
+        bound = self.info.max_waiting_requests
+        # The output processor tracks every request of this call; those not yet sent are the backlog.
+        in_flight = self.output_processor.num_unfinished() - len(backlog)
+        while backlog and (bound is None or in_flight < bound):
+            self.client.add_request(backlog.popleft())
+            in_flight += 1
+
+    def _run_engine(self, order: list[str], backlog: deque[EngineCoreRequest],
+                    use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         out_tokens = 0
         try:
             while self.output_processor.num_unfinished():
+                self._submit(backlog)
                 step = self.client.get_output()
                 if step is None:
                     continue
@@ -110,6 +124,7 @@ class LLM:
                     raise RuntimeError("the scheduler could not admit any waiting request: "
                                        "the KV cache is too small for the queued requests")
         except BaseException:
+            # The core ignores ids it never got (the backlog's).
             pending = self.output_processor.unfinished_ids()
             self.output_processor.abort_request(pending)
             self.client.abort_requests(pending)

@@ -8,14 +8,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from pagedserve.common.config import EngineConfig
+from pagedserve.common.config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
 from pagedserve.executor.worker.model_runner import ModelRunner
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_CACHE_GIB = 2.0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

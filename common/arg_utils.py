@@ -1,0 +1,94 @@
+"""Settings written once, as dataclass fields, and turned into command-line flags from there.
+
+A field made with `setting(...)` carries its help, choices and extra flag spellings in its metadata;
+`add_dataclass_args` makes one argparse flag per field (name, type, default from the field itself) and
+`dataclass_from` builds the dataclass back from the parsed namespace. A flag can then never disagree with
+the setting it sets, and a new field is a new flag without touching the parser.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_SCALARS = (str, int, float, bool)
+
+
+def setting(default: Any = None, *, help: str, choices: Sequence[str] | None = None,
+            aliases: Sequence[str] = (), store_true: bool = False, env: str | None = None) -> Any:
+    """A dataclass field that is also a flag `--field-name`.
+
+    choices: the allowed values (the same tuple the dataclass validates against); aliases: more spellings
+    of the flag (`-tp`); store_true: a bool that is a plain switch (`--enforce-eager`) instead of
+    `--x/--no-x`; env: the default is this environment variable, read when the dataclass (or the parser)
+    is made, and never shown in --help (it is usually a secret).
+    """
+    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None,
+                "aliases": tuple(aliases), "store_true": store_true, "env": env}
+    if env is not None:
+        return dataclasses.field(default_factory=lambda: os.environ.get(env), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
+    """One flag per field of `cls`; every field must have been made with `setting`."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata:
+            raise TypeError(f"{cls.__name__}.{f.name} is not a setting(): it would have no flag")
+        meta = f.metadata
+        default = _default(f)
+        kind = _scalar_type(hints[f.name], f"{cls.__name__}.{f.name}")
+        flags = [f"--{f.name.replace('_', '-')}", *meta["aliases"]]
+        if kind is bool:
+            if meta["store_true"] and default is not False:
+                raise TypeError(f"{cls.__name__}.{f.name}: a store_true flag must default to False")
+            action = parser.add_argument(*flags, dest=f.name, default=default,
+                                         action="store_true" if meta["store_true"]
+                                         else argparse.BooleanOptionalAction)
+        else:
+            action = parser.add_argument(*flags, dest=f.name, default=default, type=kind,
+                                         choices=meta["choices"])
+        # Set after construction: some Python versions' BooleanOptionalAction append their own default.
+        action.help = _help_text(meta, default)
+
+
+def dataclass_from(ns: argparse.Namespace, cls: type[T], **overrides: Any) -> T:
+    """The `cls` the parsed flags describe (ValueError from its own validation passes through)."""
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)}
+    return cls(**{**values, **overrides})
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    if f.default is dataclasses.MISSING:
+        raise TypeError(f"setting {f.name} has no default: a flag needs one")
+    return f.default
+
+
+def _scalar_type(hint: Any, where: str) -> type:
+    """The type a flag parses: X for X and for X | None."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"{where}: a flag parses one type, got {hint}")
+        hint = args[0]
+    if hint not in _SCALARS:
+        raise TypeError(f"{where}: flags parse {', '.join(t.__name__ for t in _SCALARS)}, got {hint}")
+    return hint
+
+
+def _help_text(meta: Mapping[str, Any], default: Any) -> str:
+    text = meta["help"].replace("%", "%%")       # argparse formats help with %
+    if meta["env"] is not None:
+        return f"{text} (default: env {meta['env']})"
+    if default is None or meta["store_true"]:
+        return text                                # the help says what unset means
+    return f"{text} (default: %(default)s)"

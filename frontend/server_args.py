@@ -1,0 +1,57 @@
+"""The HTTP server's own settings (the engine's are EngineArgs); each field is also an engine-serve flag."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pagedserve.common.arg_utils import setting
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Made with bad values it raises ValueError naming the flag, so a ServerArgs in hand is valid."""
+    host: str = setting("127.0.0.1", help="address the HTTP server listens on")
+    port: int = setting(8000, help="port the HTTP server listens on")
+    api_key: str | None = setting(
+        env="PAGEDSERVE_API_KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, /version and the "
+             "API description; with none, no route needs a key")
+    engine_address: str | None = setting(
+        None, help="where other processes (AsyncEngineClient.connect) reach the engine core: ipc://PATH "
+                   "(unset: a private path) or tcp://HOST:PORT (needs --engine-token; uses PORT and PORT+1)")
+    engine_token: str | None = setting(
+        env="PAGEDSERVE_ENGINE_TOKEN",
+        help="secret clients must present to the engine core; with none, one is generated and written to a "
+             "private file")
+    chat_template: str | None = setting(
+        None, help="chat template for /v1/chat/completions instead of the tokenizer's: a file or the Jinja "
+                   "text itself")
+    ssl_keyfile: str | None = setting(None, help="serve HTTPS with this private key (with --ssl-certfile)")
+    ssl_certfile: str | None = setting(None, help="serve HTTPS with this certificate chain (with --ssl-keyfile)")
+    max_body_bytes: int = setting(8 << 20, help="larger request bodies get HTTP 413")
+    max_concurrent_requests: int | None = setting(
+        None, help="generation requests this server serves at once; beyond that HTTP 429 (unset: no bound)")
+    log_level: str = setting("info", choices=LOG_LEVELS, help="log messages of this level and above")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """ValueError, naming the flag, for values the server cannot start with."""
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.engine_address and self.engine_address.startswith("tcp://") and not self.engine_token:
+            raise ValueError("a tcp:// --engine-address requires --engine-token (or PAGEDSERVE_ENGINE_TOKEN)")
+        for flag, value in (("--max-body-bytes", self.max_body_bytes),
+                            ("--max-concurrent-requests", self.max_concurrent_requests)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{flag} must be a positive integer, got {value}")
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+        for flag, path in (("--ssl-keyfile", self.ssl_keyfile), ("--ssl-certfile", self.ssl_certfile)):
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{flag} {path!r} is not a file")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
