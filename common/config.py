@@ -165,7 +165,7 @@ class EngineArgs:
                    "open streams with an error and turns /health 503")
 
     def create_engine_config(self) -> EngineConfig:
-        self._validate()
+        self.validate()
         source = resolve_model(self.model)
         hf_config = load_hf_config(source)
         device = _resolve_device(self.device)
@@ -200,7 +200,8 @@ class EngineArgs:
         """The executor backend to build: the one asked for, else in-process for one rank."""
         return self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "mp")
 
-    def _validate(self) -> None:
+    def validate(self) -> None:
+        """The checks that need no model files: cheap, so a launcher can fail fast before starting anything."""
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ValueError(f"tokenizer must be a local tokenizer folder (nothing is downloaded), "
                              f"got {self.tokenizer!r}")

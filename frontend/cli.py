@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         args, server = parse_args(argv)
         level = getattr(logging, server.log_level.upper())
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        args.validate()             # fail fast on bad knobs; model files are the engine core's to check
         chat_template = load_chat_template(server.chat_template) if server.chat_template else None
     except ValueError as exc:
         sys.exit(f"engine-serve: {exc}")
