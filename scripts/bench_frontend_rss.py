@@ -2,7 +2,6 @@
 after a few requests: the figure quoted in the README's layout section.
 
     python scripts/bench_frontend_rss.py                 # the embedded model
-    PYTHONPATH=/path/to/other/checkout/parent python scripts/bench_frontend_rss.py   # another revision
 """
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,15 +26,10 @@ import time
 import httpx
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_report import emit  # noqa: E402
-from bench_throughput import workload_w1  # noqa: E402
+from bench_report import emit  # scripts/ is on sys.path when a script runs
+from bench_throughput import workload_w1
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pagedserve.tests.helpers.server import free_port
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:

@@ -17,15 +17,13 @@ import io
 import os
 import platform
 import pstats
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_report import emit  # noqa: E402
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from bench_throughput import StepProfile  # noqa: E402
-from tiny_models import make_tiny_model  # noqa: E402
+from bench_report import emit  # scripts/ is on sys.path when a script runs
+from bench_throughput import StepProfile
+
+from pagedserve.tests.helpers.tiny_models import make_tiny_model
 
 PHASES = ("schedule", "update_states", "prepare_inputs", "stage_inputs", "model_forward", "lm_head",
           "sampling_metadata", "sampler", "scheduler_update", "stats", "detokenize")

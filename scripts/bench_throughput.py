@@ -53,10 +53,9 @@ def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
 
 def make_qwen3_06b(path: str) -> None:
     """Random bf16 weights in Qwen3-0.6B's shape (nothing can be downloaded on the GPU machines)."""
-    import sys as _sys
-    _sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from tiny_models import make_tiny_model
     import torch
+
+    from pagedserve.tests.helpers.tiny_models import make_tiny_model
     make_tiny_model(path, arch="qwen3", tokenizer="synthetic", dtype=torch.bfloat16, hidden_size=1024,
                     num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                     intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960,

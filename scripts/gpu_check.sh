@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 if ls .whl/*.whl >/dev/null 2>&1; then $PY -m pip install --quiet --no-index --no-deps .whl/*.whl; fi
 # Import the checkout as `pagedserve` without installing it.
 mkdir -p /tmp/ps_path && ln -sfn "$PWD" /tmp/ps_path/pagedserve
-export PYTHONPATH=/tmp/ps_path:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=/tmp/ps_path${PYTHONPATH:+:$PYTHONPATH}
 steps=${*:-tests kernels decode throughput}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
@@ -21,7 +21,7 @@ for step in $steps; do
     tests) $PY -m pytest -q -p no:cacheprovider -x tests/test_kernels.py tests/test_gpu.py 2>&1 | tail -40 > "$OUT/tests.log" ;;
     kernels) $PY scripts/bench_kernels.py --out "$OUT/kernels_gpu.md" > "$OUT/kernels.log" 2>&1 ;;
     decode)
-      [ -d $MODEL ] || $PY -c "import sys; sys.path.insert(0, 'scripts'); from bench_throughput import make_qwen3_06b; make_qwen3_06b('$MODEL')"
+      [ -d $MODEL ] || (cd scripts && $PY -c "from bench_throughput import make_qwen3_06b; make_qwen3_06b('$MODEL')")
       $PY scripts/bench_decode.py --model $MODEL --out "$OUT/decode_gpu.md" > "$OUT/decode.log" 2>&1 ;;
     throughput)
       $PY scripts/bench_throughput.py --workload g1 --num-requests 256 --model $MODEL --make-qwen3-0.6b \

@@ -10,6 +10,9 @@ strings, some clients that hang up mid-stream) with idle checkpoints. Invariants
   (every block back in the pool), and the server's processes (frontend + engine core + workers) keep
   their RSS and open file descriptors within a tolerance of the first checkpoint.
 
+The request mix is tests/helpers/traffic.py (tests/reliability/test_load.py sends it too), the server
+tests/helpers/server.py's Server.
+
     python scripts/soak.py --minutes 12 --out benchmarks/soak_cpu.md
     python scripts/soak.py --url http://127.0.0.1:8000 --api-key KEY --minutes 60
 """
@@ -22,218 +25,18 @@ import dataclasses
 import os
 import platform
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 
 import httpx
 import openai
-import psutil
 
-STOP_STRINGS = [" the", ".", ",", "\n", " a"]
-WORDS = "the quick brown fox jumps over a lazy dog while seven bakers sing about rivers and stone".split()
-
-
-@dataclasses.dataclass
-class Spec:
-    """One request of the mix."""
-    kind: str                 # "completion" | "chat"
-    prompt: str
-    max_tokens: int
-    n: int
-    stream: bool
-    stop: list[str] | None
-    hang_up_after: int | None     # streamed chunks read before the client disconnects; None = read all
-
-
-@dataclasses.dataclass
-class Result:
-    spec: Spec
-    outcome: str              # "ok" | "error" | "hung" | "disconnected" | "wrong"
-    detail: str = ""
-    seconds: float = 0.0
-
-
-def random_spec(rng: random.Random, max_tokens: int = 32, disconnect_frac: float = 0.05) -> Spec:
-    stream = rng.random() < 0.7
-    return Spec(kind=rng.choice(["completion", "chat"]),
-                prompt=" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 60))),
-                max_tokens=rng.randint(1, max_tokens), n=2 if rng.random() < 0.2 else 1, stream=stream,
-                stop=[rng.choice(STOP_STRINGS)] if rng.random() < 0.2 else None,
-                hang_up_after=rng.randint(1, 4) if stream and rng.random() < disconnect_frac else None)
-
-
-def _check_counts(spec: Spec, finish: dict[int, str | None], tokens: int) -> str | None:
-    """None if the choices and token count are what the spec asks for, else what is wrong."""
-    if sorted(finish) != list(range(spec.n)):
-        return f"choices {sorted(finish)} for n={spec.n}"
-    if any(r not in ("length", "stop") for r in finish.values()):
-        return f"finish reasons {finish}"
-    if spec.stop is None and any(r != "length" for r in finish.values()):
-        return f"finish reasons {finish} without a stop string (ignore_eos)"
-    if all(r == "length" for r in finish.values()) and tokens != spec.n * spec.max_tokens:
-        return f"{tokens} tokens, expected {spec.n * spec.max_tokens}"
-    if tokens > spec.n * spec.max_tokens:
-        return f"{tokens} tokens, more than {spec.n * spec.max_tokens}"
-    return None
-
-
-def _kwargs(spec: Spec, model: str) -> dict[str, Any]:
-    kw: dict[str, Any] = dict(model=model, max_tokens=spec.max_tokens, n=spec.n, temperature=0.8,
-                              extra_body={"ignore_eos": True})
-    if spec.stop:
-        kw["stop"] = spec.stop
-    if spec.stream:
-        kw.update(stream=True, stream_options={"include_usage": True})
-    return kw
-
-
-async def _create(client: openai.AsyncOpenAI, spec: Spec, model: str) -> Any:
-    if spec.kind == "completion":
-        return await client.completions.create(prompt=spec.prompt, **_kwargs(spec, model))
-    return await client.chat.completions.create(messages=[{"role": "user", "content": spec.prompt}],
-                                                **_kwargs(spec, model))
-
-
-async def _consume(spec: Spec, resp: Any) -> tuple[str, str]:
-    if not spec.stream:
-        finish = {c.index: c.finish_reason for c in resp.choices}
-        wrong = _check_counts(spec, finish, resp.usage.completion_tokens)
-        return ("wrong", wrong) if wrong else ("ok", "")
-    finish: dict[int, str | None] = {}
-    usage, chunks = None, 0
-    try:
-        async for chunk in resp:
-            chunks += 1
-            for c in chunk.choices:
-                finish.setdefault(c.index, None)
-                if c.finish_reason is not None:
-                    finish[c.index] = c.finish_reason
-            usage = chunk.usage or usage
-            if spec.hang_up_after is not None and chunks >= spec.hang_up_after:
-                return "disconnected", ""
-    finally:
-        await resp.close()
-    if usage is None:
-        return "wrong", "stream ended without usage"
-    wrong = _check_counts(spec, finish, usage.completion_tokens)
-    return ("wrong", wrong) if wrong else ("ok", "")
-
-
-async def run_one(client: openai.AsyncOpenAI, spec: Spec, model: str, deadline_s: float) -> Result:
-    """Send one request; classify how it ended. An exception from the server is an explicit error."""
-    start = time.monotonic()
-
-    async def go() -> tuple[str, str]:
-        return await _consume(spec, await _create(client, spec, model))
-    try:
-        outcome, detail = await asyncio.wait_for(go(), deadline_s)
-    except asyncio.TimeoutError:
-        outcome, detail = "hung", f"no end within {deadline_s} s"
-    except openai.APIStatusError as exc:
-        outcome, detail = "error", f"HTTP {exc.status_code}: {str(exc)[:160]}"
-    except openai.APIError as exc:
-        outcome, detail = "error", f"{type(exc).__name__}: {str(exc)[:160]}"
-    return Result(spec, outcome, detail, time.monotonic() - start)
-
-
-# ---------------------------------------------------------------- the server and its processes
-
-
-def make_tiny_model(path: str) -> str:
-    """A random-weight 2-layer Llama with the embedded model's tokenizer (its full vocabulary): the serving
-    machinery under many more requests than a real model allows on a small CPU."""
-    import torch
-    import transformers
-
-    from pagedserve.common.model_files import resolve_model, tokenizer_folder
-    from pagedserve.frontend.tokenizer import load_tokenizer
-    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=128, vocab_size=49152,
-                                      max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    load_tokenizer(tokenizer_folder(resolve_model(None))).save_pretrained(path)
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(extra: list[str], api_key: str, timeout_s: float = 300) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "pagedserve.frontend.cli", "--port", str(port), "--api-key", api_key,
-           "--log-level", "warning", *extra]
-    log = tempfile.TemporaryFile(mode="w+")     # not a pipe: nobody reads it during the soak
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"engine-serve exited: {log.read()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError("engine-serve did not become healthy")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def process_usage(pid: int) -> tuple[int, int]:
-    """(RSS bytes, open file descriptors) of a process and all its descendants."""
-    procs = [psutil.Process(pid)]
-    procs += procs[0].children(recursive=True)
-    rss = fds = 0
-    for p in procs:
-        try:
-            rss += p.memory_info().rss
-            fds += p.num_fds()
-        except psutil.NoSuchProcess:
-            pass
-    return rss, fds
-
-
-def read_metrics(url: str) -> dict[str, float]:
-    """The pagedserve:* gauges and counters of /metrics (summed over labels)."""
-    values: dict[str, float] = collections.defaultdict(float)
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("pagedserve:"):
-            name = line.split("{", 1)[0].split(" ", 1)[0][len("pagedserve:"):]
-            values[name] += float(line.rsplit(" ", 1)[1])
-    return values
-
-
-async def wait_idle(url: str, timeout_s: float = 30) -> dict[str, float]:
-    """Metrics once nothing runs or waits (KV usage is reported by the step that emptied the batch)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = read_metrics(url)
-        if m["num_requests_running"] == 0 and m["num_requests_waiting"] == 0 and m["kv_cache_usage_perc"] == 0:
-            return m
-        if time.monotonic() > deadline:
-            return m
-        await asyncio.sleep(0.2)
+from pagedserve.tests.helpers.metrics import wait_idle
+from pagedserve.tests.helpers.server import Server, process_usage
+from pagedserve.tests.helpers.tiny_models import make_tiny_serving_model
+from pagedserve.tests.helpers.traffic import Result, random_spec, run_one
 
 
 # ---------------------------------------------------------------- the soak loop
@@ -263,7 +66,7 @@ async def traffic(client: openai.AsyncOpenAI, model: str, rng: random.Random, se
 
 async def checkpoint(url: str, pid: int | None, start: float, n: int) -> Checkpoint:
     await asyncio.sleep(0.5)       # let hung-up streams' aborts reach the core
-    m = await wait_idle(url)
+    m = await asyncio.to_thread(wait_idle, url)
     health = httpx.get(f"{url}/health", timeout=10).status_code
     rss, fds = process_usage(pid) if pid is not None else (None, None)
     return Checkpoint(time.monotonic() - start, health, m["num_requests_running"], m["num_requests_waiting"],
@@ -364,6 +167,15 @@ def report(args: argparse.Namespace, results: list[Result], checkpoints: list[Ch
     return "\n".join(lines) + "\n"
 
 
+def start_server(args: argparse.Namespace) -> Server:
+    """engine-serve as the flags ask: engine-serve's own defaults (dtype, length, engine transport) except
+    for what --server-args sets; the tiny model when --tiny-model."""
+    model = make_tiny_serving_model(tempfile.mkdtemp(prefix="soak-tiny-")) if args.tiny_model else None
+    extra = ["--max-model-len", "512", *args.server_args] if args.tiny_model else args.server_args
+    return Server(*extra, model=model, api_key=args.api_key, token=None, max_model_len=None, dtype=None,
+                  startup_s=300)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--url", default=None, help="attach to a running server instead of starting one")
@@ -382,17 +194,14 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="markdown report path (default: print)")
     args = p.parse_args()
-    server_args = list(args.server_args)
-    if args.tiny_model:
-        server_args = [make_tiny_model(tempfile.mkdtemp(prefix="soak-tiny-")), "--max-model-len", "512",
-                       *server_args]
-    proc, url = (None, args.url) if args.url else start_server(server_args, args.api_key)
+    srv = None if args.url else start_server(args)
+    url = args.url or srv.url
     start = time.monotonic()
     try:
-        results, checkpoints = asyncio.run(soak(args, url, proc.pid if proc else None))
+        results, checkpoints = asyncio.run(soak(args, url, srv.proc.pid if srv else None))
     finally:
-        if proc is not None:
-            stop_server(proc)
+        if srv is not None:
+            srv.stop()
     problems = verdict(results, checkpoints, args.rss_tolerance_mib, args.fd_tolerance)
     text = report(args, results, checkpoints, problems, time.monotonic() - start)
     if args.out:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -28,7 +27,7 @@ def hf_smollm2(smollm2_path):
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
-    from tiny_models import make_tiny_model
+    from pagedserve.tests.helpers.tiny_models import make_tiny_model
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")), arch="llama")
 
 
@@ -38,35 +37,18 @@ def hf_tiny_llama(tiny_llama_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
-def random_prompts(seed: int, lengths: list[int], vocab: int, low: int = 100) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(low, vocab) for _ in range(n)] for n in lengths]
-
-
-@torch.inference_mode()
-def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """HF transformers greedy continuation, one prompt at a time (no padding effects)."""
-    outs = []
-    for ids in prompts:
-        seq = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
-        outs.append(seq[0, len(ids):].tolist())
-    return outs
-
-
 @pytest.fixture(scope="session")
 def tiny_serving_model(tmp_path_factory) -> str:
     """Random Llama weights with the embedded tokenizer's full vocabulary, so text prompts and chat work."""
-    from tiny_models import make_tiny_model
-    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_serving")), arch="llama", vocab_size=49152,
-                           max_position_embeddings=512)
+    from pagedserve.tests.helpers.tiny_models import make_tiny_serving_model
+    return make_tiny_serving_model(str(tmp_path_factory.mktemp("tiny_serving")))
 
 
 @pytest.fixture(scope="module")
 def api_server(tiny_serving_model):
     """engine-serve with --api-key on the tiny serving model, for one module of HTTP-surface tests
     (module scope: an idle server must not hold memory through the rest of the suite)."""
-    from server_process import SMALL_KV, Server
+    from pagedserve.tests.helpers.server import SMALL_KV, Server
     srv = Server(*SMALL_KV, "--max-model-len", "256", "--max-num-seqs", "16", model=tiny_serving_model)
     yield srv
     srv.stop()

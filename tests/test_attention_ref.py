@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import reference
-from attention_cases import make_batch
+from pagedserve.tests.helpers.attention_cases import make_batch
 
 
 def dense_attention(q, k, v, scale):

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def tiny_gpu_dirs(tmp_path_factory):
-    from tiny_models import make_tiny_model
+    from pagedserve.tests.helpers.tiny_models import make_tiny_model
     root = tmp_path_factory.mktemp("gpu_models")
     # head_dim 64 and 128 (the kernels' real sizes), GQA 2 and 4, Qwen3's q/k norm.
     return {

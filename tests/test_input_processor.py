@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from tiny_models import synthetic_tokenizer
+from pagedserve.tests.helpers.tiny_models import synthetic_tokenizer
 
 from pagedserve.common.config import EngineArgs
 from pagedserve.common.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from pagedserve.kernels import reference, triton_attention, triton_cache, triton_fused, triton_gemm  # noqa: E402
-from attention_cases import make_batch  # noqa: E402
+from pagedserve.tests.helpers.attention_cases import make_batch  # noqa: E402
 from pagedserve.kernels.metadata import AttentionMetadata  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,18 +3,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 
-from conftest import hf_greedy, random_prompts
 from pagedserve.common.config import ModelConfig
 from pagedserve.common.model_files import load_hf_config, resolve_model
 from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.models import get_model_class
 from pagedserve.executor.model.parallel_state import TPGroup
-from tiny_models import make_tiny_model, prefill_logits
+from pagedserve.tests.helpers.server import free_port
+from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model, prefill_logits, random_prompts
 
 PROMPT_LEN = 40
 NEW_TOKENS = 16
@@ -139,12 +138,6 @@ TP_CASES: dict[str, tuple[str, dict]] = {
 TP_TIMEOUT_S = 180
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tp_worker(rank: int, world: int, init_method: str, paths: list[str], prompt: list[int], out: str) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)          # two ranks on two cores
@@ -167,7 +160,7 @@ def test_tp2_logits_equal_tp1(tmp_path):
     expected = [prefill_logits(load_model(model_config(p), TPGroup()), prompt) for p in paths]
     out = str(tmp_path / "tp2_logits.pt")
     ctx = mp.get_context("spawn")
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=_tp_worker, args=(r, 2, init, paths, prompt, out)) for r in range(2)]
     for p in procs:
         p.start()

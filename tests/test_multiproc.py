@@ -10,11 +10,11 @@ import time
 import psutil
 import pytest
 
-from conftest import random_prompts
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.config import EngineArgs
 from pagedserve.frontend.core_client import CoreProcess, EngineDeadError, SyncMPClient
 from pagedserve.ipc.messages import EngineCoreRequest
+from pagedserve.tests.helpers.tiny_models import random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 LENGTHS = [5, 40, 17, 90, 1, 63]

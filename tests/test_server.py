@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from server_process import API_KEY, TOKEN, Server
+from pagedserve.tests.helpers.server import API_KEY, TOKEN, Server
 
 pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from server_process import API_KEY, SMALL_KV, Server
+from pagedserve.tests.helpers.server import API_KEY, SMALL_KV, Server
 
 TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant]{% endif %}")

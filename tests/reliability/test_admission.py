@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from server_process import SMALL_KV, Server
+from pagedserve.tests.helpers.server import SMALL_KV, Server
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,26 +1,23 @@
 """200 concurrent streaming clients, twice: nothing hangs, nothing is lost, nothing leaks.
 
-A real `engine-serve` on a tiny random model; the official `openai` AsyncOpenAI client sends the mix of
-scripts/soak.py (completions and chat, random lengths, some n=2, some stop strings, 10% of the streams
-hang up after a few chunks). Two identical waves: every request ends with the right tokens (ignore_eos
-fixes the count) or an explicit error, none past the deadline; after each wave nothing runs or waits and
-the KV pool is empty; the server's processes keep their RSS and open fds from wave 1 to wave 2.
+A real `engine-serve` on a tiny random model; the official `openai` AsyncOpenAI client sends the soak
+script's mix (tests/helpers/traffic.py: completions and chat, random lengths, some n=2, some stop strings,
+10% of the streams hang up after a few chunks). Two identical waves: every request ends with the right
+tokens (ignore_eos fixes the count) or an explicit error, none past the deadline; after each wave nothing
+runs or waits and the KV pool is empty; the server's processes keep their RSS and open fds from wave 1 to
+wave 2.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import dataclasses
-import os
 import random
-import sys
 
 import pytest
 
-from server_process import SMALL_KV, Server
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-import soak  # noqa: E402
+from pagedserve.tests.helpers import traffic
+from pagedserve.tests.helpers.server import SMALL_KV, Server
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -37,24 +34,24 @@ def load_server(tiny_serving_model):
     srv.stop()
 
 
-def _wave_specs(seed: int) -> list[soak.Spec]:
+def _wave_specs(seed: int) -> list[traffic.Spec]:
     rng = random.Random(seed)
-    specs = [soak.random_spec(rng, max_tokens=24, disconnect_frac=0.1) for _ in range(CLIENTS)]
+    specs = [traffic.random_spec(rng, max_tokens=24, disconnect_frac=0.1) for _ in range(CLIENTS)]
     specs[0] = dataclasses.replace(specs[0], stream=True, hang_up_after=1)   # at least one of each
     specs[1] = dataclasses.replace(specs[1], stream=True, n=2, stop=["e"], hang_up_after=None)
     return [dataclasses.replace(s, stream=True) if i % 10 else s for i, s in enumerate(specs)]
 
 
-async def _wave(srv: Server, specs: list[soak.Spec]) -> list[soak.Result]:
+async def _wave(srv: Server, specs: list[traffic.Spec]) -> list[traffic.Result]:
     client = srv.async_client(timeout_s=DEADLINE_S + 30)
     try:
         model = (await client.models.list()).data[0].id
-        return await asyncio.gather(*(soak.run_one(client, s, model, DEADLINE_S) for s in specs))
+        return await asyncio.gather(*(traffic.run_one(client, s, model, DEADLINE_S) for s in specs))
     finally:
         await client.close()
 
 
-def _check_wave(srv: Server, results: list[soak.Result]) -> collections.Counter:
+def _check_wave(srv: Server, results: list[traffic.Result]) -> collections.Counter:
     outcomes = collections.Counter(r.outcome for r in results)
     bad = [f"{r.outcome}: {r.detail} ({r.spec})" for r in results if r.outcome in ("hung", "wrong")]
     assert not bad, "\n".join(bad[:10])
@@ -84,7 +81,7 @@ def test_two_identical_waves(load_server):
 def test_mass_disconnect_under_load_frees_every_block(load_server):
     """Every stream hangs up after its first chunks while the batch is full: no block may stay taken."""
     rng = random.Random(7)
-    specs = [dataclasses.replace(soak.random_spec(rng, max_tokens=64), stream=True,
+    specs = [dataclasses.replace(traffic.random_spec(rng, max_tokens=64), stream=True,
                                  hang_up_after=rng.randint(1, 3)) for _ in range(CLIENTS)]
     results = asyncio.run(_wave(load_server, specs))
     outcomes = collections.Counter(r.outcome for r in results)

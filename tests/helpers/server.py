@@ -1,4 +1,5 @@
-"""engine-serve as a real subprocess for tests: free ports, its own TMPDIR, every line it prints kept."""
+"""engine-serve as a real subprocess (tests and the soak script): free ports, its own TMPDIR, every line it
+prints kept, and the RSS and open fds of its process tree."""
 from __future__ import annotations
 
 import os
@@ -14,8 +15,7 @@ import httpx
 import openai
 import psutil
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
-import soak  # noqa: E402
+from pagedserve.tests.helpers import metrics as _metrics
 
 API_KEY = "test-key-123"
 TOKEN = "engine-token-abc"
@@ -23,6 +23,7 @@ SMALL_KV = ("--kv-cache-memory", "0.25")      # GiB: servers that live through a
 
 
 def free_port(avoid: set[int] = frozenset()) -> int:
+    """A loopback port free now (the OS picks it), not one of `avoid`."""
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -43,19 +44,36 @@ def free_port_pair() -> int:
         return port
 
 
+def process_usage(pid: int) -> tuple[int, int]:
+    """(RSS bytes, open file descriptors) of a process and all its descendants; one that exits meanwhile
+    counts for nothing."""
+    root = psutil.Process(pid)
+    rss = fds = 0
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            rss += p.memory_info().rss
+            fds += p.num_fds()
+        except psutil.NoSuchProcess:
+            pass
+    return rss, fds
+
+
 class Server:
-    """`engine-serve MODEL` on a free port, its engine core on tcp with a token.
+    """`engine-serve MODEL` on a free port; by default its engine core on tcp with a token.
 
     Its TMPDIR is a private folder, so the ipc files of the engine it starts can be checked; stdout and
     stderr of the server and all its children go to one file (a pipe nobody reads would block it).
     """
 
-    def __init__(self, *extra: str, model: str | None = None, api_key: str = API_KEY, token: str = TOKEN,
-                 log_level: str = "warning", max_model_len: int = 1024, startup_s: float = 180,
-                 tls: tuple[str, str] | None = None) -> None:
-        """tls: (certificate, key) files: serve HTTPS, and trust that certificate here."""
-        self.engine_port = free_port_pair()       # the engine core listens on PORT and PORT + 1
-        self.port = free_port(avoid={self.engine_port, self.engine_port + 1})
+    def __init__(self, *extra: str, model: str | None = None, api_key: str = API_KEY, token: str | None = TOKEN,
+                 log_level: str = "warning", max_model_len: int | None = 1024, dtype: str | None = "float32",
+                 startup_s: float = 180, tls: tuple[str, str] | None = None) -> None:
+        """token: the engine core's tcp token; None leaves the core on engine-serve's default transport.
+        max_model_len, dtype: None leaves engine-serve's own default (the model's).
+        tls: (certificate, key) files: serve HTTPS, and trust that certificate here."""
+        # The engine core listens on PORT and PORT + 1.
+        self.engine_port: int | None = free_port_pair() if token is not None else None
+        self.port = free_port(avoid={self.engine_port, self.engine_port + 1} if self.engine_port else set())
         self.api_key, self.token = api_key, token
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=tls[0]) if tls else True
@@ -64,12 +82,16 @@ class Server:
         self.tmpdir = tempfile.mkdtemp(prefix="ps-test-srv-")
         self.log_path = os.path.join(self.tmpdir, "server.log")
         cmd = [sys.executable, "-m", "pagedserve.frontend.cli", *([model] if model else []), "--port", str(self.port),
-               "--dtype", "float32", "--max-model-len", str(max_model_len), "--api-key", api_key,
-               "--engine-address", f"tcp://127.0.0.1:{self.engine_port}", "--engine-token", token,
-               "--log-level", log_level, *extra]
+               "--api-key", api_key, "--log-level", log_level]
+        if dtype is not None:
+            cmd += ["--dtype", dtype]
+        if max_model_len is not None:
+            cmd += ["--max-model-len", str(max_model_len)]
+        if token is not None:
+            cmd += ["--engine-address", f"tcp://127.0.0.1:{self.engine_port}", "--engine-token", token]
         env = dict(os.environ, TMPDIR=self.tmpdir)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen([*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env=env)
         self._wait_healthy(startup_s)
 
     def _wait_healthy(self, timeout_s: float) -> None:
@@ -101,37 +123,26 @@ class Server:
         return {"Authorization": f"Bearer {self.api_key}"}
 
     def metrics(self) -> dict[str, float]:
-        """pagedserve:* samples of /metrics, summed over labels (the soak script's reader)."""
-        return soak.read_metrics(self.url)
+        """pagedserve:* samples of /metrics, summed over labels."""
+        return _metrics.read_metrics(self.url, self.verify)
 
     def wait_idle(self, timeout_s: float = 30) -> dict[str, float]:
         """Metrics once nothing runs or waits and the KV pool is free, or the last reading at the timeout."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            m = self.metrics()
-            if not (m["num_requests_running"] or m["num_requests_waiting"] or m["kv_cache_usage_perc"]):
-                return m
-            if time.monotonic() > deadline:
-                return m
-            time.sleep(0.2)
+        return _metrics.wait_idle(self.url, timeout_s, self.verify)
 
     def usage(self) -> tuple[int, int]:
         """(RSS bytes, open fds) of the server and all its children."""
-        rss = fds = 0
-        for p in [psutil.Process(self.proc.pid), *self.children()]:
-            rss += p.memory_info().rss
-            fds += p.num_fds()
-        return rss, fds
+        return process_usage(self.proc.pid)
 
     def health(self) -> int:
         return httpx.get(f"{self.url}/health", timeout=10, verify=self.verify).status_code
 
     def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics").text
-        for line in text.splitlines():
-            if line.startswith(f"pagedserve:{name}{{") or line.startswith(f"pagedserve:{name} "):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+        """One pagedserve:* metric (summed over labels); KeyError if the server does not export it."""
+        m = self.metrics()
+        if name not in m:
+            raise KeyError(name)
+        return m[name]
 
     def children(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children(recursive=True)

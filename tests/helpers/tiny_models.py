@@ -1,8 +1,10 @@
-"""Tiny random-weight models saved as HF safetensors folders, and helpers to run our model directly."""
+"""Tiny random-weight models saved as HF safetensors folders, helpers to run our model directly, and
+random prompts with HF transformers' greedy continuation of them (the oracle)."""
 from __future__ import annotations
 
 import json
 import os
+import random
 from typing import Any
 
 import torch
@@ -46,10 +48,21 @@ def make_tiny_model(path: str, arch: str = "llama", sharded: bool = False, seed:
         synthetic_tokenizer(fields["vocab_size"]).save_pretrained(path)
         return path
     # Any tokenizer covering the tiny vocabulary will do: reuse the embedded model's.
+    embedded_tokenizer().save_pretrained(path)
+    return path
+
+
+def make_tiny_serving_model(path: str) -> str:
+    """Random Llama weights with the embedded tokenizer's full vocabulary (49152 ids), so text prompts and
+    chat work: the serving machinery under many more requests than a real model allows on a small CPU."""
+    return make_tiny_model(path, arch="llama", vocab_size=49152, max_position_embeddings=512)
+
+
+def embedded_tokenizer() -> Any:
+    """The embedded SmolLM2's tokenizer (converted from its GGUF once, then read from a cache)."""
     from pagedserve.common.model_files import resolve_model, tokenizer_folder
     from pagedserve.frontend.tokenizer import load_tokenizer
-    load_tokenizer(tokenizer_folder(resolve_model(None))).save_pretrained(path)
-    return path
+    return load_tokenizer(tokenizer_folder(resolve_model(None)))
 
 
 def synthetic_tokenizer(vocab_size: int) -> Any:
@@ -109,3 +122,19 @@ def prefill_logits(model: torch.nn.Module, token_ids: list[int], block_size: int
     ids = torch.tensor(token_ids, dtype=torch.long)
     hidden = model(ids, torch.arange(len(token_ids)), meta)
     return model.compute_logits(hidden)
+
+
+def random_prompts(seed: int, lengths: list[int], vocab: int, low: int = 100) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(low, vocab) for _ in range(n)] for n in lengths]
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF transformers greedy continuation, one prompt at a time (no padding effects)."""
+    outs = []
+    for ids in prompts:
+        seq = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
+        outs.append(seq[0, len(ids):].tolist())
+    return outs
