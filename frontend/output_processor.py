@@ -25,6 +25,7 @@ class _Sequence:
     stop_reason: int | str | None = None
     sent_tokens: int = 0          # for delta outputs
     sent_logprobs: int = 0
+    sent_finish: bool = False     # delta outputs report a finish once, not in every later output of the parent
 
 
 @dataclass
@@ -123,9 +124,14 @@ class OutputProcessor:
         if parent.kind == RequestOutputKind.FINAL_ONLY and not finished and parent.error is None:
             return None
         delta = parent.kind == RequestOutputKind.DELTA
-        completions = [self._completion(c, delta) for c in parent.children]
         if delta:
+            fresh = [c for c in parent.children if not c.sent_finish]
+            completions = [self._completion(c, delta) for c in fresh]
             completions = [c for c in completions if c.text or c.token_ids or c.finish_reason]
+            for seq in fresh:
+                seq.sent_finish = seq.finish_reason is not None
+        else:
+            completions = [self._completion(c, delta) for c in parent.children]
         metrics = {"arrival_time": parent.arrival_time, "last_token_time": now,
                    "num_generation_tokens": float(sum(len(c.token_ids) for c in parent.children))}
         if parent.first_token_time is not None:
