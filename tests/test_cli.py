@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conftest import random_prompts
+from pagedserve.tests.helpers.tiny_models import random_prompts
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.arg_utils import add_dataclass_args, dataclass_from, setting
 from pagedserve.common.config import EngineArgs

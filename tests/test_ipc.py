@@ -43,7 +43,9 @@ MESSAGES = [
     (m.ModelRunnerOutput(["r1", "r2"], [5, -1], [m.LogprobsEntry([5], [-0.5], 2), None]), m.ModelRunnerOutput),
     (m.WorkerResponse(0, "output", output=m.ModelRunnerOutput(["a"], [1])), m.WorkerResponse),
     (m.ExecuteModel(m.SchedulerOutput([], m.CachedRequestData(), {}, 0, [])), m.WorkerInput),
-    (m.EngineReady(10, 512, 49152, 16), m.EngineHandshake),
+    (m.EngineReady(m.EngineInfo(served_model_name="m", model_path="/m.gguf", tokenizer="/tok", max_model_len=512,
+                                vocab_size=49152, eos_token_ids=[2], max_waiting_requests=None, block_size=16,
+                                num_blocks=10)), m.EngineHandshake),
 ]
 
 
