@@ -54,7 +54,7 @@ def hostile_bodies(canary: str) -> dict[str, list[bytes]]:
         "wrong type": [msgspec.msgpack.encode(x) for x in (
             {"request_id": "x"}, 7, "add", [], ["exec", []], ["add", "id", "not a list", {}, 0.0],
             ["utility", "not an int", "ping", []], ["abort", [1, 2]], m.EngineCoreOutputs(), m.WorkerShutdown(),
-            m.EngineReady(1, 2, 3, 4))],
+            m.EngineStartupFailed("not for the core"))],
         "huge lengths": [b"\xdd\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff", b"\xc6\x7f\xff\xff\xff",
                          b"\xdf\xff\xff\xff\xff", b"\xc9\xff\xff\xff\xff\x01", b"\x94\xa3add" + b"\xdd\xff\xff\xff\xff",
                          # Ext 1 once carried a tensor's (dtype, shape, frame); any Ext is now refused.
