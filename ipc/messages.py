@@ -163,7 +163,7 @@ class WorkerHeartbeat(msgspec.Struct, array_like=True):
 
 class WorkerResponse(msgspec.Struct, array_like=True, omit_defaults=True):
     rank: int
-    kind: str                                   # "ready" | "result" | "output" | "error"
+    kind: str                                   # "ready" | "result" | "refused" | "output" | "error"
     result: Union[int, float, str, bool, None, list, dict] = None
     output: Optional[ModelRunnerOutput] = None
     error: Optional[str] = None

@@ -149,15 +149,19 @@ class MultiProcExecutor(Executor):
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         self._broadcast(WorkerCall(method, list(args)))
-        results: dict[int, Any] = {}
-        while len(results) < self.world_size:
+        answers: dict[int, WorkerResponse] = {}
+        while len(answers) < self.world_size:
             resp = self._recv_response()
             if resp is None:
                 continue
             if resp.kind == "error":
                 self._raise_worker_error(resp)
-            results[resp.rank] = resp.result
-        return [results[r] for r in range(self.world_size)]
+            answers[resp.rank] = resp
+        # Every rank answered (none is left to answer a later call with this one's reply), then refuse.
+        refused = [a for a in answers.values() if a.kind == "refused"]
+        if refused:
+            raise ValueError(refused[0].error)
+        return [answers[r].result for r in range(self.world_size)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._broadcast(ExecuteModel(scheduler_output))

@@ -78,7 +78,10 @@ def _serve(worker: Worker, reader: BroadcastReader, reply, rank: int) -> int:
                 output = worker.execute_model(msg.scheduler_output)
                 if rank == 0:                # every rank computes the same tokens; one answer is enough
                     reply(WorkerResponse(rank=rank, kind="output", output=output))
-            elif isinstance(msg, WorkerCall):
+            elif (why := worker.remote_refusal(msg.method)) is not None:
+                # The caller's mistake, not this rank's failure: answer it and keep serving.
+                reply(WorkerResponse(rank=rank, kind="refused", error=why))
+            else:
                 reply(WorkerResponse(rank=rank, kind="result", result=worker.call_remote(msg.method, msg.args)))
         except BaseException as exc:
             logger.exception("worker %d failed", rank)

@@ -48,11 +48,16 @@ class Worker:
         model = load_model(self.config.model, self.tp)
         self.runner = ModelRunner(self.config, model, self.device, self.dtype)
 
+    def remote_refusal(self, method: str) -> str | None:
+        """Why `method` may not be called from another process, or None if it is in REMOTE_METHODS."""
+        if method in self.REMOTE_METHODS:
+            return None
+        return f"worker method {method!r} is not callable remotely (allowed: {', '.join(sorted(self.REMOTE_METHODS))})"
+
     def call_remote(self, method: str, args: Sequence[Any] = ()) -> Any:
         """Worker.<method>(*args) for a method named in REMOTE_METHODS; ValueError for any other name."""
-        if method not in self.REMOTE_METHODS:
-            raise ValueError(f"worker method {method!r} is not callable remotely "
-                             f"(allowed: {', '.join(sorted(self.REMOTE_METHODS))})")
+        if (why := self.remote_refusal(method)) is not None:
+            raise ValueError(why)
         return getattr(self, method)(*args)
 
     def ping(self) -> str:

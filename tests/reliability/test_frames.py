@@ -250,8 +250,9 @@ def test_worker_channels_drop_bad_frames(tiny_llama_dir, capfd, caplog):
             for sock in pushes:
                 sock.send(body)
         assert run("b") == before
-        with pytest.raises(RuntimeError, match="not callable remotely"):
+        with pytest.raises(ValueError, match="not callable remotely"):
             executor.collective_rpc("load_model")     # only allowlisted methods run on a worker
+        assert run("c") == before                     # a refused call is answered, not fatal
         for sock in pushes:
             sock.close()
     finally:
