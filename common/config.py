@@ -125,6 +125,13 @@ class EngineArgs:
                          help="weights and activations; auto: bfloat16 on CUDA and on CPUs with native "
                               "bf16, else float32")
     device: str = setting("auto", choices=DEVICES, help="where the model runs; auto: CUDA if available")
+    # Accepted so that vLLM launch scripts and LLM(...) calls run unchanged; they change nothing here.
+    trust_remote_code: bool = setting(
+        False, store_true=True, help="accepted for vLLM compatibility, no effect: models load through "
+                                     "pagedserve's own model classes and no code from a checkpoint is ever run")
+    disable_log_stats: bool = setting(
+        False, store_true=True, help="accepted for vLLM compatibility, no effect: the engine logs no periodic "
+                                     "stats (GET /metrics has them)")
     seed: int = setting(0, help="random seed for sampling requests that bring no seed of their own")
     max_model_len: int | None = setting(
         None, help="longest sequence (prompt + output) in tokens (unset: the model's max_position_embeddings)")

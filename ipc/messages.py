@@ -50,6 +50,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     error: Optional[str] = None
     error_kind: Optional[str] = None        # with error: core.errors.INVALID | OVERLOADED
+    queue_time: Optional[float] = None      # on a request's first token: seconds from arrival to first scheduled
 
     @property
     def finished(self) -> bool:

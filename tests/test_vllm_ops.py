@@ -1,0 +1,86 @@
+"""vLLM drop-in for operations: vLLM's metric names, the flags launch scripts carry (no-ops, --root-path,
+CORS), and --dtype auto following the checkpoint. Against a real engine-serve where it can be seen there."""
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from pagedserve.tests.helpers.metrics import parse_metrics
+from pagedserve.tests.helpers.server import SMALL_KV, Server
+
+pytestmark = pytest.mark.slow
+
+ROOT = "/llm"
+GOOD_ORIGIN = "http://dashboard.example"
+NO_OP_FLAGS = ("--disable-log-requests", "--disable-log-stats", "--trust-remote-code",
+               "--uvicorn-log-level", "debug")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_serving_model):
+    srv = Server(*SMALL_KV, "--max-model-len", "256", *NO_OP_FLAGS, "--root-path", ROOT,
+                 "--allowed-origins", json.dumps([GOOD_ORIGIN]), "--allowed-methods", '["GET", "POST"]',
+                 "--allowed-headers", '["Authorization", "Content-Type"]', model=tiny_serving_model)
+    yield srv
+    srv.stop()
+
+
+def _complete(srv: Server, max_tokens: int, n: int = 1, stream: bool = False) -> None:
+    resp = srv.client().completions.create(model=srv.client().models.list().data[0].id, prompt="Hello there",
+                                           max_tokens=max_tokens, n=n, temperature=1.0, stream=stream,
+                                           extra_body={"ignore_eos": True})
+    if stream:
+        for _ in resp:
+            pass
+
+
+def _series(text: str, name: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " ")]
+
+
+def test_vllm_metric_names_and_counts(server):
+    before = server.metrics()
+    # (max_tokens, n, stream): every sequence runs to max_tokens (ignore_eos).
+    plan = [(5, 1, False), (7, 1, True), (4, 2, False)]
+    for max_tokens, n, stream in plan:
+        _complete(server, max_tokens, n, stream)
+    after = server.wait_idle()
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["request_queue_time_seconds_count"] == len(plan)
+    assert delta["inter_token_latency_seconds_count"] == sum(n * (t - 1) for t, n, _ in plan)
+    assert delta["time_per_output_token_seconds_count"] == delta["inter_token_latency_seconds_count"]
+    assert delta["generation_tokens_total"] == sum(n * t for t, n, _ in plan)
+    assert delta["request_success_total"] == sum(n for _, n, _ in plan)
+    for name in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
+                 "request_prefill_time_seconds_count", "request_decode_time_seconds_count",
+                 "request_prompt_tokens_count", "request_generation_tokens_count"):
+        assert delta[name] == len(plan), name
+    assert delta["request_queue_time_seconds_sum"] >= 0
+
+
+def test_every_series_has_vllm_labels_and_no_duplicates(server):
+    _complete(server, 3)
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    model = server.client().models.list().data[0].id
+    # Families by name (a counter's TYPE line names it with its _total).
+    names = {m.group(1).removesuffix("_total") for m in re.finditer(r"^# TYPE (\S+) ", text, re.M)}
+    vllm = {n.removeprefix("vllm:") for n in names if n.startswith("vllm:")}
+    own = {n.removeprefix("pagedserve:") for n in names if n.startswith("pagedserve:")}
+    assert {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "gpu_cache_usage_perc",
+            "prompt_tokens", "generation_tokens", "request_success", "num_preemptions", "prefix_cache_queries",
+            "prefix_cache_hits", "time_to_first_token_seconds", "inter_token_latency_seconds",
+            "e2e_request_latency_seconds", "request_queue_time_seconds"} <= vllm
+    assert names == {f"vllm:{n}" for n in vllm} | {f"pagedserve:{n}" for n in own}
+    assert not own & vllm                      # nothing exported twice under two prefixes
+    assert own == {"request_rejected"}
+    for line in _series(text, "vllm:num_requests_running") + _series(text, "vllm:request_success_total"):
+        assert f'model_name="{model}"' in line and 'engine="0"' in line
+    assert any('finished_reason="length"' in line for line in _series(text, "vllm:request_success_total"))
+
+
+def test_parse_metrics_reads_both_prefixes():
+    text = 'vllm:num_requests_running{model_name="m",engine="0"} 2.0\npagedserve:request_rejected_total 3.0\n'
+    assert parse_metrics(text) == {"num_requests_running": 2.0, "request_rejected_total": 3.0}
