@@ -84,3 +84,72 @@ def test_every_series_has_vllm_labels_and_no_duplicates(server):
 def test_parse_metrics_reads_both_prefixes():
     text = 'vllm:num_requests_running{model_name="m",engine="0"} 2.0\npagedserve:request_rejected_total 3.0\n'
     assert parse_metrics(text) == {"num_requests_running": 2.0, "request_rejected_total": 3.0}
+
+
+# ------------------------------------------------------------------ --root-path
+
+def test_root_path_with_and_without_the_prefix(server):
+    model = server.client().models.list().data[0].id
+    for base in (f"{server.url}{ROOT}", server.url):     # a client direct / a proxy that strips the prefix
+        assert httpx.get(f"{base}/v1/models", headers=server.auth, timeout=10).json()["data"][0]["id"] == model
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200           # open path, no key
+        assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 401        # still guarded
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}{ROOT}/v1", api_key=server.api_key, max_retries=0, timeout=60)
+    assert client.completions.create(model=model, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_root_path_in_the_api_description(server):
+    spec = httpx.get(f"{server.url}{ROOT}/openapi.json", timeout=10).json()
+    assert spec["servers"] == [{"url": ROOT}]
+    assert f"{ROOT}/openapi.json" in httpx.get(f"{server.url}{ROOT}/docs", timeout=10).text
+
+
+# ------------------------------------------------------------------ CORS
+
+def _preflight(srv: Server, origin: str, method: str = "POST") -> httpx.Response:
+    return httpx.options(f"{srv.url}/v1/completions", timeout=10, headers={
+        "Origin": origin, "Access-Control-Request-Method": method,
+        "Access-Control-Request-Headers": "authorization,content-type"})
+
+
+def test_cors_preflight_needs_no_key_and_echoes_only_allowed_origins(server):
+    ok = _preflight(server, GOOD_ORIGIN)
+    assert ok.status_code == 200
+    assert ok.headers["access-control-allow-origin"] == GOOD_ORIGIN
+    assert "POST" in ok.headers["access-control-allow-methods"]
+    bad = _preflight(server, "http://evil.example")
+    assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
+    assert _preflight(server, GOOD_ORIGIN, method="DELETE").status_code == 400     # not in --allowed-methods
+
+
+def test_cors_headers_on_simple_requests(server):
+    good = httpx.get(f"{server.url}/v1/models", headers={**server.auth, "Origin": GOOD_ORIGIN}, timeout=10)
+    assert good.status_code == 200 and good.headers["access-control-allow-origin"] == GOOD_ORIGIN
+    bad = httpx.get(f"{server.url}/v1/models", headers={**server.auth, "Origin": "http://evil.example"},
+                    timeout=10)
+    assert "access-control-allow-origin" not in bad.headers
+    # A refused key is still readable by the allowed page (CORS is outermost).
+    denied = httpx.get(f"{server.url}/v1/models", headers={"Origin": GOOD_ORIGIN}, timeout=10)
+    assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == GOOD_ORIGIN
+
+
+def test_cors_and_no_op_flags_parse_like_vllm(capsys):
+    from pagedserve.frontend.cli import parse_args
+    args, server = parse_args([])
+    assert (server.allowed_origins, server.allowed_methods, server.allowed_headers) == (("*",),) * 3
+    assert server.allow_credentials is False and server.root_path is None
+    args, server = parse_args(["--allowed-origins", '["http://a", "http://b"]', "--allow-credentials",
+                               *NO_OP_FLAGS])
+    assert server.allowed_origins == ("http://a", "http://b") and server.allow_credentials
+    assert args.trust_remote_code and args.disable_log_stats and server.disable_log_requests
+    with pytest.raises(SystemExit):
+        parse_args(["--allowed-origins", "http://a"])
+    assert "--allowed-origins" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--root-path"):
+        parse_args(["--root-path", "llm/"])
+
+
+def test_llm_takes_vllm_no_op_kwargs():
+    from pagedserve.common.config import EngineArgs
+    assert EngineArgs(trust_remote_code=True, disable_log_stats=True).trust_remote_code
