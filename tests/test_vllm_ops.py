@@ -7,11 +7,13 @@ import re
 
 import httpx
 import pytest
+import torch
 
+from pagedserve.common.config import EngineArgs
+from pagedserve.common.dtype import checkpoint_dtype, resolve_dtype
+from pagedserve.common.model_files import load_hf_config, resolve_model
 from pagedserve.tests.helpers.metrics import parse_metrics
 from pagedserve.tests.helpers.server import SMALL_KV, Server
-
-pytestmark = pytest.mark.slow
 
 ROOT = "/llm"
 GOOD_ORIGIN = "http://dashboard.example"
@@ -151,5 +153,55 @@ def test_cors_and_no_op_flags_parse_like_vllm(capsys):
 
 
 def test_llm_takes_vllm_no_op_kwargs():
-    from pagedserve.common.config import EngineArgs
     assert EngineArgs(trust_remote_code=True, disable_log_stats=True).trust_remote_code
+
+
+# ------------------------------------------------------------------ --dtype
+
+@pytest.mark.parametrize("config_dtype, expected", [("float16", "float16"), ("bfloat16", "bfloat16"),
+                                                    ("float32", "bfloat16"), (None, "bfloat16")])
+def test_auto_dtype_on_cuda_follows_the_checkpoint(config_dtype, expected):
+    assert resolve_dtype("auto", "cuda", config_dtype) == expected
+
+
+def test_auto_dtype_on_cpu_keeps_the_cpu_rule():
+    for config_dtype in ("float16", "bfloat16", "float32", None):
+        assert resolve_dtype("auto", "cpu", config_dtype, cpu_native_bf16=False) == "float32"
+        assert resolve_dtype("auto", "cpu", config_dtype, cpu_native_bf16=True) == "bfloat16"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_explicit_dtypes_and_vllm_spellings(device):
+    for given, expected in (("half", "float16"), ("float16", "float16"), ("bfloat16", "bfloat16"),
+                            ("float", "float32"), ("float32", "float32")):
+        assert resolve_dtype(given, device, "bfloat16") == expected
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("fp16", device, None)
+
+
+def test_checkpoint_dtype_from_config_files(tmp_path):
+    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    fp16 = make_tiny_model(str(tmp_path / "fp16"), dtype=torch.float16)
+    assert checkpoint_dtype(load_hf_config(resolve_model(fp16))) == "float16"
+    legacy = tmp_path / "legacy"            # config.json written before transformers renamed the key
+    legacy.mkdir()
+    (legacy / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "bfloat16"}))
+    from transformers import AutoConfig
+    assert checkpoint_dtype(AutoConfig.from_pretrained(str(legacy))) == "bfloat16"
+
+
+def test_half_runs_on_cpu_and_matches_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    path = make_tiny_model(str(tmp_path / "fp16"), dtype=torch.float16)
+    assert EngineArgs(model=path, dtype="half", device="cpu").create_engine_config().model.dtype == "float16"
+    prompt = [1, 5, 9, 22, 7]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16).eval()
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):]
+    with LLM(path, dtype="half", device="cpu", max_model_len=64) as llm:
+        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                           use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected.tolist()

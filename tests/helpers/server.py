@@ -138,7 +138,8 @@ class Server:
         return httpx.get(f"{self.url}/health", timeout=10, verify=self.verify).status_code
 
     def metric(self, name: str) -> float:
-        """One vllm:* or pagedserve:* metric (prefix dropped, summed over labels); KeyError if the server does not export it."""
+        """One vllm:* or pagedserve:* metric (prefix dropped, summed over labels); KeyError if the server does
+        not export it."""
         m = self.metrics()
         if name not in m:
             raise KeyError(name)
