@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -23,7 +25,8 @@ NO_OP_FLAGS = ("--disable-log-requests", "--disable-log-stats", "--trust-remote-
 
 @pytest.fixture(scope="module")
 def server(tiny_serving_model):
-    srv = Server(*SMALL_KV, "--max-model-len", "256", *NO_OP_FLAGS, "--root-path", ROOT,
+    # One sequence at a time, so that concurrent requests really queue.
+    srv = Server(*SMALL_KV, "--max-model-len", "256", "--max-num-seqs", "1", *NO_OP_FLAGS, "--root-path", ROOT,
                  "--allowed-origins", json.dumps([GOOD_ORIGIN]), "--allowed-methods", '["GET", "POST"]',
                  "--allowed-headers", '["Authorization", "Content-Type"]', model=tiny_serving_model)
     yield srv
@@ -61,6 +64,24 @@ def test_vllm_metric_names_and_counts(server):
                  "request_prompt_tokens_count", "request_generation_tokens_count"):
         assert delta[name] == len(plan), name
     assert delta["request_queue_time_seconds_sum"] >= 0
+
+
+def test_queue_time_is_the_wait_for_a_free_seat(server):
+    before = server.metrics()
+    start = threading.Barrier(3)
+
+    def one(_: int) -> None:
+        start.wait()
+        _complete(server, 96)           # long enough that all three arrive while the first still runs
+
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(one, range(3)))
+    after = server.wait_idle()
+    queued = after["request_queue_time_seconds_sum"] - before["request_queue_time_seconds_sum"]
+    decoding = after["request_decode_time_seconds_sum"] - before["request_decode_time_seconds_sum"]
+    # Run one by one, the second waits about one request's run and the third two: about the decode time of
+    # all three together; a third of it is a safe floor that a queue time of ~0 cannot reach.
+    assert queued > decoding / 3 > 0
 
 
 def test_every_series_has_vllm_labels_and_no_duplicates(server):
