@@ -52,6 +52,9 @@ class ServerArgs:
                                                "logs at --log-level")
 
     def __post_init__(self) -> None:
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            if isinstance(getattr(self, name), list):       # ServerArgs(...) from Python code
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         self.validate()
 
     def validate(self) -> None:

@@ -171,6 +171,10 @@ def test_cors_and_no_op_flags_parse_like_vllm(capsys):
     assert "--allowed-origins" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--root-path"):
         parse_args(["--root-path", "llm/"])
+    from pagedserve.frontend.server_args import ServerArgs
+    assert ServerArgs(allowed_origins=["http://a"]).allowed_origins == ("http://a",)
+    with pytest.raises(ValueError, match="--allowed-headers"):
+        ServerArgs(allowed_headers="*")
 
 
 def test_llm_takes_vllm_no_op_kwargs():
@@ -226,3 +230,23 @@ def test_half_runs_on_cpu_and_matches_transformers(tmp_path):
         out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                            use_tqdm=False)[0]
     assert out.outputs[0].token_ids == expected.tolist()
+
+
+def test_output_processor_reports_each_inter_token_interval_and_the_queue_time():
+    import time
+
+    from pagedserve.common.sampling_params import SamplingParams
+    from pagedserve.frontend.output_processor import OutputProcessor
+    from pagedserve.ipc.messages import EngineCoreOutput
+    from pagedserve.tests.helpers.tiny_models import synthetic_tokenizer
+    processor = OutputProcessor(synthetic_tokenizer(64))
+    processor.add_request("r", None, [10, 11], ["r#0", "r#1"], [SamplingParams(max_tokens=8)] * 2)
+    first = processor.process_outputs([EngineCoreOutput("r#0", [20], queue_time=0.25),
+                                       EngineCoreOutput("r#1", [21, 22], queue_time=0.5)])
+    assert first.inter_token_latencies == [0.0]          # r#1's second token came with its first
+    time.sleep(0.05)
+    later = processor.process_outputs([EngineCoreOutput("r#0", [23, 24], finish_reason="length"),
+                                       EngineCoreOutput("r#1", [25], finish_reason="length")])
+    gaps = later.inter_token_latencies
+    assert len(gaps) == 3 and gaps[0] == gaps[1] and gaps[0] + gaps[1] >= 0.05 and gaps[2] >= 0.05
+    assert later.request_outputs[0].metrics["queue_time"] == 0.25     # the first sample's, once per request
