@@ -66,6 +66,7 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
     metrics = Metrics(served_model_name, engine.info.max_model_len)
     engine.finished_hooks.append(metrics.observe_finished)
     engine.inter_token_hooks.append(metrics.observe_inter_token)
+    engine.step_hooks.append(metrics.observe_step)
     admission = Admission(engine, settings.max_concurrent_requests, metrics)
     serving = OpenAIServing(engine, served_model_name, admission)
     app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission

@@ -52,6 +52,8 @@ class AsyncEngineClient:
         self.finished_hooks: list[Callable[[RequestOutput, int], None]] = []
         # Called with the intervals between consecutive output tokens seen in each batch of outputs (metrics).
         self.inter_token_hooks: list[Callable[[list[float]], None]] = []
+        # Called with the SchedulerStats of every engine step (metrics).
+        self.step_hooks: list[Callable[[SchedulerStats], None]] = []
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
 
@@ -201,6 +203,7 @@ class AsyncEngineClient:
                 outputs = await self.client.get_output()
                 if outputs.scheduler_stats is not None:
                     self.last_stats = outputs.scheduler_stats
+                    self._run_hooks(self.step_hooks, outputs.scheduler_stats)
                 # Chunks keep one huge batch from holding the event loop for long.
                 for i in range(0, len(outputs.outputs), 256):
                     processed = self.output_processor.process_outputs(outputs.outputs[i:i + 256])

@@ -84,6 +84,8 @@ class Metrics:
                                 _REQUEST_BUCKETS)
         self.inference = histogram("vllm:request_inference_time_seconds", "First scheduling to last token.",
                                    _REQUEST_BUCKETS)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step.",
+                                          (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
         # pagedserve's own: vLLM has no admission bounds, so no name for their refusals.
         self.rejected = Counter("pagedserve:request_rejected", "Requests refused with HTTP 429 (reason: "
                                 "concurrency = this server's in-flight bound, queue = the engine's waiting "
@@ -103,6 +105,10 @@ class Metrics:
         self.prefix_hits.inc(max(0, stats.prefix_cache_hits - h))
         self.preemptions.inc(max(0, stats.num_preemptions - pre))
         self._last_totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
+
+    def observe_step(self, stats: SchedulerStats) -> None:
+        if stats.num_step_tokens > 0:
+            self.iteration_tokens.observe(stats.num_step_tokens)
 
     def observe_inter_token(self, intervals: list[float]) -> None:
         """One observation per interval between two consecutive output tokens of a sequence."""

@@ -64,6 +64,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_step_tokens: int = 0    # tokens the step that sent these stats ran (0: stats sent without a step)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

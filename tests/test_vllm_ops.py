@@ -64,6 +64,9 @@ def test_vllm_metric_names_and_counts(server):
                  "request_prompt_tokens_count", "request_generation_tokens_count"):
         assert delta[name] == len(plan), name
     assert delta["request_queue_time_seconds_sum"] >= 0
+    # Every decode step feeds back each sequence's last token but the final one; prefills add the prompts.
+    assert delta["iteration_tokens_total_count"] > 0
+    assert delta["iteration_tokens_total_sum"] >= sum(n * (t - 1) for t, n, _ in plan) + delta["prompt_tokens_total"]
 
 
 def test_queue_time_is_the_wait_for_a_free_seat(server):
@@ -95,7 +98,7 @@ def test_every_series_has_vllm_labels_and_no_duplicates(server):
     assert {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "gpu_cache_usage_perc",
             "prompt_tokens", "generation_tokens", "request_success", "num_preemptions", "prefix_cache_queries",
             "prefix_cache_hits", "time_to_first_token_seconds", "inter_token_latency_seconds",
-            "e2e_request_latency_seconds", "request_queue_time_seconds"} <= vllm
+            "e2e_request_latency_seconds", "request_queue_time_seconds", "iteration_tokens"} <= vllm
     assert names == {f"vllm:{n}" for n in vllm} | {f"pagedserve:{n}" for n in own}
     assert not own & vllm                      # nothing exported twice under two prefixes
     assert own == {"request_rejected"}
