@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import types
 import typing
@@ -44,7 +45,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
             raise TypeError(f"{cls.__name__}.{f.name} is not a setting(): it would have no flag")
         meta = f.metadata
         default = _default(f)
-        kind = _scalar_type(hints[f.name], f"{cls.__name__}.{f.name}")
+        kind = _flag_type(hints[f.name], f"{cls.__name__}.{f.name}")
         flags = [f"--{f.name.replace('_', '-')}", *meta["aliases"]]
         if kind is bool:
             if meta["store_true"] and default is not False:
@@ -73,16 +74,31 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default
 
 
-def _scalar_type(hint: Any, where: str) -> type:
-    """The type a flag parses: X for X and for X | None."""
+def _flag_type(hint: Any, where: str) -> Any:
+    """What parses a flag's value: X for X and for X | None; a JSON list for tuple[str, ...]."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(args) != 1:
             raise TypeError(f"{where}: a flag parses one type, got {hint}")
         hint = args[0]
+    if typing.get_origin(hint) is tuple and typing.get_args(hint) == (str, ...):
+        return json_str_list
     if hint not in _SCALARS:
-        raise TypeError(f"{where}: flags parse {', '.join(t.__name__ for t in _SCALARS)}, got {hint}")
+        raise TypeError(f"{where}: flags parse {', '.join(t.__name__ for t in _SCALARS)} or tuple[str, ...], "
+                        f"got {hint}")
     return hint
+
+
+def json_str_list(value: str) -> tuple[str, ...]:
+    """A list flag's value: a JSON list of strings, as vLLM takes them (`--allowed-origins '["http://a"]'`)."""
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"a\", \"b\"]', "
+                                         f"got {value!r}")
+    return tuple(items)
 
 
 def _help_text(meta: Mapping[str, Any], default: Any) -> str:
@@ -91,4 +107,6 @@ def _help_text(meta: Mapping[str, Any], default: Any) -> str:
         return f"{text} (default: env {meta['env']})"
     if default is None or meta["store_true"]:
         return text                                # the help says what unset means
+    if isinstance(default, tuple):
+        return f"{text} (default: {json.dumps(list(default)).replace('%', '%%')})"
     return f"{text} (default: %(default)s)"

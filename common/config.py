@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.common.arg_utils import setting
+from pagedserve.common.dtype import DTYPE_CHOICES, checkpoint_dtype, resolve_dtype
 from pagedserve.common.model_files import ModelSource, load_hf_config, resolve_model
 
 logger = logging.getLogger(__name__)
 
 # The allowed values of EngineArgs fields: the flags' choices and `_validate` both use these.
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = DTYPE_CHOICES
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # "uni" (in-process) | "mp" (one process per rank) | "torchrun" (ranks started by torchrun)
@@ -122,9 +123,17 @@ class EngineArgs:
     served_model_name: str | None = setting(
         None, help="the model name the API answers to and reports (unset: the model's folder or file name)")
     dtype: str = setting("auto", choices=DTYPES,
-                         help="weights and activations; auto: bfloat16 on CUDA and on CPUs with native "
-                              "bf16, else float32")
+                         help="weights and activations (half = float16, float = float32); auto: on CUDA the "
+                              "checkpoint's dtype, as vLLM (float32 checkpoints run in bfloat16), on CPU "
+                              "bfloat16 where the CPU has native bf16, else float32")
     device: str = setting("auto", choices=DEVICES, help="where the model runs; auto: CUDA if available")
+    # Accepted so that vLLM launch scripts and LLM(...) calls run unchanged; they change nothing here.
+    trust_remote_code: bool = setting(
+        False, store_true=True, help="accepted for vLLM compatibility, no effect: models load through "
+                                     "pagedserve's own model classes and no code from a checkpoint is ever run")
+    disable_log_stats: bool = setting(
+        False, store_true=True, help="accepted for vLLM compatibility, no effect: the engine logs no periodic "
+                                     "stats (GET /metrics has them)")
     seed: int = setting(0, help="random seed for sampling requests that bring no seed of their own")
     max_model_len: int | None = setting(
         None, help="longest sequence (prompt + output) in tokens (unset: the model's max_position_embeddings)")
@@ -171,7 +180,7 @@ class EngineArgs:
         device = _resolve_device(self.device)
         max_len = _resolve_max_model_len(self.max_model_len, hf_config)
         model = ModelConfig(
-            source=source, hf_config=hf_config, dtype=_resolve_dtype(self.dtype, device),
+            source=source, hf_config=hf_config, dtype=resolve_dtype(self.dtype, device, checkpoint_dtype(hf_config)),
             device=device, max_model_len=max_len, seed=self.seed,
             served_model_name=self.served_model_name or source.name, enforce_eager=self.enforce_eager,
             tokenizer=self.tokenizer)
@@ -253,25 +262,6 @@ def _resolve_device(device: str) -> str:
         return device
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _resolve_dtype(dtype: str, device: str) -> str:
-    if dtype != "auto":
-        return dtype
-    if device == "cuda" or _cpu_has_native_bf16():
-        return "bfloat16"
-    # Without AMX or AVX512-BF16 torch emulates bf16: measured on such a CPU, bf16 matmuls ran at
-    # ~40 GFLOP/s against ~140 for float32 (benchmarks/throughput_cpu.md).
-    return "float32"
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:

@@ -100,7 +100,9 @@ class EngineCore:
         if sched.total_num_scheduled_tokens > 0 or sched.finished_req_ids:
             result = self.executor.execute_model(sched)
             outputs = self.scheduler.update_from_output(sched, result)
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats())
+        stats = self.scheduler.make_stats()
+        stats.num_step_tokens = sched.total_num_scheduled_tokens
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

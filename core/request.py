@@ -48,6 +48,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1       # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None    # for the queue-time metric
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.block_hashes: list[bytes] = []
@@ -82,6 +83,16 @@ class Request:
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
+
+    def mark_scheduled(self) -> None:
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = time.time()
+
+    def queue_time(self) -> float | None:
+        """Seconds from arrival (the frontend's clock) to first scheduled, once scheduled."""
+        if self.first_scheduled_time is None:
+            return None
+        return max(0.0, self.first_scheduled_time - self.arrival_time)
 
     def _update_hashes(self) -> None:
         if self._hasher is not None:

@@ -110,6 +110,7 @@ class Scheduler:
             self.waiting.pop()
             new_block_ids, num_new = scheduled
             request.status = RequestStatus.RUNNING
+            request.mark_scheduled()
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -205,6 +206,8 @@ class Scheduler:
             out = EngineCoreOutput(request_id=rid, new_token_ids=[token],
                                    new_logprobs=[entry] if entry is not None else None,
                                    num_cached_tokens=max(request.num_cached_tokens, 0))
+            if request.num_output_tokens == 1:
+                out.queue_time = request.queue_time()
             if status is not None:
                 self.running.remove(request)
                 request.status = status

@@ -9,6 +9,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -61,9 +62,11 @@ def response_for(exc: BaseException, retry_after_s: int = RETRY_AFTER_S) -> JSON
 
 
 def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name: str) -> FastAPI:
-    app = FastAPI(title="pagedserve", version=__version__)
-    metrics = Metrics(served_model_name)
+    app = FastAPI(title="pagedserve", version=__version__, root_path=settings.root_path or "")
+    metrics = Metrics(served_model_name, engine.info.max_model_len)
     engine.finished_hooks.append(metrics.observe_finished)
+    engine.inter_token_hooks.append(metrics.observe_inter_token)
+    engine.step_hooks.append(metrics.observe_step)
     admission = Admission(engine, settings.max_concurrent_requests, metrics)
     serving = OpenAIServing(engine, served_model_name, admission)
     app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
@@ -129,6 +132,10 @@ def _add_guards_and_handlers(app: FastAPI, settings: ServerArgs) -> None:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=OPEN_PATHS)
+    # Outermost: a browser's preflight carries no API key, and a 401 or 413 needs CORS headers to be readable.
+    app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                       allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers),
+                       allow_credentials=settings.allow_credentials)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -50,6 +50,10 @@ class AsyncEngineClient:
         self.last_stats: SchedulerStats | None = None
         # Called with every finished RequestOutput and its total generated tokens (metrics).
         self.finished_hooks: list[Callable[[RequestOutput, int], None]] = []
+        # Called with the intervals between consecutive output tokens seen in each batch of outputs (metrics).
+        self.inter_token_hooks: list[Callable[[list[float]], None]] = []
+        # Called with the SchedulerStats of every engine step (metrics).
+        self.step_hooks: list[Callable[[SchedulerStats], None]] = []
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
 
@@ -199,12 +203,16 @@ class AsyncEngineClient:
                 outputs = await self.client.get_output()
                 if outputs.scheduler_stats is not None:
                     self.last_stats = outputs.scheduler_stats
+                    self._run_hooks(self.step_hooks, outputs.scheduler_stats)
                 # Chunks keep one huge batch from holding the event loop for long.
                 for i in range(0, len(outputs.outputs), 256):
                     processed = self.output_processor.process_outputs(outputs.outputs[i:i + 256])
+                    if processed.inter_token_latencies:
+                        self._run_hooks(self.inter_token_hooks, processed.inter_token_latencies)
                     for out in processed.request_outputs:
                         if out.finished:
-                            self._run_hooks(out)
+                            self._run_hooks(self.finished_hooks, out,
+                                            int(out.metrics.get("num_generation_tokens", 0)))
                         queue = self._queues.get(out.request_id)
                         if queue is not None:
                             queue.put_nowait(out if not out.error else
@@ -222,12 +230,13 @@ class AsyncEngineClient:
             logger.exception("output handler failed")
             self._fail_all(EngineDeadError(f"output handler failed: {exc}"))
 
-    def _run_hooks(self, out: RequestOutput) -> None:
-        for hook in self.finished_hooks:
+    @staticmethod
+    def _run_hooks(hooks: list[Callable[..., None]], *args: Any) -> None:
+        for hook in hooks:
             try:
-                hook(out, int(out.metrics.get("num_generation_tokens", 0)))
+                hook(*args)
             except Exception:   # metrics must never break serving
-                logger.exception("finished hook failed")
+                logger.exception("metrics hook failed")
 
     def _fail_all(self, exc: BaseException) -> None:
         for queue in self._queues.values():

@@ -62,12 +62,21 @@ class ApiKeyMiddleware:
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+        if scope["type"] == "http" and route_path(scope) not in self.open_paths:
             given = dict(scope.get("headers", ())).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 await send_error(send, 401, "invalid or missing API key", "authentication_error")
                 return
         await self.app(scope, receive, send)
+
+
+def route_path(scope: Scope) -> str:
+    """The path the routes see: without the --root-path prefix, whether the client sent it (direct) or a
+    proxy already stripped it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
 
 
 async def send_error(send: Send, status: int, message: str, kind: str, close: bool = False) -> None:

@@ -1,4 +1,10 @@
-"""Prometheus metrics with vLLM's names under a `pagedserve:` prefix, on a registry owned by the app."""
+"""Prometheus metrics under vLLM's own names (`vllm:` prefix, `model_name` and `engine` labels), so vLLM's
+Grafana dashboard and autoscaling rules work unchanged; metrics vLLM has no name for are `pagedserve:`.
+
+Everything is observed in the API process from what the engine core already sends: its per-step
+SchedulerStats (gauges, prefix cache, preemptions), each step's outputs (inter-token intervals) and each
+finished RequestOutput (counts and per-request latencies; the queue time is measured by the core).
+"""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -6,71 +12,140 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.ipc.messages import SchedulerStats
 
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
-_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# vLLM's buckets, so that its dashboard's quantiles read the same.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+ENGINE_INDEX = "0"      # one engine core per server; vLLM labels data-parallel engines 0, 1, ...
+
+
+def count_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's buckets for token counts."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return buckets
+            buckets.append(m * scale)
+        scale *= 10
 
 
 class Metrics:
-    def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        r, p = self.registry, "pagedserve:"
-        self.running = Gauge(f"{p}num_requests_running", "Requests in the running batch", labels, registry=r)
-        self.waiting = Gauge(f"{p}num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
-        self.kv_usage = Gauge(f"{p}kv_cache_usage_perc", "KV cache usage (1 = full)", labels, registry=r)
-        self.prefix_queries = Counter(f"{p}prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                      labels, registry=r)
-        self.prefix_hits = Counter(f"{p}prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
-                                   registry=r)
-        self.preemptions = Counter(f"{p}num_preemptions", "Preempted requests", labels, registry=r)
-        self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens processed", labels, registry=r)
-        self.generation_tokens = Counter(f"{p}generation_tokens", "Tokens generated", labels, registry=r)
-        self.rejected = Counter(f"{p}request_rejected", "Requests refused with HTTP 429 (reason: concurrency "
-                                "= this server's in-flight bound, queue = the engine's waiting bound)",
-                                labels + ["reason"], registry=r)
-        self.success = Counter(f"{p}request_success", "Finished requests", labels + ["finished_reason"],
-                               registry=r)
-        self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Time to first token", labels,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(f"{p}inter_token_latency_seconds", "Time between output tokens", labels,
-                             buckets=_TOKEN_BUCKETS, registry=r)
-        self.e2e = Histogram(f"{p}e2e_request_latency_seconds", "Arrival to last token", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram(f"{p}request_queue_time_seconds", "Arrival to first scheduling", labels,
-                               buckets=_LATENCY_BUCKETS, registry=r)
+    def __init__(self, model_name: str, max_model_len: int = 2048) -> None:
+        self.registry = r = CollectorRegistry()
         self.model = model_name
-        self._last_prefix = (0, 0, 0)
+        labels = ["model_name", "engine"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(model_name, ENGINE_INDEX)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name, ENGINE_INDEX)
+
+        def histogram(name: str, doc: str, buckets: tuple | list) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name, ENGINE_INDEX)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        # vLLM's name before 0.9; older dashboards and autoscaling rules still read it.
+        self.gpu_kv_usage = gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (1 = full); the same value as "
+                                  "vllm:kv_cache_usage_perc, under vLLM's older name.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions in the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               labels + ["finished_reason"], registry=r)
+        self.req_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
+                                           count_buckets(max_model_len))
+        self.req_generation_tokens = histogram("vllm:request_generation_tokens", "Generated tokens per request.",
+                                               count_buckets(max_model_len))
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.",
+                              _TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             _TOKEN_BUCKETS)
+        # The same intervals under vLLM's older name, which its Grafana dashboard plots.
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Time between consecutive output tokens "
+                              "(vLLM's older name of vllm:inter_token_latency_seconds).", _TOKEN_BUCKETS)
+        self.req_tpot = histogram("vllm:request_time_per_output_token_seconds",
+                                  "Mean time per output token of each request after its first.", _TOKEN_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token, per request.",
+                             _REQUEST_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds", "Time a request waited before the engine "
+                               "first scheduled it.", _REQUEST_BUCKETS)
+        self.prefill = histogram("vllm:request_prefill_time_seconds", "First scheduling to first token.",
+                                 _REQUEST_BUCKETS)
+        self.decode = histogram("vllm:request_decode_time_seconds", "First token to last token.",
+                                _REQUEST_BUCKETS)
+        self.inference = histogram("vllm:request_inference_time_seconds", "First scheduling to last token.",
+                                   _REQUEST_BUCKETS)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step.",
+                                          (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
+        # pagedserve's own: vLLM has no admission bounds, so no name for their refusals.
+        self.rejected = Counter("pagedserve:request_rejected", "Requests refused with HTTP 429 (reason: "
+                                "concurrency = this server's in-flight bound, queue = the engine's waiting "
+                                "bound)", ["model_name", "reason"], registry=r)
+        self._last_totals = (0, 0, 0)
 
     def observe_stats(self, stats: SchedulerStats | None) -> None:
         if stats is None:
             return
-        m = self.model
-        self.running.labels(m).set(stats.num_running)
-        self.waiting.labels(m).set(stats.num_waiting)
-        self.kv_usage.labels(m).set(stats.kv_cache_usage)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.gpu_kv_usage.set(stats.kv_cache_usage)
         # The core reports running totals; counters advance by the difference.
-        q, h, pre = self._last_prefix
-        self.prefix_queries.labels(m).inc(max(0, stats.prefix_cache_queries - q))
-        self.prefix_hits.labels(m).inc(max(0, stats.prefix_cache_hits - h))
-        self.preemptions.labels(m).inc(max(0, stats.num_preemptions - pre))
-        self._last_prefix = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
+        q, h, pre = self._last_totals
+        self.prefix_queries.inc(max(0, stats.prefix_cache_queries - q))
+        self.prefix_hits.inc(max(0, stats.prefix_cache_hits - h))
+        self.preemptions.inc(max(0, stats.num_preemptions - pre))
+        self._last_totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
+
+    def observe_step(self, stats: SchedulerStats) -> None:
+        if stats.num_step_tokens > 0:
+            self.iteration_tokens.observe(stats.num_step_tokens)
+
+    def observe_inter_token(self, intervals: list[float]) -> None:
+        """One observation per interval between two consecutive output tokens of a sequence."""
+        for dt in intervals:
+            self.itl.observe(dt)
+            self.tpot.observe(dt)
 
     def observe_finished(self, out: RequestOutput, num_output_tokens: int) -> None:
-        m = self.model
-        self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
-        self.generation_tokens.labels(m).inc(num_output_tokens)
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(num_output_tokens)
+        self.req_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.req_generation_tokens.observe(num_output_tokens)
         for c in out.outputs:
-            self.success.labels(m, c.finish_reason or "unknown").inc()
-        t = out.metrics
+            self.success.labels(self.model, ENGINE_INDEX, c.finish_reason or "unknown").inc()
+        self._observe_latencies(out.metrics, num_output_tokens)
+
+    def _observe_latencies(self, t: dict[str, float], num_output_tokens: int) -> None:
         arrival, first, last = t.get("arrival_time"), t.get("first_token_time"), t.get("last_token_time")
+        queue = t.get("queue_time")
         if arrival is not None and last is not None:
-            self.e2e.labels(m).observe(max(0.0, last - arrival))
-        if arrival is not None and first is not None:
-            self.ttft.labels(m).observe(max(0.0, first - arrival))
-            if num_output_tokens > 1 and last is not None:
-                self.itl.labels(m).observe(max(0.0, (last - first) / (num_output_tokens - 1)))
-        if "queue_time" in t:
-            self.queue.labels(m).observe(t["queue_time"])
+            self.e2e.observe(max(0.0, last - arrival))
+        if queue is not None:
+            self.queue.observe(queue)
+        if arrival is None or first is None:
+            return
+        ttft = max(0.0, first - arrival)
+        self.ttft.observe(ttft)
+        if queue is not None:
+            # The phases from durations, not from the core's clock: the core may run on another host.
+            prefill = max(0.0, ttft - queue)
+            self.prefill.observe(prefill)
+            if last is not None:
+                self.inference.observe(prefill + max(0.0, last - first))
+        if last is not None:
+            self.decode.observe(max(0.0, last - first))
+            if num_output_tokens > 1:
+                self.req_tpot.observe(max(0.0, (last - first) / (num_output_tokens - 1)))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

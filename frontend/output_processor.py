@@ -26,6 +26,7 @@ class _Sequence:
     sent_tokens: int = 0          # for delta outputs
     sent_logprobs: int = 0
     sent_finish: bool = False     # delta outputs report a finish once, not in every later output of the parent
+    last_token_time: float | None = None
 
 
 @dataclass
@@ -38,6 +39,7 @@ class _Parent:
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.time)
     first_token_time: float | None = None
+    queue_time: float | None = None           # measured by the engine core, sent with the first token
     error: str | None = None
     error_kind: str | None = None
 
@@ -50,6 +52,8 @@ class _Parent:
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     reqs_to_abort: list[str]      # engine request ids that hit a stop string: the core must drop them
+    # Seconds between consecutive output tokens of a sequence, one per token after its first (metrics).
+    inter_token_latencies: list[float] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -77,6 +81,7 @@ class OutputProcessor:
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         touched: dict[int, _Parent] = {}
         to_abort: list[str] = []
+        intervals: list[float] = []
         now = time.time()
         for out in outputs:
             seq = self._seqs.get(out.request_id)
@@ -86,6 +91,10 @@ class OutputProcessor:
             if parent.first_token_time is None and out.new_token_ids:
                 parent.first_token_time = now
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.queue_time is not None and parent.queue_time is None:
+                parent.queue_time = out.queue_time
+            if out.new_token_ids:
+                _add_intervals(intervals, seq, len(out.new_token_ids), now)
             self._update_sequence(seq, out)
             if seq.detok.stop_hit is not None and out.finish_reason is None:
                 seq.finish_reason, seq.stop_reason = "stop", seq.detok.stop_hit
@@ -98,7 +107,7 @@ class OutputProcessor:
                 del self._seqs[out.request_id]
             touched[id(parent)] = parent
         results = [r for p in touched.values() if (r := self._make_output(p, now)) is not None]
-        return ProcessedOutputs(results, to_abort)
+        return ProcessedOutputs(results, to_abort, intervals)
 
     def _update_sequence(self, seq: _Sequence, out: EngineCoreOutput) -> None:
         new_ids = out.new_token_ids
@@ -136,6 +145,8 @@ class OutputProcessor:
                    "num_generation_tokens": float(sum(len(c.token_ids) for c in parent.children))}
         if parent.first_token_time is not None:
             metrics["first_token_time"] = parent.first_token_time
+        if parent.queue_time is not None:
+            metrics["queue_time"] = parent.queue_time
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
                              parent.num_cached_tokens, metrics, parent.error, parent.error_kind)
 
@@ -159,3 +170,14 @@ class OutputProcessor:
     def abort_request(self, child_ids: list[str]) -> None:
         for cid in child_ids:
             self._seqs.pop(cid, None)
+
+
+def _add_intervals(intervals: list[float], seq: _Sequence, num_new: int, now: float) -> None:
+    """The gaps before each of a sequence's num_new tokens that arrived at `now`, but its very first: tokens
+    that arrive together share the gap since the previous arrival."""
+    if seq.last_token_time is None:
+        intervals.extend([0.0] * (num_new - 1))
+    else:
+        gap = max(0.0, now - seq.last_token_time) / num_new
+        intervals.extend([gap] * num_new)
+    seq.last_token_time = now

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pagedserve.common.arg_utils import setting
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,26 @@ class ServerArgs:
     max_concurrent_requests: int | None = setting(
         None, help="generation requests this server serves at once; beyond that HTTP 429 (unset: no bound)")
     log_level: str = setting("info", choices=LOG_LEVELS, help="log messages of this level and above")
+    root_path: str | None = setting(
+        None, help="the path prefix a reverse proxy serves this server under (e.g. /llm): routes answer with "
+                   "and without it, and the API description's links carry it")
+    # CORS, with vLLM's flags and defaults (every origin, method and header; no credentials).
+    allowed_origins: tuple[str, ...] = setting(("*",), help="CORS: origins browsers may call from, a JSON list")
+    allowed_methods: tuple[str, ...] = setting(("*",), help="CORS: HTTP methods allowed, a JSON list")
+    allowed_headers: tuple[str, ...] = setting(("*",), help="CORS: request headers allowed, a JSON list")
+    allow_credentials: bool = setting(False, store_true=True, help="CORS: allow credentials (cookies, auth)")
+    # Accepted so that vLLM launch scripts start pagedserve unchanged; they change nothing here.
+    disable_log_requests: bool = setting(
+        False, store_true=True, help="accepted for vLLM compatibility, no effect: pagedserve never logs "
+                                     "individual requests")
+    uvicorn_log_level: str | None = setting(
+        None, choices=UVICORN_LOG_LEVELS, help="accepted for vLLM compatibility, no effect: the HTTP server "
+                                               "logs at --log-level")
 
     def __post_init__(self) -> None:
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            if isinstance(getattr(self, name), list):       # ServerArgs(...) from Python code
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         self.validate()
 
     def validate(self) -> None:
@@ -53,5 +72,15 @@ class ServerArgs:
         for flag, path in (("--ssl-keyfile", self.ssl_keyfile), ("--ssl-certfile", self.ssl_certfile)):
             if path and not os.path.isfile(path):
                 raise ValueError(f"{flag} {path!r} is not a file")
+        if self.root_path is not None and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(f"--root-path must start with '/' and not end with one, got {self.root_path!r}")
+        for flag, values in (("--allowed-origins", self.allowed_origins),
+                             ("--allowed-methods", self.allowed_methods),
+                             ("--allowed-headers", self.allowed_headers)):
+            if not isinstance(values, tuple) or not all(isinstance(v, str) for v in values):
+                raise ValueError(f"{flag} must be a list of strings, got {values!r}")
+        if self.uvicorn_log_level is not None and self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
+                             f"got {self.uvicorn_log_level!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")

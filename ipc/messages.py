@@ -50,6 +50,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     error: Optional[str] = None
     error_kind: Optional[str] = None        # with error: core.errors.INVALID | OVERLOADED
+    queue_time: Optional[float] = None      # on a request's first token: seconds from arrival to first scheduled
 
     @property
     def finished(self) -> bool:
@@ -63,6 +64,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_step_tokens: int = 0    # tokens the step that sent these stats ran (0: stats sent without a step)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -7,19 +7,22 @@ import time
 
 import httpx
 
-PREFIX = "pagedserve:"
+# vLLM's names, and pagedserve's own for what vLLM has no metric for; no name is under both.
+PREFIXES = ("vllm:", "pagedserve:")
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """The pagedserve:* samples of a /metrics page by name (prefix dropped), summed over their labels.
+    """The vllm:* and pagedserve:* samples of a /metrics page by name (prefix dropped), summed over their
+    labels.
 
     Summing is what a check wants: the server labels its series by model name, and there is one model.
     A name with no sample reads as 0 (a defaultdict), so `name in result` tells whether it was exported.
     """
     values: dict[str, float] = collections.defaultdict(float)
     for line in text.splitlines():
-        if line.startswith(PREFIX):
-            name = line.split("{", 1)[0].split(" ", 1)[0][len(PREFIX):]
+        prefix = next((p for p in PREFIXES if line.startswith(p)), None)
+        if prefix is not None:
+            name = line.split("{", 1)[0].split(" ", 1)[0][len(prefix):]
             values[name] += float(line.rsplit(" ", 1)[1])
     return values
 

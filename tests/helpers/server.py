@@ -123,7 +123,7 @@ class Server:
         return {"Authorization": f"Bearer {self.api_key}"}
 
     def metrics(self) -> dict[str, float]:
-        """pagedserve:* samples of /metrics, summed over labels."""
+        """vllm:* and pagedserve:* samples of /metrics (prefix dropped), summed over labels."""
         return _metrics.read_metrics(self.url, self.verify)
 
     def wait_idle(self, timeout_s: float = 30) -> dict[str, float]:
@@ -138,7 +138,8 @@ class Server:
         return httpx.get(f"{self.url}/health", timeout=10, verify=self.verify).status_code
 
     def metric(self, name: str) -> float:
-        """One pagedserve:* metric (summed over labels); KeyError if the server does not export it."""
+        """One vllm:* or pagedserve:* metric (prefix dropped, summed over labels); KeyError if the server does
+        not export it."""
         m = self.metrics()
         if name not in m:
             raise KeyError(name)

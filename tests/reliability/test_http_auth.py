@@ -42,4 +42,4 @@ def test_the_right_key_opens_every_route(api_server):
 def test_health_and_metrics_stay_open(api_server):
     assert {"/health", "/metrics"} <= {path for _, path in _routes(api_server.url)}
     assert httpx.get(f"{api_server.url}/health", timeout=10).status_code == 200
-    assert "pagedserve:num_requests_running" in httpx.get(f"{api_server.url}/metrics", timeout=10).text
+    assert "vllm:num_requests_running" in httpx.get(f"{api_server.url}/metrics", timeout=10).text

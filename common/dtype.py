@@ -1,0 +1,48 @@
+"""What `--dtype` means: vLLM's choices and, for `auto`, vLLM's rule on CUDA (the checkpoint's own dtype)."""
+from __future__ import annotations
+
+from typing import Any
+
+# vLLM's --dtype choices; "half" and "float" are its spellings of float16 and float32.
+DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+_ALIASES = {"half": "float16", "float": "float32"}
+_KNOWN = ("float32", "bfloat16", "float16")
+
+
+def checkpoint_dtype(hf_config: Any) -> str | None:
+    """The dtype a checkpoint's config.json declares (`dtype`, or `torch_dtype` in older files), or None."""
+    value = getattr(hf_config, "dtype", None)
+    if value is None and "torch_dtype" in getattr(hf_config, "__dict__", {}):
+        value = hf_config.__dict__["torch_dtype"]
+    name = str(value).removeprefix("torch.") if value is not None else None
+    return name if name in _KNOWN else None
+
+
+def resolve_dtype(requested: str, device: str, config_dtype: str | None,
+                  cpu_native_bf16: bool | None = None) -> str:
+    """The dtype to run in: "float32" | "bfloat16" | "float16".
+
+    auto on CUDA follows the checkpoint, as vLLM does: float16 and bfloat16 checkpoints keep their dtype,
+    float32 ones (or a config that names none) run in bfloat16. auto on CPU: bfloat16 where the CPU has it
+    natively, else float32 (see below). cpu_native_bf16: None reads /proc/cpuinfo.
+    """
+    if requested not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {requested!r}")
+    if requested != "auto":
+        return _ALIASES.get(requested, requested)
+    if device == "cuda":
+        return config_dtype if config_dtype in ("float16", "bfloat16") else "bfloat16"
+    if cpu_native_bf16 is None:
+        cpu_native_bf16 = _cpu_has_native_bf16()
+    # Without AMX or AVX512-BF16 torch emulates bf16: measured on such a CPU, bf16 matmuls ran at
+    # ~40 GFLOP/s against ~140 for float32 (benchmarks/throughput_cpu.md).
+    return "bfloat16" if cpu_native_bf16 else "float32"
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
