@@ -8,6 +8,7 @@ from typing import Any, Union
 
 from pagedserve.common.request_checks import check_prompt
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.frontend.prompt_constraints import bad_words_token_ids, truncated_ids
 from pagedserve.ipc.messages import EngineCoreRequest, EngineInfo
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -88,6 +89,11 @@ class InputProcessor:
             self._reserved = {n for n, p in params.items() if p.kind != p.VAR_KEYWORD} | {"tokenizer_kwargs", "messages"}
         return self._reserved
 
+    def truncate(self, prompt: ProcessedPrompt, keep: int | None) -> ProcessedPrompt:
+        """truncate_prompt_tokens: the prompt's last `keep` tokens (its text no longer matches them)."""
+        ids = truncated_ids(prompt.prompt_token_ids, keep, self.info.max_model_len)
+        return prompt if len(ids) == len(prompt.prompt_token_ids) else ProcessedPrompt(None, ids)
+
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                       priority: int = 0, arrival_time: float | None = None) -> PreparedRequest:
         """Validate (check_prompt, the core's own check, run early) and build one engine request per
@@ -96,7 +102,11 @@ class InputProcessor:
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int) or not -(1 << 63) <= priority < (1 << 63):
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
-        check_prompt(prompt.prompt_token_ids, params.max_tokens, self.info.max_model_len, self.info.vocab_size)
+        prompt = self.truncate(prompt, params.truncate_prompt_tokens)
+        if params.bad_words:
+            params = params.clone(_bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words))
+        check_prompt(prompt.prompt_token_ids, params.max_tokens, self.info.max_model_len, self.info.vocab_size,
+                     params)
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
             children = [(request_id, params)]
