@@ -58,11 +58,15 @@ class InputProcessor:
         return list(ids)       # their range is checked with the rest, in check_prompt
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            chat_template: str | None = None,
-                            template_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
+                            chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                            continue_final_message: bool = False) -> ProcessedPrompt:
         """Render and tokenize; template_kwargs are extra template variables (a request's
-        chat_template_kwargs), never arguments of the call."""
+        chat_template_kwargs), never arguments of the call. continue_final_message: the last message is
+        left open (no end of turn) for the model to continue."""
         kwargs = dict(template_kwargs or {})
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=true "
+                             "(set add_generation_prompt to false)")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
         chat_template = chat_template if chat_template is not None else self.chat_template
@@ -74,7 +78,8 @@ class InputProcessor:
             raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set per request")
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
-                                                      add_generation_prompt=add_generation_prompt, **kwargs)
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, **kwargs)
         except Exception as exc:   # the template is fixed, so a failure to render comes from the messages
             raise ValueError(f"messages: the chat template cannot render them: {type(exc).__name__}: {exc}") \
                 from exc

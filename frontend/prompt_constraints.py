@@ -6,16 +6,16 @@ from typing import Any, Optional
 
 
 def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
-    """Each word tokenized as it would start the text and as it would follow a space (as vLLM does): the
-    model may emit either form. The spaced form is kept only when it is a different sequence of the same
-    length, which is what a word-initial-space tokenizer produces."""
+    """Each word tokenized as it would start the text and as it would follow a space, as vLLM does: the
+    model may emit either form. Unlike vLLM, the spaced form is kept whenever it differs, also when its
+    length does: " pavePhys" may be two tokens where "pavePhys" is three, and both must be banned."""
     sequences: list[list[int]] = []
     for word in words:
         bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         if bare:
             sequences.append(list(bare))
-        if spaced and spaced != bare and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+        if spaced and spaced != bare:
             sequences.append(list(spaced))
     return sequences
 
