@@ -19,6 +19,8 @@ from pydantic_core import PydanticCustomError
 # Accepted and ignored: they describe the request to OpenAI's platform, never the tokens it gets.
 METADATA_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
                    "prompt_cache_retention", "prompt_cache_options")
+# OpenAI's schemas allow null for these, meaning the default; here they are plain-typed with that default.
+_NULL_IS_DEFAULT = ("n", "presence_penalty", "frequency_penalty", "stream", "echo", "logprobs")
 
 
 class StrictModel(BaseModel):
@@ -56,6 +58,13 @@ class ExtraRequestFields(StrictModel):
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     truncate_prompt_tokens: Optional[int] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in _NULL_IS_DEFAULT):
+            return {k: v for k, v in data.items() if not (v is None and k in _NULL_IS_DEFAULT)}
+        return data
 
     def token_bias(self) -> Optional[dict[int, float]]:
         """logit_bias with its JSON string keys as token ids (the range is SamplingParams' to check)."""

@@ -64,6 +64,15 @@ def test_metadata_fields_are_accepted_and_change_nothing(server):
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == text
 
 
+def test_null_means_the_default_where_openai_allows_it(server):
+    plain = chat(server).json()["choices"][0]["message"]["content"]
+    resp = chat(server, n=None, presence_penalty=None, frequency_penalty=None, stream=None, logprobs=None)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == plain
+    resp = completion(server, n=None, echo=None, logprobs=None, stream=None)
+    assert resp.status_code == 200, resp.text
+
+
 def test_the_official_client_sends_metadata_fields(server):
     client = server.client()
     model = client.models.list().data[0].id

@@ -197,3 +197,16 @@ def test_http_invalid_values_are_400_naming_the_field(server, extra, field, endp
 
 def server_model(server: Server) -> str:
     return server.client().models.list().data[0].id
+
+
+def test_offline_chat_continue_final_message(llm):
+    partial = "The capital of France is"
+    messages = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": partial}]
+    tok = llm.get_tokenizer()
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False,
+                   add_generation_prompt=False, continue_final_message=True)[0]
+    assert tok.decode(out.prompt_token_ids).endswith(partial)
+    closed = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, add_generation_prompt=False)[0]
+    assert len(closed.prompt_token_ids) > len(out.prompt_token_ids)
+    with pytest.raises(ValueError, match="^continue_final_message"):
+        llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, continue_final_message=True)
