@@ -88,7 +88,6 @@ class ChatCompletionRequest(_SamplingFields, ExtraChatFields):
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        self.check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:

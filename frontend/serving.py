@@ -69,6 +69,7 @@ class OpenAIServing:
                 for i, p in enumerate(prompts)]
 
     async def _chat_requests(self, body: ChatCompletionRequest, rid: str) -> list[PreparedRequest]:
+        body.check_supported()      # before rendering: a field we cannot honour is the error to report
         prompt = await self.engine.render_chat(body.text_messages(), body.add_generation_prompt,
                                                body.template_variables(body.chat_template_kwargs),
                                                body.continue_final_message)
