@@ -6,12 +6,18 @@ raise the same ValueError, whose first word names the request field.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Optional
+
+from pagedserve.common.sampling_params import SamplingParams
 
 
 def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, max_model_len: int,
-                 vocab_size: int) -> int:
-    """The number of tokens the request may generate, or ValueError naming the field at fault."""
+                 vocab_size: int, params: Optional[SamplingParams] = None) -> int:
+    """The number of tokens the request may generate, or ValueError naming the field at fault.
+    `params`: its token-id constraints are checked against the vocabulary too."""
+    if params is not None:
+        check_token_constraints(params, vocab_size)
     prompt_len = len(prompt_token_ids)
     if prompt_len == 0:
         raise ValueError("prompt must contain at least one token")
@@ -26,3 +32,19 @@ def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, max_mo
         raise ValueError(f"max_tokens: {max_tokens} requested, but the prompt uses {prompt_len} of the "
                          f"{max_model_len} tokens of max_model_len")
     return max_tokens
+
+
+def check_token_constraints(params: SamplingParams, vocab_size: int) -> None:
+    """Every token id a sampling constraint names must be in the vocabulary (a wrong id would index
+    past the logits row in the worker)."""
+    if params.bad_words and params._bad_words_token_ids is None:
+        raise ValueError("bad_words: not tokenized (a frontend turns them into token ids before sending)")
+    _in_vocab(params.logit_bias or (), vocab_size, "logit_bias")
+    _in_vocab(params.allowed_token_ids or (), vocab_size, "allowed_token_ids")
+    _in_vocab((t for word in params._bad_words_token_ids or () for t in word), vocab_size, "bad_words")
+
+
+def _in_vocab(ids: Iterable[int], vocab_size: int, field: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{field}: token id {bad} is not in [0, {vocab_size}) for this model")

@@ -36,6 +36,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: Optional[dict[int, float]] = None    # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: Optional[list[int]] = None    # only these ids may be sampled
+    bad_words: Optional[list[str]] = None            # words that must never be generated
+    truncate_prompt_tokens: Optional[int] = None     # keep the last k prompt tokens (-1: max_model_len)
+    # bad_words as token-id sequences: the frontend tokenizes them (the core has no tokenizer).
+    _bad_words_token_ids: Optional[list[list[int]]] = None
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -45,6 +51,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        check_constraints(self)
         if self.temperature < _GREEDY_EPS:
             # Greedy: the other truncations cannot change the argmax.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -84,6 +91,35 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def clone(self, **changes: object) -> "SamplingParams":
         return msgspec.structs.replace(self, **changes)
+
+
+def check_constraints(params: SamplingParams) -> None:
+    """Shape and range of the logit constraints; ids against the vocabulary are checked in
+    common/request_checks, which knows the model."""
+    bias = params.logit_bias
+    if bias is not None:
+        _check(isinstance(bias, dict), "logit_bias", "must map token ids to biases")
+        for tok, value in bias.items():
+            _check(_is_int(tok) and 0 <= tok <= _INT64_MAX, "logit_bias",
+                   f"keys must be non-negative integer token ids, got {tok!r}")
+            _check(_is_num(value) and -100 <= value <= 100, "logit_bias",
+                   f"values must be in [-100, 100], got {value!r} for token {tok}")
+    allowed = params.allowed_token_ids
+    if allowed is not None:
+        _check(isinstance(allowed, list) and len(allowed) > 0, "allowed_token_ids", "must be a non-empty list")
+        _check(all(_is_int(t) and 0 <= t <= _INT64_MAX for t in allowed), "allowed_token_ids",
+               "must be non-negative integer token ids")
+    if params.bad_words is not None:
+        _check(isinstance(params.bad_words, list) and all(isinstance(w, str) and w.strip()
+                                                          for w in params.bad_words),
+               "bad_words", "must be a list of non-empty strings")
+    words = params._bad_words_token_ids
+    if words is not None:
+        _check(all(isinstance(w, list) and w and all(_is_int(t) and 0 <= t <= _INT64_MAX for t in w)
+                   for w in words), "bad_words", "token sequences must be non-empty lists of token ids")
+    k = params.truncate_prompt_tokens
+    _check(k is None or (_is_int(k) and (k == -1 or 1 <= k <= _INT64_MAX)), "truncate_prompt_tokens",
+           f"must be -1 (max_model_len) or an integer >= 1, got {k!r}")
 
 
 def _is_int(value: object) -> bool:

@@ -76,7 +76,7 @@ class EngineCore:
         EngineOverloadedError if the waiting queue is full."""
         model = self.config.model
         max_tokens = check_prompt(req.prompt_token_ids, req.sampling_params.max_tokens, model.max_model_len,
-                                  model.vocab_size)
+                                  model.vocab_size, req.sampling_params)
         bound = self.config.scheduler.max_waiting_requests
         if bound is not None and len(self.scheduler.waiting) >= bound:
             raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting "

@@ -110,7 +110,8 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
             raise ValueError("prompt: give exactly one of prompt or messages")
         if body.messages is not None:
             messages = ChatCompletionRequest(messages=body.messages).text_messages()
-            prompt = await engine.render_chat(messages, body.add_generation_prompt)
+            prompt = await engine.render_chat(messages, body.add_generation_prompt,
+                                              continue_final_message=body.continue_final_message)
         else:
             prompt = await engine.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
         tokens = prompt.prompt_token_ids
@@ -142,7 +143,9 @@ def _add_guards_and_handlers(app: FastAPI, settings: ServerArgs) -> None:
         first = exc.errors()[0] if exc.errors() else {}
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
-        return error_response(400, message, "invalid_request_error", loc or None)
+        # A model-level check (an unknown field) names the field first in its message.
+        param = loc or (message.split(" ", 1)[0].rstrip(":") if first.get("type") == "extra_forbidden" else None)
+        return error_response(400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

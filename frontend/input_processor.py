@@ -8,6 +8,7 @@ from typing import Any, Union
 
 from pagedserve.common.request_checks import check_prompt
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.frontend.prompt_constraints import bad_words_token_ids, truncated_ids
 from pagedserve.ipc.messages import EngineCoreRequest, EngineInfo
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -57,11 +58,15 @@ class InputProcessor:
         return list(ids)       # their range is checked with the rest, in check_prompt
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            chat_template: str | None = None,
-                            template_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
+                            chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                            continue_final_message: bool = False) -> ProcessedPrompt:
         """Render and tokenize; template_kwargs are extra template variables (a request's
-        chat_template_kwargs), never arguments of the call."""
+        chat_template_kwargs), never arguments of the call. continue_final_message: the last message is
+        left open (no end of turn) for the model to continue."""
         kwargs = dict(template_kwargs or {})
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=true "
+                             "(set add_generation_prompt to false)")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
         chat_template = chat_template if chat_template is not None else self.chat_template
@@ -73,7 +78,8 @@ class InputProcessor:
             raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set per request")
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
-                                                      add_generation_prompt=add_generation_prompt, **kwargs)
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, **kwargs)
         except Exception as exc:   # the template is fixed, so a failure to render comes from the messages
             raise ValueError(f"messages: the chat template cannot render them: {type(exc).__name__}: {exc}") \
                 from exc
@@ -88,6 +94,11 @@ class InputProcessor:
             self._reserved = {n for n, p in params.items() if p.kind != p.VAR_KEYWORD} | {"tokenizer_kwargs", "messages"}
         return self._reserved
 
+    def truncate(self, prompt: ProcessedPrompt, keep: int | None) -> ProcessedPrompt:
+        """truncate_prompt_tokens: the prompt's last `keep` tokens (its text no longer matches them)."""
+        ids = truncated_ids(prompt.prompt_token_ids, keep, self.info.max_model_len)
+        return prompt if len(ids) == len(prompt.prompt_token_ids) else ProcessedPrompt(None, ids)
+
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                       priority: int = 0, arrival_time: float | None = None) -> PreparedRequest:
         """Validate (check_prompt, the core's own check, run early) and build one engine request per
@@ -96,7 +107,11 @@ class InputProcessor:
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int) or not -(1 << 63) <= priority < (1 << 63):
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
-        check_prompt(prompt.prompt_token_ids, params.max_tokens, self.info.max_model_len, self.info.vocab_size)
+        prompt = self.truncate(prompt, params.truncate_prompt_tokens)
+        if params.bad_words:
+            params = params.clone(_bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words))
+        check_prompt(prompt.prompt_token_ids, params.max_tokens, self.info.max_model_len, self.info.vocab_size,
+                     params)
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
             children = [(request_id, params)]

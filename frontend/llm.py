@@ -62,10 +62,11 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         parsed = [self.input_processor.apply_chat_template(c, add_generation_prompt, chat_template,
-                                                           chat_template_kwargs)
+                                                           chat_template_kwargs, continue_final_message)
                   for c in conversations]
         return self._run(parsed, sampling_params, use_tqdm, None)
 

@@ -7,19 +7,17 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
-
-
-class StrictModel(BaseModel):
-    # Unknown fields are an error, never silently ignored.
-    model_config = ConfigDict(extra="forbid")
+from pagedserve.frontend.protocol_extras import (ExtraChatFields, ExtraCompletionFields, ExtraRequestFields,
+                                                 StrictModel, text_content)
 
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: bool = True    # a no-op: there is no padding to obfuscate lengths with
 
 
-class _SamplingFields(StrictModel):
+class _SamplingFields(ExtraRequestFields):
     model: Optional[str] = None
     n: int = Field(1, ge=1, le=128)     # OpenAI's bound; each sample is a queue entry in the engine
     temperature: Optional[float] = None
@@ -30,7 +28,6 @@ class _SamplingFields(StrictModel):
     frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
     # vLLM's extra fields
     top_k: Optional[int] = None
     min_p: Optional[float] = None
@@ -52,10 +49,11 @@ class _SamplingFields(StrictModel):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            **self.constraint_params())
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, ExtraCompletionFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
@@ -70,6 +68,7 @@ class CompletionRequest(_SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        self.check_supported(self.n)
         return self._params(self.max_tokens, self.logprobs)
 
 
@@ -79,7 +78,7 @@ class ChatMessage(BaseModel):
     content: Optional[Union[str, list[dict[str, Any]]]] = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ExtraChatFields):
     messages: list[ChatMessage]
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
@@ -98,13 +97,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self._params(default_max_tokens if max_tokens is None else max_tokens, logprobs)
 
     def text_messages(self) -> list[dict[str, Any]]:
-        out = []
-        for m in self.messages:
-            d = m.model_dump(exclude_none=True)
-            if isinstance(m.content, list):    # OpenAI content parts: keep the text ones
-                d["content"] = "".join(p.get("text", "") for p in m.content if p.get("type") == "text")
-            out.append(d)
-        return out
+        return text_content(self.messages)
 
 
 class TokenizeRequest(StrictModel):
@@ -113,6 +106,7 @@ class TokenizeRequest(StrictModel):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(StrictModel):

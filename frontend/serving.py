@@ -69,8 +69,12 @@ class OpenAIServing:
                 for i, p in enumerate(prompts)]
 
     async def _chat_requests(self, body: ChatCompletionRequest, rid: str) -> list[PreparedRequest]:
+        body.check_supported()      # before rendering: a field we cannot honour is the error to report
         prompt = await self.engine.render_chat(body.text_messages(), body.add_generation_prompt,
-                                               body.chat_template_kwargs)
+                                               body.template_variables(body.chat_template_kwargs),
+                                               body.continue_final_message)
+        # The default max_tokens fills what the (possibly truncated) prompt leaves.
+        prompt = self.engine.input_processor.truncate(prompt, body.truncate_prompt_tokens)
         room = self.engine.info.max_model_len - len(prompt.prompt_token_ids)
         params = body.to_sampling_params(default_max_tokens=max(room, 1))
         return [self.engine.prepare(prompt, params, rid, body.priority)]

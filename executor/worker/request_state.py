@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.executor.worker.logit_constraints import RowConstraints
 from pagedserve.ipc.messages import NewRequestData
 
 _MASK63 = (1 << 63) - 1
@@ -21,6 +22,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None = field(default=None, repr=False)
+    constraints: RowConstraints | None = field(default=None, repr=False)   # logit_bias, allowed ids, bad words
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "CachedRequestState":
@@ -29,7 +31,8 @@ class CachedRequestState:
         return cls(req_id=data.req_id, token_ids=list(data.prompt_token_ids) + list(data.output_token_ids),
                    num_prompt_tokens=len(data.prompt_token_ids), output_token_ids=list(data.output_token_ids),
                    sampling_params=params, block_ids=list(data.block_ids),
-                   num_computed_tokens=data.num_computed_tokens, generator=generator)
+                   num_computed_tokens=data.num_computed_tokens, generator=generator,
+                   constraints=RowConstraints.of(params))
 
     def step_generator(self) -> torch.Generator | None:
         """The seeded generator for the next sampled token.

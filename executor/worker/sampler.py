@@ -1,6 +1,6 @@
 """Token sampling with vLLM V1 semantics.
 
-Order: raw logprobs -> min_tokens blocking -> penalties -> greedy argmax | temperature -> min-p ->
+Order: raw logprobs -> token constraints (allowed ids, bad words, logit bias) -> min_tokens blocking -> penalties -> greedy argmax | temperature -> min-p ->
 top-k/top-p -> exponential-race sampling. Every step is batched over rows; only seeded rows get a
 Python loop, because each owns its own generator.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.executor.worker.logit_constraints import apply_constraints
 from pagedserve.executor.worker.sampling_metadata import SamplerOutput, SamplingMetadata
 
 _NEG_INF = float("-inf")
@@ -35,8 +36,11 @@ class Sampler(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """float32 logits after min_tokens blocking and penalties; never writes into the caller's tensor."""
+    """float32 logits after token constraints, min_tokens blocking and penalties; never writes into the
+    caller's tensor."""
     logits = logits.float()
+    if meta.constrained:
+        logits = apply_constraints(logits, meta.constrained)
     if meta.min_tokens_blocked:
         logits = apply_min_tokens(logits, meta.min_tokens_blocked)
     if not meta.no_penalties:

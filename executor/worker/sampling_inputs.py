@@ -38,6 +38,8 @@ def build_sampling_metadata(states: list[CachedRequestState], eos_token_ids: tup
                 blocked += eos_token_ids
             if blocked:
                 meta.min_tokens_blocked[row] = blocked
+    meta.constrained = [(row, s.constraints, s.output_token_ids) for row, s in enumerate(states)
+                        if s.constraints is not None]
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     meta.max_num_logprobs = max(wanted) if wanted else None
     return meta

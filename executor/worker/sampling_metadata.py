@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.executor.worker.logit_constraints import ConstrainedRow
+
 
 @dataclass
 class SamplingMetadata:
@@ -27,6 +29,7 @@ class SamplingMetadata:
     # row -> token ids that must not be sampled yet (EOS and stop_token_ids while below min_tokens)
     min_tokens_blocked: dict[int, list[int]] = field(default_factory=dict)
     max_num_logprobs: int | None = None        # None: no row wants logprobs
+    constrained: list[ConstrainedRow] = field(default_factory=list)   # rows with logit_bias / allowed / bad words
 
 
 @dataclass
