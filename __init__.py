@@ -1,8 +1,9 @@
 """pagedserve: an LLM serving engine with a paged KV cache and continuous batching."""
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.structured_outputs import StructuredOutputsParams
 from pagedserve.common.version import __version__
 
-__all__ = ["LLM", "AsyncEngineClient", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs",
+__all__ = ["LLM", "AsyncEngineClient", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineArgs",
            "EngineDeadError"]
 
 

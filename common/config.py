@@ -10,6 +10,7 @@ from typing import Any
 from pagedserve.common.arg_utils import setting
 from pagedserve.common.dtype import DTYPE_CHOICES, checkpoint_dtype, resolve_dtype
 from pagedserve.common.model_files import ModelSource, load_hf_config, resolve_model
+from pagedserve.common.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,10 @@ class EngineArgs:
         help="uni: in-process, mp: a process per rank, torchrun: ranks started by torchrun (unset: uni for "
              "one rank, else mp)")
     enforce_eager: bool = setting(False, store_true=True, help="CUDA: no CUDA graphs for decode steps")
+    reasoning_parser: str | None = setting(
+        None, choices=tuple(REASONING_PARSERS),
+        help="the model thinks between markers: the server returns that as reasoning_content, and a "
+             "structured output constrains only the answer after it")
     worker_heartbeat_timeout: float = setting(
         30.0, help="seconds a worker process may go without a heartbeat before the engine fails (TP > 1); "
                    "its own thread beats, so a long step does not count")

@@ -6,6 +6,8 @@ from typing import Optional, Union
 
 import msgspec
 
+from pagedserve.common.structured_outputs import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 _INT64_MIN, _INT64_MAX, _UINT64_MAX = -(1 << 63), (1 << 63) - 1, (1 << 64) - 1
 
@@ -40,6 +42,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     allowed_token_ids: Optional[list[int]] = None    # only these ids may be sampled
     bad_words: Optional[list[str]] = None            # words that must never be generated
     truncate_prompt_tokens: Optional[int] = None     # keep the last k prompt tokens (-1: max_model_len)
+    structured_outputs: Optional[StructuredOutputsParams] = None   # constrained decoding (grammar engine)
     # bad_words as token-id sequences: the frontend tokenizes them (the core has no tokenizer).
     _bad_words_token_ids: Optional[list[list[int]]] = None
 
