@@ -15,6 +15,7 @@ import sys
 import httpx
 import pytest
 
+from pagedserve.common.hub import looks_like_hub_id
 from pagedserve.tests.helpers.hub_cache import HF_ENV, add_snapshot, commit_hash, offline_env
 from pagedserve.tests.helpers.server import Server
 from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model
@@ -73,10 +74,12 @@ def run_llm(jobs: list[dict], env: dict[str, str], cwd: str | None = None) -> li
 def test_llm_loads_hub_ids_and_revisions_from_hf_hub_cache(hub):
     other_commit = commit_hash(f"{REPO}@other")
     jobs = [{"model": REPO}, {"model": REPO, "revision": "other"}, {"model": REPO, "revision": other_commit},
-            {"model": REPO, "tokenizer_revision": "tok"}, {"model": REPO, "revision": "no-such-branch"}]
-    main, other, by_commit, tok, missing = run_llm(jobs, offline_env(HF_HUB_CACHE=hub["cache"]))
+            {"model": REPO, "tokenizer_revision": "tok"}, {"model": REPO, "revision": "no-such-branch"},
+            {"model": REPO, "revision": "other", "distributed_executor_backend": "mp"}]
+    main, other, by_commit, tok, missing, in_worker = run_llm(jobs, offline_env(HF_HUB_CACHE=hub["cache"]))
     assert main["ids"] == hub["expected"][0]
-    assert other["ids"] == by_commit["ids"] == hub["expected"][1]
+    # A worker process loads the snapshot the core resolved, not the id's main.
+    assert other["ids"] == by_commit["ids"] == in_worker["ids"] == hub["expected"][1]
     assert main["name"] == other["name"] == REPO            # served under its id, as vLLM does
     assert main["path"].startswith(hub["cache"]) and other["path"].endswith(other_commit)
     assert main["tokenizer"] == main["path"]
@@ -135,3 +138,11 @@ def test_unknown_id_fails_at_start_in_one_line(tmp_path):
     assert len(lines) == 1, lines
     assert "Traceback" not in lines[0]
     assert "'nobody/nothing'" in lines[0] and str(tmp_path) in lines[0] and "HF_HUB_OFFLINE" in lines[0]
+
+
+@pytest.mark.parametrize("model, is_id", [
+    ("Qwen/Qwen2.5-0.5B-Instruct", True), ("gpt2", True), ("org/name.v2", True),
+    ("/abs/org/name", False), ("./org/name", False), ("~/models/x", False), ("a/b/c", False),
+    ("org/../name", False), ("model.gguf", False), ("org/na me", False)])
+def test_what_counts_as_a_hub_id(model, is_id):
+    assert looks_like_hub_id(model) is is_id
