@@ -9,6 +9,8 @@ from typing import Any
 
 from pagedserve.common.arg_utils import setting
 from pagedserve.common.dtype import DTYPE_CHOICES, checkpoint_dtype, resolve_dtype
+from pagedserve.common.generation_config import AUTO, check_setting, load_generation_defaults
+from pagedserve.common.hub import TOKENIZER_FILES, local_or_hub_path, looks_like_hub_id
 from pagedserve.common.model_files import ModelSource, load_hf_config, resolve_model
 from pagedserve.common.reasoning import REASONING_PARSERS
 
@@ -42,6 +44,9 @@ class ModelConfig:
     served_model_name: str = ""
     enforce_eager: bool = False     # CUDA: no decode graphs
     tokenizer: str | None = None    # a tokenizer folder other than the model's own
+    # From generation_config.json (--generation-config): defaults for unset request fields, extra EOS ids.
+    default_sampling: dict = field(default_factory=dict, compare=False)
+    generation_eos_token_ids: tuple[int, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -66,9 +71,8 @@ class ModelConfig:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         eos = getattr(self.hf_config, "eos_token_id", None)
-        if eos is None:
-            return ()
-        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        return tuple(dict.fromkeys(ids + self.generation_eos_token_ids))
 
 
 @dataclass(frozen=True)
@@ -118,9 +122,21 @@ class EngineArgs:
     Each field is also an `engine-serve` flag, generated from it (common/arg_utils.py): its help is the
     flag's help."""
     model: str | None = setting(
-        None, help="HF model folder or .gguf file (unset: the embedded SmolLM2-135M-Instruct)")
+        None, help="HF model folder, .gguf file or Hugging Face Hub id (org/name; a local path of the same "
+                   "spelling wins) (unset: the embedded SmolLM2-135M-Instruct)")
     tokenizer: str | None = setting(
-        None, help="a local tokenizer folder to use instead of the model's own (nothing is downloaded)")
+        None, help="a tokenizer folder or Hub id to use instead of the model's own")
+    revision: str | None = setting(
+        None, help="the Hub revision (branch, tag or commit) of a model given as a Hub id (unset: main)")
+    tokenizer_revision: str | None = setting(
+        None, help="the Hub revision of the tokenizer (unset: the model's revision)")
+    download_dir: str | None = setting(
+        None, help="the Hugging Face cache folder to find and download Hub models in (unset: HF_HUB_CACHE, "
+                   "else HF_HOME/hub)")
+    generation_config: str = setting(
+        AUTO, help="where request defaults (temperature, top_p, top_k, min_p, repetition_penalty) and extra "
+                   "EOS ids come from: auto (the model's generation_config.json), vllm (none: the engine's "
+                   "defaults) or a folder holding a generation_config.json")
     served_model_name: str | None = setting(
         None, help="the model name the API answers to and reports (unset: the model's folder or file name)")
     dtype: str = setting("auto", choices=DTYPES,
@@ -180,15 +196,17 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         self.validate()
-        source = resolve_model(self.model)
+        source = resolve_model(self.model, self.revision, self.download_dir)
+        tokenizer = self._resolve_tokenizer(source)
         hf_config = load_hf_config(source)
+        gen = load_generation_defaults(self.generation_config, source.path if source.format == "hf" else None)
         device = _resolve_device(self.device)
         max_len = _resolve_max_model_len(self.max_model_len, hf_config)
         model = ModelConfig(
             source=source, hf_config=hf_config, dtype=resolve_dtype(self.dtype, device, checkpoint_dtype(hf_config)),
             device=device, max_model_len=max_len, seed=self.seed,
             served_model_name=self.served_model_name or source.name, enforce_eager=self.enforce_eager,
-            tokenizer=self.tokenizer)
+            tokenizer=tokenizer, default_sampling=gen.sampling, generation_eos_token_ids=gen.eos_token_ids)
         cache = CacheConfig(
             block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -207,8 +225,21 @@ class EngineArgs:
                                   distributed_executor_backend=self.executor_backend(),
                                   worker_heartbeat_timeout_s=float(self.worker_heartbeat_timeout))
         _check_parallel(parallel, model)
+        # Other processes rebuild this config from local paths: the Hub is asked once, here.
+        resolved = dict(model=source.path, tokenizer=tokenizer, revision=None, tokenizer_revision=None,
+                        served_model_name=model.served_model_name)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler, parallel=parallel,
-                            source_args=dataclasses.asdict(self))
+                            source_args={**dataclasses.asdict(self), **resolved})
+
+    def _resolve_tokenizer(self, source: ModelSource) -> str | None:
+        """A local folder for --tokenizer or --tokenizer-revision; None: the model's own files."""
+        if self.tokenizer is not None:
+            return local_or_hub_path(self.tokenizer, self.tokenizer_revision, self.download_dir,
+                                     TOKENIZER_FILES, what="tokenizer")[0]
+        if self.tokenizer_revision is not None and source.hub_id is not None:
+            return local_or_hub_path(source.hub_id, self.tokenizer_revision, self.download_dir,
+                                     TOKENIZER_FILES, what="tokenizer")[0]
+        return None
 
     def executor_backend(self) -> str:
         """The executor backend to build: the one asked for, else in-process for one rank."""
@@ -216,9 +247,10 @@ class EngineArgs:
 
     def validate(self) -> None:
         """The checks that need no model files: cheap, so a launcher can fail fast before starting anything."""
-        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
-            raise ValueError(f"tokenizer must be a local tokenizer folder (nothing is downloaded), "
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer) and not looks_like_hub_id(self.tokenizer):
+            raise ValueError(f"tokenizer must be a local tokenizer folder or a Hugging Face Hub id, "
                              f"got {self.tokenizer!r}")
+        check_setting(self.generation_config)
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("tensor_parallel_size", self.tensor_parallel_size)

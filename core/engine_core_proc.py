@@ -68,7 +68,8 @@ def run_engine_core(args_json: bytes, executor_class: Callable[[EngineConfig], E
     try:
         core = EngineCore.from_engine_args(engine_args_from_json(args_json), executor_class)
     except BaseException as exc:  # the parent needs the reason, whatever it is
-        logger.error("engine core failed to start: %s", exc)
+        # A ValueError is the user's (a bad flag, an unknown model): the parent prints it, once.
+        (logger.debug if isinstance(exc, ValueError) else logger.error)("engine core failed to start: %s", exc)
         handshake.send_multipart(encoder.encode(EngineStartupFailed(error=describe_exception(exc))))
         handshake.close(linger=2000)
         ctx.term()

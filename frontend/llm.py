@@ -52,6 +52,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no sampling params: the model's generation-config
+        defaults (temperature, top_p, top_k, min_p, repetition_penalty) over SamplingParams' own."""
+        return SamplingParams(**self.info.default_sampling)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
@@ -72,7 +77,7 @@ class LLM:
 
     def _run(self, prompts: list[ProcessedPrompt], sampling_params: Any, use_tqdm: bool,
              priority: Sequence[int] | None) -> list[RequestOutput]:
-        params = _per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams())
+        params = _per_prompt(sampling_params, len(prompts), "sampling_params", self.get_default_sampling_params())
         priorities = _per_prompt(list(priority) if priority is not None else None, len(prompts), "priority", 0)
         batch = []
         for prompt, p, prio in zip(prompts, params, priorities):

@@ -39,13 +39,19 @@ class _SamplingFields(ExtraRequestFields):
     skip_special_tokens: bool = True
     priority: int = 0
 
-    def _params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+    def _params(self, max_tokens: Optional[int], logprobs: Optional[int],
+                defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
+        # Unset fields take the model's generation-config defaults, then SamplingParams' own.
+        d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+             **(defaults or {})}
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty,
+            n=self.n, temperature=d["temperature"] if self.temperature is None else self.temperature,
+            top_p=d["top_p"] if self.top_p is None else self.top_p,
+            top_k=d["top_k"] if self.top_k is None else self.top_k,
+            min_p=d["min_p"] if self.min_p is None else self.min_p, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=d["repetition_penalty"] if self.repetition_penalty is None
+            else self.repetition_penalty,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
@@ -65,11 +71,11 @@ class CompletionRequest(_SamplingFields, ExtraCompletionFields):
             return list(self.prompt)
         return [self.prompt]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         self.check_supported(self.n)
-        return self._params(self.max_tokens, self.logprobs)
+        return self._params(self.max_tokens, self.logprobs, defaults)
 
 
 class ChatMessage(BaseModel):
@@ -87,14 +93,15 @@ class ChatCompletionRequest(_SamplingFields, ExtraChatFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int,
+                           defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(default_max_tokens if max_tokens is None else max_tokens, logprobs)
+        return self._params(default_max_tokens if max_tokens is None else max_tokens, logprobs, defaults)
 
     def text_messages(self) -> list[dict[str, Any]]:
         return text_content(self.messages)

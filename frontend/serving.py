@@ -61,7 +61,7 @@ class OpenAIServing:
     # ---------------------------------------------------------------- validate and build
 
     async def _completion_requests(self, body: CompletionRequest, rid: str) -> list[PreparedRequest]:
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(defaults=self.engine.info.default_sampling)
         prompts = body.prompt_list()
         if not prompts:
             raise ValueError("prompt must not be empty")
@@ -76,7 +76,8 @@ class OpenAIServing:
         # The default max_tokens fills what the (possibly truncated) prompt leaves.
         prompt = self.engine.input_processor.truncate(prompt, body.truncate_prompt_tokens)
         room = self.engine.info.max_model_len - len(prompt.prompt_token_ids)
-        params = body.to_sampling_params(default_max_tokens=max(room, 1))
+        params = body.to_sampling_params(default_max_tokens=max(room, 1),
+                                         defaults=self.engine.info.default_sampling)
         return [self.engine.prepare(prompt, params, rid, body.priority)]
 
     # ---------------------------------------------------------------- run

@@ -86,6 +86,8 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     max_waiting_requests: Optional[int]   # the core's queue bound; None = unbounded
     block_size: int
     num_blocks: int
+    # generation_config.json's defaults for sampling fields a request leaves unset (only the keys it sets).
+    default_sampling: dict[str, Union[int, float]] = {}
 
 
 class EngineReady(msgspec.Struct, array_like=True, tag="ready"):
