@@ -6,6 +6,7 @@ import time
 
 from pagedserve.core.block_hash import BlockHasher
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.ipc.messages import LogprobsEntry, PromptLogprobsChunk
 
 
 class RequestStatus(enum.IntEnum):
@@ -51,6 +52,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.block_hashes: list[bytes] = []
+        self.num_prompt_logprobs_sent = 0   # prompt positions already reported (a preempted request rescores)
         self._hasher = block_hasher
         self._stop_ids = frozenset(self.eos_token_ids) | frozenset(sampling_params.stop_token_ids or ())
         self._update_hashes()
@@ -82,6 +84,14 @@ class Request:
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
+
+    def take_prompt_logprobs(self, chunk: PromptLogprobsChunk | None) -> list[LogprobsEntry] | None:
+        """The entries of a step's prompt-logprobs chunk not reported before, in prompt order."""
+        if chunk is None:
+            return None
+        fresh = chunk.entries[max(0, self.num_prompt_logprobs_sent - chunk.start):]
+        self.num_prompt_logprobs_sent = max(self.num_prompt_logprobs_sent, chunk.start + len(chunk.entries))
+        return fresh or None
 
     def _update_hashes(self) -> None:
         if self._hasher is not None:
