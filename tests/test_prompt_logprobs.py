@@ -95,7 +95,7 @@ def test_prompt_logprobs_validation(value):
 
 @pytest.fixture(scope="module")
 def server(tiny_serving_model):
-    srv = Server(*SMALL_KV, "--max-num-batched-tokens", "32", model=tiny_serving_model, max_model_len=128)
+    srv = Server(*SMALL_KV, "--max-num-batched-tokens", "8", "--max-num-seqs", "8", model=tiny_serving_model, max_model_len=128)
     srv.model_name = srv.client().models.list().data[0].id
     yield srv
     srv.stop()
@@ -114,7 +114,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog, and then it naps in the w
 def test_http_echo_logprobs_match_hf(server, hf_serving, tiny_serving_model, max_tokens):
     from transformers import AutoTokenizer
     ids = AutoTokenizer.from_pretrained(tiny_serving_model)(PROMPT)["input_ids"]
-    assert len(ids) > 32, "the prompt must span several prefill chunks"
+    assert len(ids) > 16, "the prompt must span several prefill chunks"
     resp = server.client().completions.create(model=server.model_name, prompt=PROMPT, max_tokens=max_tokens,
                                               temperature=0, echo=True, logprobs=2)
     choice = resp.choices[0]
