@@ -94,8 +94,10 @@ class ResponseBuilder:
         index = prompt_index * self.n + c.index
         scored = out.prompt_logprobs if out is not None else None
         if self.api == "completion":
+            opening = not stream or index not in self._echoed     # the chunk that echoes the prompt
             body: dict[str, Any] = {"text": self._echo(prompt_index, index, stream) + c.text}
-            logprobs = self._completion_logprobs(prompt_index, c, out) if self.logprobs else None
+            logprobs = self._completion_logprobs(prompt_index, c, out if opening else None) \
+                if self.logprobs else None
             if self.show_prompt_logprobs and scored is not None:
                 body["prompt_logprobs"] = prompt_logprobs_json(scored)
         elif stream:

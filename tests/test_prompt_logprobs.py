@@ -136,6 +136,19 @@ def test_http_echo_logprobs_match_hf(server, hf_serving, tiny_serving_model, max
             assert math.isclose(lp.token_logprobs[p], max(lp.top_logprobs[p].values()), abs_tol=1e-6)
 
 
+def test_http_stream_echo_logprobs_equal_whole(server):
+    kwargs = dict(model=server.model_name, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    whole = server.client().completions.create(**kwargs).choices[0]
+    text, token_lps = "", []
+    for chunk in server.client().completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            text += choice.text
+            token_lps += choice.logprobs.token_logprobs if choice.logprobs else []
+    assert text == whole.text
+    assert token_lps[0] is None and whole.logprobs.token_logprobs[0] is None
+    assert token_lps[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-6)
+
+
 def test_http_vllm_prompt_logprobs_field(server, hf_serving, tiny_serving_model):
     from transformers import AutoTokenizer
     ids = AutoTokenizer.from_pretrained(tiny_serving_model)(PROMPT)["input_ids"]
