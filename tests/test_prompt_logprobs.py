@@ -75,6 +75,20 @@ def test_prefix_cache_hit_still_scores_whole_prompt(tiny_llama_dir, hf_tiny_llam
     assert scored.outputs[0].token_ids == warm.outputs[0].token_ids
 
 
+def test_preempted_request_reports_each_position_once(tiny_llama_dir, hf_tiny_llama):
+    """A preempted request recomputes its prompt from scratch; the positions it already reported are not
+    reported again, so the list still has one entry per prompt token."""
+    prompts = _prompts(4, 24, seed=11)
+    with LLM(tiny_llama_dir, dtype="float32", max_model_len=128, block_size=8, num_gpu_blocks_override=17,
+             max_num_batched_tokens=128, max_num_seqs=4) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=1),
+                            use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+    for ids, out in zip(prompts, outs):
+        _check_against_hf(hf_tiny_llama, ids, out.prompt_logprobs, k=1)
+
+
 def test_max_tokens_zero_scores_prompt_only(tiny_llama_dir, hf_tiny_llama):
     ids = _prompts(1, 12, seed=3)[0]
     with LLM(tiny_llama_dir, dtype="float32", max_model_len=64) as llm:
