@@ -109,7 +109,8 @@ def test_prompt_logprobs_validation(value):
 
 @pytest.fixture(scope="module")
 def server(tiny_serving_model):
-    srv = Server(*SMALL_KV, "--max-num-batched-tokens", "8", "--max-num-seqs", "8", model=tiny_serving_model, max_model_len=128)
+    srv = Server(*SMALL_KV, "--max-num-batched-tokens", "8", "--max-num-seqs", "8", model=tiny_serving_model,
+                 max_model_len=128)
     srv.model_name = srv.client().models.list().data[0].id
     yield srv
     srv.stop()
@@ -176,6 +177,17 @@ def test_http_vllm_prompt_logprobs_field(server, hf_serving, tiny_serving_model)
         entry = scored[p][str(ids[p])]
         assert abs(entry["logprob"] - ref[p - 1, ids[p]].item()) < TOL
         assert entry["rank"] == int((ref[p - 1] > ref[p - 1, ids[p]]).sum()) + 1
+
+
+def test_http_chat_prompt_logprobs(server):
+    body = {"model": server.model_name, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 2,
+            "temperature": 0, "prompt_logprobs": 0}
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=server.auth, timeout=60)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    scored = data["prompt_logprobs"]                       # vLLM puts it at the top level of a chat response
+    assert scored[0] is None and len(scored) == data["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 and next(iter(entry.values()))["logprob"] <= 0 for entry in scored[1:])
 
 
 @pytest.mark.parametrize("body, field", [
