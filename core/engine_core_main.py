@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from pagedserve.common.process_utils import read_launch_payload
+from pagedserve.common.process_utils import exit_without_teardown, read_launch_payload
 from pagedserve.core.engine_core_proc import CoreAddresses, run_engine_core
 
 MODULE = "pagedserve.core.engine_core_main"
@@ -46,8 +46,11 @@ def resolve_class(reference: str) -> Any:
 def main() -> None:
     launch = msgspec.json.decode(read_launch_payload(), type=CoreLaunch)
     addresses = CoreAddresses(input=launch.input, output=launch.output, handshake=launch.handshake)
-    run_engine_core(msgspec.json.encode(launch.engine_args), resolve_class(launch.executor), addresses,
-                    launch.token, launch.parent_pid, launch.log_level, launch.ipc_root)
+    try:
+        run_engine_core(msgspec.json.encode(launch.engine_args), resolve_class(launch.executor), addresses,
+                        launch.token, launch.parent_pid, launch.log_level, launch.ipc_root)
+    except SystemExit as done:     # it returns only this way, its workers stopped and its sockets closed
+        exit_without_teardown(done.code if isinstance(done.code, int) else 1)
 
 
 if __name__ == "__main__":

@@ -5,16 +5,15 @@ process never imports its launcher's __main__, so a user's script needs no main 
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import sys
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
 from pagedserve.common.config import EngineArgs
-from pagedserve.common.process_utils import describe_exception, read_launch_payload, setup_child_process
+from pagedserve.common.process_utils import (describe_exception, exit_without_teardown, read_launch_payload,
+                                             setup_child_process)
 from pagedserve.common.throttled_log import ThrottledLog
 from pagedserve.executor.procs.heartbeat import start_heartbeat_sender
 from pagedserve.ipc.broadcast import BroadcastReader
@@ -72,17 +71,7 @@ def run_worker(launch: WorkerLaunch) -> None:
     code = _serve(worker, reader, reply, rank)
     reader.close()
     sock.close(linger=1000)
-    _exit_now(code)
-
-
-def _exit_now(code: int) -> None:
-    """Leave without the interpreter's teardown: its replies are sent and it holds nothing to save, while
-    finalizing torch (OpenMP pools, the process group) took seconds per rank, which every script
-    ending with an engine waited for."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_without_teardown(code)
 
 
 def _serve(worker: Worker, reader: BroadcastReader, reply, rank: int) -> int:
