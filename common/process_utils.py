@@ -51,7 +51,8 @@ def _child_env() -> dict[str, str]:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # the package folder
     parent = os.path.dirname(here)
     installed = {os.path.abspath(p) for p in [*site.getsitepackages(), site.getusersitepackages()]}
-    if parent not in installed:
+    # A folder not named pagedserve was found by an import hook (an editable install) the child has too.
+    if os.path.basename(here) == "pagedserve" and parent not in installed:
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         if parent not in [os.path.abspath(p) for p in paths]:
             env["PYTHONPATH"] = os.pathsep.join([parent, *paths])

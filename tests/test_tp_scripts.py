@@ -184,3 +184,32 @@ def test_killed_script_leaves_no_process(tmp_path, tp3_model):
     finally:
         if run.proc.poll() is None:
             run.proc.kill()
+
+
+def test_module_process_payload_sentinel_and_exit_code(tmp_path, monkeypatch):
+    """ModuleProcess, as the executor's monitor uses it: the payload arrives on stdin, the sentinel fd
+    becomes readable when the child exits, exitcode is its status (negative: the killing signal)."""
+    import multiprocessing.connection
+
+    from pagedserve.common.process_utils import ModuleProcess
+    (tmp_path / "ps_probe_child.py").write_text(textwrap.dedent("""
+        import sys, time
+        from pagedserve.common.process_utils import read_launch_payload
+        payload = read_launch_payload().decode()
+        print("GOT", payload, flush=True)
+        time.sleep(600 if payload == "wait" else 0)
+        sys.exit(3)
+    """))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    quick = ModuleProcess("ps_probe_child", b"quick", name="probe")
+    assert multiprocessing.connection.wait([quick.sentinel], timeout=60) == [quick.sentinel]
+    quick.join(5)
+    assert quick.exitcode == 3 and not quick.is_alive()
+    slow = ModuleProcess("ps_probe_child", b"wait", name="probe")
+    assert multiprocessing.connection.wait([slow.sentinel], timeout=1.0) == [] and slow.is_alive()
+    slow.kill()
+    assert multiprocessing.connection.wait([slow.sentinel], timeout=30) == [slow.sentinel]
+    slow.join(5)
+    assert slow.exitcode == -signal.SIGKILL
+    for proc in (quick, slow):
+        proc.close()
