@@ -74,7 +74,12 @@ class ModuleProcess:
         self._popen = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE,
                                        env=_child_env(), close_fds=True)
         self.pid = self._popen.pid
-        self.sentinel = os.pidfd_open(self.pid)
+        try:
+            self.sentinel = os.pidfd_open(self.pid)
+        except OSError:              # a kernel before 5.3: no child may outlive its handle
+            self._popen.kill()
+            self._popen.wait()
+            raise
         try:
             assert self._popen.stdin is not None
             self._popen.stdin.write(payload)
