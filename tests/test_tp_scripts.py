@@ -123,12 +123,15 @@ def test_tp3_without_main_guard_matches_tp1(tmp_path, tp3_model, tp1_tokens):
     assert _check_exits_promptly(run, run.read_until_exit()) == tp1_tokens
 
 
-def test_guarded_core_process_without_shutdown_exits(tmp_path, tp3_model, tp1_tokens):
-    """A guarded script with the engine core in its own process (and 3 workers under it) that never calls
-    shutdown(): it exits at its end, and neither the core nor a worker is left behind."""
-    run = ScriptRun(tmp_path, tp3_model, """
+@pytest.mark.parametrize("core_process", [False, True], ids=["core-here", "core-process"])
+def test_guarded_script_without_shutdown_exits(tmp_path, tp3_model, tp1_tokens, core_process):
+    """A guarded script that never calls shutdown(), its engine core here (before: it printed, then hung
+    at exit, multiprocessing joining workers nobody had stopped) or in its own process with the 3 workers
+    under it: it exits at its end, and no core or worker is left behind."""
+    run = ScriptRun(tmp_path, tp3_model, f"""
         def main():
-            llm = LLM(MODEL, dtype="float32", max_model_len=128, tensor_parallel_size=3, multiprocess_core=True)
+            llm = LLM(MODEL, dtype="float32", max_model_len=128, tensor_parallel_size=3,
+                      multiprocess_core={core_process})
             show(llm)
 
         if __name__ == "__main__":
