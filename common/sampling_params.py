@@ -43,6 +43,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     bad_words: Optional[list[str]] = None            # words that must never be generated
     truncate_prompt_tokens: Optional[int] = None     # keep the last k prompt tokens (-1: max_model_len)
     structured_outputs: Optional[StructuredOutputsParams] = None   # constrained decoding (grammar engine)
+    prompt_logprobs: Optional[int] = None   # top logprobs per prompt position (vLLM): scoring a prompt
     # bad_words as token-id sequences: the frontend tokenizes them (the core has no tokenizer).
     _bad_words_token_ids: Optional[list[list[int]]] = None
 
@@ -72,14 +73,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _check(_is_num(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
         _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
                f"must be > 0, got {self.repetition_penalty!r}")
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
-               f"must be at least 1, got {self.max_tokens!r}")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0), "max_tokens",
+               f"must be at least 0, got {self.max_tokens!r}")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
                f"must be >= 0, got {self.min_tokens!r}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
                f"must be an integer in [0, 20], got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+               "prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         # Integers cross process boundaries as msgpack 64-bit ints, and seed a torch.Generator.
         _check(self.seed is None or (_is_int(self.seed) and _INT64_MIN <= self.seed <= _UINT64_MAX), "seed",
                f"must be a 64-bit integer, got {self.seed!r}")

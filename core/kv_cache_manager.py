@@ -38,7 +38,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request, in whole blocks, leaving >= 1 token to compute
         (the last token must run through the model to produce logits)."""
-        if not self.enable_caching:
+        # Prompt logprobs need every prompt position's logits, so such a request computes its whole prompt.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

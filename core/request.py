@@ -7,6 +7,7 @@ from typing import Any
 
 from pagedserve.core.block_hash import BlockHasher
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.ipc.messages import LogprobsEntry, PromptLogprobsChunk
 
 
 class RequestStatus(enum.IntEnum):
@@ -51,11 +52,13 @@ class Request:
         self.num_cached_tokens = -1       # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None    # for the queue-time metric
+        self.queue_time_reported = False
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.block_hashes: list[bytes] = []
         # core.structured_output.StructuredOutputRequest when the request has structured_outputs
         self.structured: Any = None
+        self.num_prompt_logprobs_sent = 0   # prompt positions already reported (a preempted request rescores)
         self._hasher = block_hasher
         self._stop_ids = frozenset(self.eos_token_ids) | frozenset(sampling_params.stop_token_ids or ())
         self._update_hashes()
@@ -92,11 +95,20 @@ class Request:
         if self.first_scheduled_time is None:
             self.first_scheduled_time = time.time()
 
-    def queue_time(self) -> float | None:
-        """Seconds from arrival (the frontend's clock) to first scheduled, once scheduled."""
-        if self.first_scheduled_time is None:
+    def take_queue_time(self) -> float | None:
+        """Seconds from arrival (the frontend's clock) to first scheduled, on the request's first output only."""
+        if self.first_scheduled_time is None or self.queue_time_reported:
             return None
+        self.queue_time_reported = True
         return max(0.0, self.first_scheduled_time - self.arrival_time)
+
+    def take_prompt_logprobs(self, chunk: PromptLogprobsChunk | None) -> list[LogprobsEntry] | None:
+        """The entries of a step's prompt-logprobs chunk not reported before, in prompt order."""
+        if chunk is None:
+            return None
+        fresh = chunk.entries[max(0, self.num_prompt_logprobs_sent - chunk.start):]
+        self.num_prompt_logprobs_sent = max(self.num_prompt_logprobs_sent, chunk.start + len(chunk.entries))
+        return fresh or None
 
     def _update_hashes(self) -> None:
         if self._hasher is not None:

@@ -225,22 +225,31 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         logprobs = result.logprobs
+        prompt_logprobs = result.prompt_logprobs or {}
         for i, rid in enumerate(result.req_ids):
             token = result.sampled_token_ids[i]
             request = self.requests.get(rid)
-            if token < 0 or request is None:
-                continue                 # a prefill chunk, or aborted while the step ran
-            request.append_output_token(token)
-            status = request.check_stop(self.config.max_model_len)
-            if (request.structured is not None and request.structured.accept(token, request.output_token_ids)
-                    and status is None):
-                status = RequestStatus.FINISHED_STOPPED      # the grammar is complete
-            entry = logprobs[i] if logprobs is not None else None
-            out = EngineCoreOutput(request_id=rid, new_token_ids=[token],
-                                   new_logprobs=[entry] if entry is not None else None,
+            if request is None:
+                continue                 # aborted while the step ran
+            scored = request.take_prompt_logprobs(prompt_logprobs.get(rid))
+            if token < 0 and scored is None:
+                continue                 # a prefill chunk
+            out = EngineCoreOutput(request_id=rid, new_token_ids=[], new_prompt_logprobs=scored,
                                    num_cached_tokens=max(request.num_cached_tokens, 0))
-            if request.num_output_tokens == 1:
-                out.queue_time = request.queue_time()
+            out.queue_time = request.take_queue_time()   # the first output of any kind carries it
+            if token < 0:
+                outputs.append(out)
+                continue
+            status = RequestStatus.FINISHED_LENGTH_CAPPED    # max_tokens=0: the prompt only, nothing sampled
+            if request.max_tokens > 0:
+                request.append_output_token(token)
+                status = request.check_stop(self.config.max_model_len)
+                if (request.structured is not None and request.structured.accept(token, request.output_token_ids)
+                        and status is None):
+                    status = RequestStatus.FINISHED_STOPPED      # the grammar is complete
+                entry = logprobs[i] if logprobs is not None else None
+                out.new_token_ids = [token]
+                out.new_logprobs = [entry] if entry is not None else None
             if status is not None:
                 self.running.remove(request)
                 request.status = status

@@ -116,7 +116,9 @@ class InputProcessor:
         if params.n == 1:
             children = [(request_id, params)]
         else:
+            # The prompt is scored once, by the first sample (the others may then hit the prefix cache).
             children = [(f"{request_id}#{i}", params.clone(
-                n=1, seed=None if params.seed is None else params.seed + i)) for i in range(params.n)]
+                n=1, seed=None if params.seed is None else params.seed + i,
+                prompt_logprobs=params.prompt_logprobs if i == 0 else None)) for i in range(params.n)]
         requests = [EngineCoreRequest(cid, prompt.prompt_token_ids, p, arrival, priority) for cid, p in children]
         return PreparedRequest(request_id, prompt, params, [c for c, _ in children], requests)

@@ -42,6 +42,8 @@ class _Parent:
     queue_time: float | None = None           # measured by the engine core, sent with the first token
     error: str | None = None
     error_kind: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    sent_prompt_logprobs: bool = False      # delta outputs carry them once, when complete
 
     @property
     def finished(self) -> bool:
@@ -64,6 +66,8 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     child_ids: list[str], params: list[SamplingParams]) -> None:
         parent = _Parent(request_id, prompt, prompt_token_ids, params[0].output_kind)
+        if params[0].prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
         for index, (cid, p) in enumerate(zip(child_ids, params)):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, list(p.stop or ()),
                                            p.include_stop_str_in_output, p.skip_special_tokens)
@@ -113,6 +117,8 @@ class OutputProcessor:
         new_ids = out.new_token_ids
         seq.token_ids.extend(new_ids)
         seq.detok.add_tokens(new_ids)
+        if seq.parent.prompt_logprobs is not None and out.new_prompt_logprobs:
+            seq.parent.prompt_logprobs.extend(self._logprob_dict(seq.detok, e) for e in out.new_prompt_logprobs)
         if seq.logprobs is not None and out.new_logprobs:
             for entry in out.new_logprobs:
                 seq.logprobs.append(self._logprob_dict(seq.detok, entry))
@@ -148,7 +154,17 @@ class OutputProcessor:
         if parent.queue_time is not None:
             metrics["queue_time"] = parent.queue_time
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
-                             parent.num_cached_tokens, metrics, parent.error, parent.error_kind)
+                             parent.num_cached_tokens, metrics, parent.error, parent.error_kind,
+                             self._prompt_logprobs(parent, delta))
+
+    @staticmethod
+    def _prompt_logprobs(parent: _Parent, delta: bool) -> list[dict[int, Logprob] | None] | None:
+        """All of them so far; in delta mode only once, in the first output after the prompt is scored."""
+        scored = parent.prompt_logprobs
+        if scored is None or (delta and (parent.sent_prompt_logprobs or len(scored) < len(parent.prompt_token_ids))):
+            return None
+        parent.sent_prompt_logprobs = True
+        return list(scored)
 
     @staticmethod
     def _completion(seq: _Sequence, delta: bool) -> CompletionOutput:

@@ -36,3 +36,5 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     error_kind: str | None = None          # with error: "invalid" (never runnable) | "overloaded" (retry later)
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per prompt token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

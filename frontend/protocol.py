@@ -39,9 +39,11 @@ class _SamplingFields(ExtraRequestFields, StructuredOutputFields):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    prompt_logprobs: Optional[int] = None   # vLLM: score the prompt's tokens too
 
     def _params(self, max_tokens: Optional[int], logprobs: Optional[int],
-                defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
+                defaults: Optional[dict[str, Any]] = None,
+                prompt_logprobs: Optional[int] = None) -> SamplingParams:
         # Unset fields take the model's generation-config defaults, then SamplingParams' own.
         d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
              **(defaults or {})}
@@ -56,6 +58,7 @@ class _SamplingFields(ExtraRequestFields, StructuredOutputFields):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=self.structured_outputs_params(), **self.constraint_params())
 
@@ -76,7 +79,11 @@ class CompletionRequest(_SamplingFields, ExtraCompletionFields):
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         self.check_supported(self.n)
-        return self._params(self.max_tokens, self.logprobs, defaults)
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 is allowed only with echo=true: the prompt alone)")
+        # echo with logprobs shows the prompt's tokens with their logprobs (what evaluation harnesses read).
+        echoed = max(self.logprobs, self.prompt_logprobs or 0) if self.echo and self.logprobs is not None else None
+        return self._params(self.max_tokens, self.logprobs, defaults, echoed)
 
 
 class ChatMessage(BaseModel):
@@ -101,6 +108,8 @@ class ChatCompletionRequest(_SamplingFields, ExtraChatFields):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(default_max_tokens if max_tokens is None else max_tokens, logprobs, defaults)
 

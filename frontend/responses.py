@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pagedserve.frontend.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
+from pagedserve.frontend.prompt_logprobs import echo_logprobs, prompt_logprobs_json, top_alternatives
 
 Api = Literal["completion", "chat"]
 _OBJECTS = {("completion", False): "text_completion", ("completion", True): "text_completion",
@@ -39,6 +40,9 @@ class ResponseBuilder:
     n: int
     logprobs: bool                          # the request asked for logprobs
     echo_texts: list[str] | None = None     # completions with echo: each prompt's text, put before its output
+    top_logprobs: int = 0                   # k: alternatives shown per position
+    echo_first_tokens: list[str] | None = None   # echo with logprobs: each prompt's first token, as text
+    show_prompt_logprobs: bool = False      # the request set vLLM's prompt_logprobs: return that field
     created: int = field(default_factory=lambda: int(time.time()))
     _echoed: set[int] = field(default_factory=set)
 
@@ -46,11 +50,14 @@ class ResponseBuilder:
 
     def whole(self, finals: list[RequestOutput]) -> dict[str, Any]:
         """finals[i]: the finished output of prompt i."""
-        choices = [self._choice(i, c, stream=False) for i, out in enumerate(finals) for c in out.outputs]
+        choices = [self._choice(i, c, stream=False, out=out) for i, out in enumerate(finals) for c in out.outputs]
         choices.sort(key=lambda ch: ch["index"])
         prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
         completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
-        return {**self._envelope(stream=False), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+        body = {**self._envelope(stream=False), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+        if self.api == "chat" and self.show_prompt_logprobs and finals[0].prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs)   # vLLM: top level in chat
+        return body
 
     # ---------------------------------------------------------------- streams
 
@@ -61,9 +68,10 @@ class ResponseBuilder:
         return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}]) for i in range(self.n)]
 
-    def delta_choice(self, prompt_index: int, c: CompletionOutput) -> dict[str, Any] | None:
+    def delta_choice(self, prompt_index: int, c: CompletionOutput,
+                     out: RequestOutput | None = None) -> dict[str, Any] | None:
         """The stream choice for one delta output, or None when it carries nothing to send."""
-        choice = self._choice(prompt_index, c, stream=True)
+        choice = self._choice(prompt_index, c, stream=True, out=out)
         if choice is not None and not self._has_content(choice) and c.finish_reason is None:
             return None
         return choice
@@ -80,17 +88,24 @@ class ResponseBuilder:
         return {"id": self.request_id, "object": _OBJECTS[(self.api, stream)], "created": self.created,
                 "model": self.model}
 
-    def _choice(self, prompt_index: int, c: CompletionOutput, stream: bool) -> dict[str, Any]:
+    def _choice(self, prompt_index: int, c: CompletionOutput, stream: bool,
+                out: RequestOutput | None = None) -> dict[str, Any]:
+        """out: the request output c belongs to, when it may carry the prompt's logprobs."""
         index = prompt_index * self.n + c.index
+        scored = out.prompt_logprobs if out is not None else None
         if self.api == "completion":
+            opening = not stream or index not in self._echoed     # the chunk that echoes the prompt
             body: dict[str, Any] = {"text": self._echo(prompt_index, index, stream) + c.text}
-            logprobs = _completion_logprobs(c) if self.logprobs else None
+            logprobs = self._completion_logprobs(prompt_index, c, out if opening else None) \
+                if self.logprobs else None
+            if self.show_prompt_logprobs and scored is not None:
+                body["prompt_logprobs"] = prompt_logprobs_json(scored)
         elif stream:
             body = {"delta": {"content": c.text} if c.text else {}}
-            logprobs = _chat_logprobs(c) if self.logprobs else None
+            logprobs = _chat_logprobs(c, self.top_logprobs) if self.logprobs else None
         else:
             body = {"message": {"role": "assistant", "content": c.text}}
-            logprobs = _chat_logprobs(c) if self.logprobs else None
+            logprobs = _chat_logprobs(c, self.top_logprobs) if self.logprobs else None
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 
@@ -101,12 +116,27 @@ class ResponseBuilder:
         self._echoed.add(choice_index)
         return self.echo_texts[prompt_index]
 
+    def _completion_logprobs(self, prompt_index: int, c: CompletionOutput,
+                             out: RequestOutput | None) -> dict[str, Any] | None:
+        """With echo, the prompt's positions first (their logprobs arrive once, in `out`), then c's tokens."""
+        generated = _completion_logprobs(c, self.top_logprobs)
+        if self.echo_first_tokens is None or out is None or out.prompt_logprobs is None:
+            return generated
+        columns = echo_logprobs(out.prompt_token_ids, self.echo_first_tokens[prompt_index], out.prompt_logprobs,
+                                self.top_logprobs)
+        if generated is not None:
+            shift = sum(len(t) for t in columns["tokens"])
+            generated["text_offset"] = [o + shift for o in generated["text_offset"]]
+            for name, values in generated.items():
+                columns[name].extend(values)
+        return columns
+
     @staticmethod
     def _has_content(choice: dict[str, Any]) -> bool:
         return bool(choice.get("text") or choice.get("delta"))
 
 
-def _completion_logprobs(c: CompletionOutput) -> dict[str, Any] | None:
+def _completion_logprobs(c: CompletionOutput, k: int) -> dict[str, Any] | None:
     if c.logprobs is None:
         return None
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -116,13 +146,13 @@ def _completion_logprobs(c: CompletionOutput) -> dict[str, Any] | None:
         text = chosen.decoded_token if chosen and chosen.decoded_token is not None else ""
         tokens.append(text)
         token_lps.append(chosen.logprob if chosen else None)
-        tops.append({(lp.decoded_token or ""): lp.logprob for _, lp in _top(entry, token_id)})
+        tops.append({(lp.decoded_token or ""): lp.logprob for _, lp in top_alternatives(entry, k)})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _chat_logprobs(c: CompletionOutput) -> dict[str, Any] | None:
+def _chat_logprobs(c: CompletionOutput, k: int) -> dict[str, Any] | None:
     if c.logprobs is None:
         return None
     content = []
@@ -133,11 +163,5 @@ def _chat_logprobs(c: CompletionOutput) -> dict[str, Any] | None:
                         "bytes": list(text.encode("utf-8")),
                         "top_logprobs": [{"token": lp.decoded_token or "", "logprob": lp.logprob,
                                           "bytes": list((lp.decoded_token or "").encode("utf-8"))}
-                                         for _, lp in _top(entry, token_id)]})
+                                         for _, lp in top_alternatives(entry, k)]})
     return {"content": content}
-
-
-def _top(entry: dict[int, Logprob], sampled: int) -> list[tuple[int, Logprob]]:
-    """The top-k alternatives of one position (the sampled token counts only if it is among them)."""
-    return sorted(((tid, lp) for tid, lp in entry.items() if tid != sampled or (lp.rank or 0) <= len(entry) - 1),
-                  key=lambda kv: kv[1].rank or 0)

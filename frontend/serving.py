@@ -49,14 +49,20 @@ class OpenAIServing:
         jobs = await self._completion_requests(body, rid)
         echo = [j.prompt.prompt if j.prompt.prompt is not None else await self.engine.detokenize(
             j.prompt.prompt_token_ids) for j in jobs] if body.echo else None
-        builder = ResponseBuilder("completion", rid, self.model_name, body.n, body.logprobs is not None, echo)
+        first_tokens = [await self.engine.detokenize(j.prompt.prompt_token_ids[:1]) for j in jobs] \
+            if body.echo and body.logprobs is not None else None
+        builder = ResponseBuilder("completion", rid, self.model_name, body.n, body.logprobs is not None, echo,
+                                  top_logprobs=body.logprobs or 0, echo_first_tokens=first_tokens,
+                                  show_prompt_logprobs=body.prompt_logprobs is not None)
         return await self._run(http, body, jobs, builder)
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         self.check_model(body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = await self._chat_requests(body, rid)
-        builder = ResponseBuilder("chat", rid, self.model_name, body.n, body.logprobs)
+        builder = ResponseBuilder("chat", rid, self.model_name, body.n, body.logprobs,
+                                  top_logprobs=body.top_logprobs or 0,
+                                  show_prompt_logprobs=body.prompt_logprobs is not None)
         return await self._run(http, body, jobs, builder)
 
     # ---------------------------------------------------------------- validate and build
@@ -139,7 +145,7 @@ class OpenAIServing:
             async for i, out in outputs or _merge([self.engine.stream(j) for j in jobs]):
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
-                    if (choice := builder.delta_choice(i, c)) is not None:
+                    if (choice := builder.delta_choice(i, c, out)) is not None:
                         yield sse(builder.chunk([choice]))
         except Exception as exc:
             yield sse(error_body(exc))

@@ -51,6 +51,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: Optional[str] = None
     error_kind: Optional[str] = None        # with error: core.errors.INVALID | OVERLOADED
     queue_time: Optional[float] = None      # on a request's first token: seconds from arrival to first scheduled
+    # Prompt positions scored this step, in order (entry j: the logprob of prompt token p+1 given 0..p).
+    new_prompt_logprobs: Optional[list[LogprobsEntry]] = None
 
     @property
     def finished(self) -> bool:
@@ -149,6 +151,13 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     req_ids: list[str]
     sampled_token_ids: list[int]         # one per req_ids entry; -1 where a prefill chunk sampled nothing
     logprobs: Optional[list[Optional[LogprobsEntry]]] = None
+    prompt_logprobs: Optional[dict[str, "PromptLogprobsChunk"]] = None   # rows that asked, by request id
+
+
+class PromptLogprobsChunk(msgspec.Struct, array_like=True):
+    """One step's prompt logprobs of a request: entries[j] scores prompt token start + j + 1."""
+    start: int
+    entries: list[LogprobsEntry]
 
 # ---------------------------------------------------------------- executor <-> worker processes
 

@@ -10,6 +10,7 @@ from pagedserve.common.config import EngineConfig
 from pagedserve.executor.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagedserve.executor.worker.grammar_mask import grammar_rows
 from pagedserve.executor.worker.input_prep import prepare_inputs
+from pagedserve.executor.worker.prompt_logprobs import compute_prompt_logprobs
 from pagedserve.executor.worker.request_state import CachedRequestState
 from pagedserve.executor.worker.sampler import Sampler
 from pagedserve.executor.worker.sampling_inputs import build_sampling_metadata
@@ -78,6 +79,8 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         batch, hidden = self._forward(sched)
+        prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch.req_ids, self.states,
+                                                  batch.meta.query_start_loc_cpu, batch.meta.seq_lens_cpu)
         sampled = [-1] * len(batch.req_ids)
         logprobs = None
         if batch.sample_rows:
@@ -93,7 +96,8 @@ class ModelRunner:
                 sampled[row] = token
             if out.logprobs is not None:
                 logprobs = self._logprobs_entries(out, states, batch.sample_rows, len(batch.req_ids))
-        return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs)
 
     @staticmethod
     def _logprobs_entries(out, states: list[CachedRequestState], rows: list[int],
