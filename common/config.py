@@ -186,6 +186,9 @@ class EngineArgs:
         None, choices=tuple(REASONING_PARSERS),
         help="the model thinks between markers: the server returns that as reasoning_content, and a "
              "structured output constrains only the answer after it")
+    structured_outputs_compile_timeout: float = setting(
+        10.0, help="seconds a request's grammar (response_format, structured_outputs, guided_*) may take to "
+                   "compile before the request fails with a 400; compiles run beside the engine loop")
     worker_heartbeat_timeout: float = setting(
         30.0, help="seconds a worker process may go without a heartbeat before the engine fails (TP > 1); "
                    "its own thread beats, so a long step does not count")
@@ -263,6 +266,7 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _timeout("worker_heartbeat_timeout", self.worker_heartbeat_timeout, 0)
+        _timeout("structured_outputs_compile_timeout", self.structured_outputs_compile_timeout, 0)
         _timeout("engine_heartbeat_timeout", self.engine_heartbeat_timeout, 2 * CORE_HEARTBEAT_INTERVAL_S)
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("device", self.device, DEVICES)

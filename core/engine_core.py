@@ -16,6 +16,7 @@ from pagedserve.common.request_checks import check_prompt
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.structured_output.setup import check_structured_outputs, make_structured_output_manager
 from pagedserve.ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo,
                                      ModelRunnerOutput, SchedulerOutput)
 
@@ -45,7 +46,8 @@ class EngineCore:
             raise
         cache = config.cache
         self.kv_cache_manager = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.structured_outputs = make_structured_output_manager(config)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured_outputs)
         self.block_hasher = BlockHasher(cache.block_size) if cache.enable_prefix_caching else None
         self.eos_token_ids = config.model.eos_token_ids
         self._info: EngineInfo | None = None
@@ -81,8 +83,13 @@ class EngineCore:
         if bound is not None and len(self.scheduler.waiting) >= bound:
             raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting "
                                         f"(max_waiting_requests={bound}); retry later")
+        structured = req.sampling_params.structured_outputs
+        if structured is not None:
+            check_structured_outputs(structured)
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params, self.eos_token_ids,
                           max_tokens, self.block_hasher, req.arrival_time, req.priority, req.client_index)
+        if structured is not None:
+            request.structured = self.structured_outputs.submit(structured)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
@@ -96,10 +103,13 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         sched = self.scheduler.schedule()
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = self.scheduler.grammar_errors
+        self.scheduler.grammar_errors = []
         if sched.total_num_scheduled_tokens > 0 or sched.finished_req_ids:
             result = self.executor.execute_model(sched)
-            outputs = self.scheduler.update_from_output(sched, result)
+            outputs += self.scheduler.update_from_output(sched, result)
+        elif not outputs:
+            self.scheduler.grammar_waiters.wait()   # only compiles pending: do not spin
         stats = self.scheduler.make_stats()
         stats.num_step_tokens = sched.total_num_scheduled_tokens
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
@@ -129,6 +139,7 @@ class EngineCore:
             "reset_prefix_cache": self.reset_prefix_cache,
             "get_stats": lambda: msgspec.to_builtins(self.scheduler.make_stats()),
             "get_engine_info": lambda: msgspec.to_builtins(self.info()),
+            "get_structured_output_stats": self.structured_outputs.stats,
         }
         handler = handlers.get(method)
         if handler is None:
@@ -136,4 +147,5 @@ class EngineCore:
         return handler(*args)
 
     def shutdown(self) -> None:
+        self.structured_outputs.shutdown()
         self.executor.shutdown()

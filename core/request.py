@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from pagedserve.core.block_hash import BlockHasher
 from pagedserve.common.sampling_params import SamplingParams
@@ -13,6 +14,7 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
+    WAITING_FOR_GRAMMAR = 3     # its structured-output grammar is still compiling (vLLM's WAITING_FOR_FSM)
     # Everything from here on is finished.
     FINISHED_STOPPED = 10
     FINISHED_LENGTH_CAPPED = 11
@@ -55,6 +57,8 @@ class Request:
         self.stop_reason: int | None = None
         self.block_hashes: list[bytes] = []
         self.num_prompt_logprobs_sent = 0   # prompt positions already reported (a preempted request rescores)
+        # core.structured_output.StructuredOutputRequest when the request has structured_outputs
+        self.structured: Any = None
         self._hasher = block_hasher
         self._stop_ids = frozenset(self.eos_token_ids) | frozenset(sampling_params.stop_token_ids or ())
         self._update_hashes()

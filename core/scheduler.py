@@ -5,9 +5,12 @@ import logging
 from collections.abc import Iterable
 
 from pagedserve.common.config import SchedulerConfig
+from pagedserve.common.errors import INVALID
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.request_queue import make_queue
+from pagedserve.core.structured_output import StructuredOutputManager
+from pagedserve.core.structured_output.waiting import GrammarWaiters
 from pagedserve.ipc.messages import (CachedRequestData, EngineCoreOutput, LogprobsEntry, ModelRunnerOutput,
                                      NewRequestData, SchedulerOutput, SchedulerStats)
 
@@ -21,15 +24,19 @@ class Scheduler:
     tokens: a prompt is a run of tokens like any other, so prefill chunks and decodes share a batch.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 structured: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.structured = structured
+        self.grammar_waiters = GrammarWaiters(structured) if structured is not None else None
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
         self._sent_to_workers: set[str] = set()
         self._finished_ids: list[str] = []       # to drop from the workers' batch next step
         self.num_preemptions = 0
+        self.grammar_errors: list[EngineCoreOutput] = []   # requests whose grammar failed, for the next outputs
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -37,7 +44,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        if request.structured is not None and self.grammar_waiters is not None:
+            self.grammar_waiters.add(request)
+        else:
+            self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests from outside the step (abort, error). Unknown or finished ids are ignored."""
@@ -48,6 +58,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                self.grammar_waiters.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -73,6 +85,8 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted_any = False
+        if self.grammar_waiters is not None:
+            self._admit_compiled()
 
         idx = 0
         while idx < len(self.running) and budget > 0:
@@ -125,7 +139,23 @@ class Scheduler:
         # The tokens count as computed from now on: the next schedule() builds on this step.
         for rid, n in num_scheduled.items():
             self.requests[rid].num_computed_tokens += n
+        if self.structured is not None:
+            out.grammar_bitmask = self.structured.grammar_bitmask(
+                [(rid, r.structured) for rid in num_scheduled
+                 if (r := self.requests[rid]).structured is not None and r.num_computed_tokens >= r.num_tokens])
         return out
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled join the waiting queue; failed compiles end with an error."""
+        ready, failed = self.grammar_waiters.take_ready()
+        for request in ready:
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request)
+        for request, error in failed:
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free(request)
+            self.grammar_errors.append(EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                                        finish_reason="error", error=error, error_kind=INVALID))
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens - request.num_computed_tokens
@@ -214,6 +244,9 @@ class Scheduler:
             if request.max_tokens > 0:
                 request.append_output_token(token)
                 status = request.check_stop(self.config.max_model_len)
+                if (request.structured is not None and request.structured.accept(token, request.output_token_ids)
+                        and status is None):
+                    status = RequestStatus.FINISHED_STOPPED      # the grammar is complete
                 entry = logprobs[i] if logprobs is not None else None
                 out.new_token_ids = [token]
                 out.new_logprobs = [entry] if entry is not None else None

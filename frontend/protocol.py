@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.frontend.protocol_extras import (ExtraChatFields, ExtraCompletionFields, ExtraRequestFields,
                                                  StrictModel, text_content)
+from pagedserve.frontend.protocol_structured import StructuredOutputFields
 
 
 class StreamOptions(StrictModel):
@@ -17,7 +18,7 @@ class StreamOptions(StrictModel):
     include_obfuscation: bool = True    # a no-op: there is no padding to obfuscate lengths with
 
 
-class _SamplingFields(ExtraRequestFields):
+class _SamplingFields(ExtraRequestFields, StructuredOutputFields):
     model: Optional[str] = None
     n: int = Field(1, ge=1, le=128)     # OpenAI's bound; each sample is a queue entry in the engine
     temperature: Optional[float] = None
@@ -59,7 +60,7 @@ class _SamplingFields(ExtraRequestFields):
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-            **self.constraint_params())
+            structured_outputs=self.structured_outputs_params(), **self.constraint_params())
 
 
 class CompletionRequest(_SamplingFields, ExtraCompletionFields):

@@ -5,7 +5,7 @@ Every field of the current chat and completions schemas is accepted by name, the
   truncate_prompt_tokens, continue_final_message; reasoning_effort reaches the chat template);
 - a no-op when it only labels, bills or caches at OpenAI (METADATA_FIELDS), or is inert here (prediction only
   speeds OpenAI up; parallel_tool_calls, tool_choice "none"/"auto" and function_call with no tools);
-- a 400 naming it when it cannot be honoured yet (audio output, tools, non-text response formats, ...).
+- a 400 naming it when it cannot be honoured yet (audio output, tools, ...).
 A field outside the schemas is a 400 too, with a "did you mean" hint when it is close to a known one.
 """
 from __future__ import annotations
@@ -107,7 +107,6 @@ class ExtraChatFields(ExtraRequestFields):
     verbosity: Optional[str] = None
     web_search_options: Optional[dict[str, Any]] = None
     moderation: Optional[dict[str, Any]] = None
-    response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
@@ -124,8 +123,6 @@ class ExtraChatFields(ExtraRequestFields):
         for name in ("verbosity", "web_search_options", "moderation"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: not supported by this server")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("response_format: only type 'text' is supported yet")
         if self.tools or self.functions:
             raise ValueError(f"{'tools' if self.tools else 'functions'}: tool calling is not supported yet")
         # With no tools, "none" and "auto" both mean plain text: inert.

@@ -24,6 +24,7 @@ from pagedserve.frontend.errors import ModelNotFoundError, classify, error_paylo
 from pagedserve.frontend.input_processor import PreparedRequest
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.frontend.protocol_structured import name_field
 from pagedserve.frontend.responses import SSE_DONE, ResponseBuilder, sse
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,12 @@ class OpenAIServing:
         leave = self.admission.enter()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return CountedStreamingResponse(self._stream(jobs, builder, include_usage), leave,
+            try:
+                outputs = await self._first_output(body, jobs)
+            except BaseException:
+                leave()
+                raise
+            return CountedStreamingResponse(self._stream(jobs, builder, include_usage, outputs), leave,
                                             media_type="text/event-stream")
         try:
             return JSONResponse(await run_until_disconnect(self._whole(jobs, builder), http.is_disconnected))
@@ -104,8 +110,23 @@ class OpenAIServing:
         except EngineOverloadedError as exc:      # the core refused it in a race with the check above
             self.admission.count_refusal("queue")
             raise exc
+        except ValueError as exc:
+            raise name_field(exc, body.structured_outputs_source()) from None
         finally:
             leave()
+
+    async def _first_output(self, body: GenerationRequest,
+                            jobs: list[PreparedRequest]) -> AsyncIterator[tuple[int, RequestOutput]] | None:
+        """A stream under a grammar answers 200 only once the grammar compiled: a spec that does not is a
+        400, as without streaming. Returns the outputs with the first one put back, or None (no grammar)."""
+        if all(j.params.structured_outputs is None for j in jobs):
+            return None
+        outputs = _merge([self.engine.stream(j) for j in jobs])
+        try:
+            first = await outputs.__anext__()
+        except ValueError as exc:
+            raise name_field(exc, body.structured_outputs_source()) from None
+        return _prepend(first, outputs)
 
     async def _whole(self, jobs: list[PreparedRequest], builder: ResponseBuilder) -> dict[str, Any]:
         finals: dict[int, RequestOutput] = {}
@@ -114,14 +135,14 @@ class OpenAIServing:
                 finals[i] = out
         return builder.whole([finals[i] for i in range(len(jobs))])
 
-    async def _stream(self, jobs: list[PreparedRequest], builder: ResponseBuilder,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(self, jobs: list[PreparedRequest], builder: ResponseBuilder, include_usage: bool,
+                      outputs: AsyncIterator[tuple[int, RequestOutput]] | None = None) -> AsyncIterator[str]:
         for chunk in builder.opening_chunks():
             yield sse(chunk)
         prompt_tokens = sum(len(j.prompt.prompt_token_ids) for j in jobs)
         completion_tokens = 0
         try:
-            async for i, out in _merge([self.engine.stream(j) for j in jobs]):
+            async for i, out in outputs or _merge([self.engine.stream(j) for j in jobs]):
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     if (choice := builder.delta_choice(i, c, out)) is not None:
@@ -132,6 +153,15 @@ class OpenAIServing:
             if include_usage:
                 yield sse(builder.usage_chunk(prompt_tokens, completion_tokens))
         yield SSE_DONE
+
+
+async def _prepend(first: Any, rest: AsyncGenerator[Any, None]) -> AsyncIterator[Any]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()       # a client that left: cancel the engine requests now, not at GC
 
 
 async def _merge(gens: list[AsyncGenerator[RequestOutput, None]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -129,6 +129,14 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     num_computed_tokens: list[int] = []
 
 
+class GrammarBitmask(msgspec.Struct, array_like=True):
+    """The allowed tokens of the rows that sample under a grammar this step: an int32 [rows, num_words]
+    array as bytes (bit t of a row: token t is allowed), row i for req_ids[i]."""
+    req_ids: list[str]
+    data: bytes
+    num_words: int
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True):
     """One step's work, as a diff against the persistent batch the workers keep."""
     scheduled_new_reqs: list[NewRequestData]
@@ -136,6 +144,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]          # finished, aborted or preempted: drop from the batch
+    grammar_bitmask: Optional[GrammarBitmask] = None   # None when no scheduled row is constrained
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True):

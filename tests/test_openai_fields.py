@@ -102,7 +102,7 @@ def test_non_text_content_parts_are_refused(server, part, param):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "grammar"}}, "response_format"),
     ({"web_search_options": {}}, "web_search_options"),
     ({"verbosity": "low"}, "verbosity"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),

@@ -8,6 +8,7 @@ from torch import nn
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.executor.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from pagedserve.executor.worker.grammar_mask import grammar_rows
 from pagedserve.executor.worker.input_prep import prepare_inputs
 from pagedserve.executor.worker.prompt_logprobs import compute_prompt_logprobs
 from pagedserve.executor.worker.request_state import CachedRequestState
@@ -86,6 +87,8 @@ class ModelRunner:
             states = [self.states[batch.req_ids[i]] for i in batch.sample_rows]
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             meta = build_sampling_metadata(states, self.eos_token_ids, self.device)
+            meta.grammar = grammar_rows(sched.grammar_bitmask, [batch.req_ids[i] for i in batch.sample_rows],
+                                        self.device)
             out = self.sampler(logits, meta)
             tokens = out.sampled_token_ids.tolist()
             for row, state, token in zip(batch.sample_rows, states, tokens):

@@ -1,6 +1,7 @@
 """Token sampling with vLLM V1 semantics.
 
-Order: raw logprobs -> token constraints (allowed ids, bad words, logit bias) -> min_tokens blocking -> penalties -> greedy argmax | temperature -> min-p ->
+Order: raw logprobs -> token constraints (allowed ids, bad words, logit bias) -> min_tokens blocking -> penalties ->
+grammar bitmask (structured outputs) -> greedy argmax | temperature -> min-p ->
 top-k/top-p -> exponential-race sampling. Every step is batched over rows; only seeded rows get a
 Python loop, because each owns its own generator.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.executor.worker.grammar_mask import apply_grammar
 from pagedserve.executor.worker.logit_constraints import apply_constraints
 from pagedserve.executor.worker.sampling_metadata import SamplerOutput, SamplingMetadata
 
@@ -45,6 +47,9 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
         logits = apply_min_tokens(logits, meta.min_tokens_blocked)
     if not meta.no_penalties:
         logits = apply_penalties(logits, meta)
+    if meta.grammar is not None:
+        # Last, so nothing after it can lift a token the grammar forbids (vLLM masks before sampling too).
+        logits = apply_grammar(logits, meta.grammar)
     return logits
 
 

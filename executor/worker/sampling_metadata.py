@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
+from pagedserve.executor.worker.grammar_mask import GrammarRows
 from pagedserve.executor.worker.logit_constraints import ConstrainedRow
 
 
@@ -30,6 +32,7 @@ class SamplingMetadata:
     min_tokens_blocked: dict[int, list[int]] = field(default_factory=dict)
     max_num_logprobs: int | None = None        # None: no row wants logprobs
     constrained: list[ConstrainedRow] = field(default_factory=list)   # rows with logit_bias / allowed / bad words
+    grammar: Optional[GrammarRows] = None      # rows under a structured-output grammar, with their bitmask
 
 
 @dataclass

@@ -1,0 +1,115 @@
+"""StructuredOutputManager: compiles each request's grammar off the busy loop and fills the step's bitmask.
+
+The core's side of constrained decoding (vLLM v1's shape): a request with `structured_outputs` waits in the
+scheduler until its grammar has compiled (in a thread pool, with a timeout, cached by the spec), then each
+step the rows that sample under a grammar get one row of an int32 bitmask (bit t of a row: token t is
+allowed), which rides to the workers in the SchedulerOutput. Sampled tokens advance the matchers here.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from typing import Any, Optional
+
+import numpy as np
+
+from pagedserve.common.reasoning import REASONING_PARSERS
+from pagedserve.common.structured_outputs import StructuredOutputsParams
+from pagedserve.core.structured_output.backend_xgrammar import XgrammarBackend
+from pagedserve.core.structured_output.request import StructuredOutputRequest
+from pagedserve.ipc.messages import GrammarBitmask
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer_dir: Callable[[], str], vocab_size: int, stop_token_ids: list[int],
+                 reasoning_parser: Optional[str] = None, compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+                 max_workers: int = 2) -> None:
+        self.tokenizer_dir = tokenizer_dir
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+        self.compile_timeout_s = compile_timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()
+        self._backend: Optional[XgrammarBackend] = None
+        self._end_marker: list[int] = []
+        self._cache: dict[str, Future[Any]] = {}
+        self.num_compiles = 0          # grammars actually compiled (cache misses), for get_stats and tests
+
+    # ---------------------------------------------------------------- compiling (pool threads)
+
+    def _load_backend(self) -> XgrammarBackend:
+        with self._lock:
+            if self._backend is None:
+                start = time.perf_counter()
+                backend = XgrammarBackend(self.tokenizer_dir(), self.vocab_size, self.stop_token_ids)
+                if self.reasoning is not None:
+                    self._end_marker = backend.encode(self.reasoning.end)
+                self._backend = backend
+                logger.info("structured outputs: tokenizer loaded in %.1f s", time.perf_counter() - start)
+            return self._backend
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        backend = self._load_backend()
+        start = time.perf_counter()
+        with self._lock:
+            self.num_compiles += 1
+        compiled = backend.compile(params)
+        logger.debug("compiled a %s grammar in %.3f s", params.kind, time.perf_counter() - start)
+        return compiled
+
+    def submit(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
+        """Start (or reuse) the compile of a request's grammar; returns at once."""
+        key = params.cache_key()
+        future = self._cache.get(key)
+        if future is None:
+            future = self._pool.submit(self._compile, params)
+            self._cache[key] = future
+        return StructuredOutputRequest(params, future)
+
+    # ---------------------------------------------------------------- the busy loop's side
+
+    def poll(self, state: StructuredOutputRequest, prompt_token_ids: list[int]) -> tuple[bool, Optional[str]]:
+        """(ready, error) for a request waiting for its grammar; starts its matcher once ready."""
+        future = state.compiled
+        if not future.done():
+            if time.monotonic() - state.submitted > self.compile_timeout_s:
+                return False, (f"structured_outputs.{state.params.kind}: the grammar did not compile within "
+                               f"{self.compile_timeout_s:g} s (--structured-outputs-compile-timeout)")
+            return False, None
+        exc = future.exception()
+        if exc is not None:
+            return False, str(exc) if isinstance(exc, ValueError) else \
+                f"structured_outputs.{state.params.kind} does not compile: {type(exc).__name__}: {exc}"
+        state.start(self._backend.matcher(future.result()), self._end_marker, prompt_token_ids)
+        return True, None
+
+    def wait_any(self, states: list[StructuredOutputRequest], timeout: float) -> None:
+        """Sleep until one of these compiles ends or `timeout` passes (an idle loop must not spin)."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+        wait([s.compiled for s in states], timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def grammar_bitmask(self, rows: list[tuple[str, StructuredOutputRequest]]) -> Optional[GrammarBitmask]:
+        """One bitmask row per request that samples under its grammar this step; None when none does."""
+        rows = [(rid, s) for rid, s in rows if s.constrains_next]
+        if not rows:
+            return None
+        words = (self.vocab_size + 31) // 32
+        mask = np.full((len(rows), words), -1, dtype=np.int32)
+        for i, (_, state) in enumerate(rows):
+            state.matcher.fill(mask, i)
+        return GrammarBitmask(req_ids=[rid for rid, _ in rows], data=mask.tobytes(), num_words=words)
+
+    def stats(self) -> dict[str, int]:
+        return {"num_compiles": self.num_compiles, "num_cached_grammars": len(self._cache)}
+
+    def shutdown(self) -> None:
+        # A runaway compile cannot be interrupted; do not wait for it.
+        self._pool.shutdown(wait=False, cancel_futures=True)

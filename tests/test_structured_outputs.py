@@ -1,0 +1,106 @@
+"""Structured outputs offline (LLM): every sampled output obeys its JSON Schema, regex or choice, the grammar
+ends generation, unconstrained neighbours are untouched, and a schema compiles once."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from pagedserve import LLM, SamplingParams, StructuredOutputsParams
+from pagedserve.tests.helpers.schemas import SCHEMAS
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = LLM(max_model_len=512, kv_cache_memory=0.25, dtype="float32")
+    yield engine
+    engine.shutdown()
+
+
+def _so(**kw) -> SamplingParams:
+    structured = kw.pop("structured")
+    return SamplingParams(structured_outputs=StructuredOutputsParams(**structured), **kw)
+
+
+def test_json_schemas_hold_under_sampling(llm):
+    prompts, params = [], []
+    for i, schema in enumerate(SCHEMAS):
+        for seed in (1, 2):
+            prompts.append(f"Answer with JSON only. Example {i}:")
+            params.append(_so(structured={"json": schema}, temperature=1.0, seed=seed + 10 * i, max_tokens=120))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for k, out in enumerate(outs):
+        text, schema = out.outputs[0].text, SCHEMAS[k // 2]
+        assert out.outputs[0].finish_reason == "stop", (k, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_regex_choice_and_json_object(llm):
+    params = [_so(structured={"regex": r"[0-9]{3}-[a-z]{2,4}"}, temperature=1.0, seed=5, max_tokens=30),
+              _so(structured={"choice": ["yes", "no", "maybe so"]}, temperature=1.0, seed=6, max_tokens=30),
+              _so(structured={"json_object": True, "disable_any_whitespace": True}, temperature=0.7, seed=7,
+                  max_tokens=200),
+              _so(structured={"grammar": 'root ::= "A" digit digit\ndigit ::= [0-9]'}, temperature=1.0, seed=8,
+                  max_tokens=30)]
+    outs = llm.generate(["Code:", "Answer:", "JSON object:", "Id:"], params, use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", texts[0])
+    assert texts[1] in ("yes", "no", "maybe so")
+    if outs[2].outputs[0].finish_reason == "stop":
+        assert isinstance(json.loads(texts[2]), dict)
+    else:           # a free-form object may run to max_tokens; what came so far is still an object's start
+        assert texts[2].startswith("{") and " " not in texts[2].split('"')[0]
+    assert re.fullmatch(r"A[0-9]{2}", texts[3])
+    assert all(o.outputs[0].finish_reason == "stop" for i, o in enumerate(outs) if i != 2)
+
+
+def test_unconstrained_rows_unchanged_by_constrained_neighbours(llm):
+    plain = SamplingParams(temperature=0, max_tokens=16)
+    prompts = ["The capital of France is", "List three fruits:"]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
+    mixed_prompts = [prompts[0], "JSON:", prompts[1], "Pick:"]
+    mixed = llm.generate(mixed_prompts, [plain, _so(structured={"json": SCHEMAS[0]}, temperature=0, max_tokens=60),
+                                         plain, _so(structured={"choice": ["x", "y"]}, temperature=0, max_tokens=5)],
+                         use_tqdm=False)
+    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
+    jsonschema.validate(json.loads(mixed[1].outputs[0].text), SCHEMAS[0])
+
+
+def test_same_schema_compiles_once(llm):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 5}},
+              "required": ["n"], "x-test": "compile-once"}
+    stats0 = _so_stats(llm)
+    params = [_so(structured={"json": schema}, temperature=1.0, seed=s, max_tokens=20) for s in range(4)]
+    llm.generate(["n:"] * 4, params, use_tqdm=False)
+    # The same schema as text, with its keys in another order, is the same spec.
+    text = json.dumps(dict(reversed(list(schema.items()))))
+    llm.generate(["n:"], _so(structured={"json": text}, temperature=0, max_tokens=20), use_tqdm=False)
+    stats1 = _so_stats(llm)
+    assert stats1["num_compiles"] - stats0["num_compiles"] == 1
+
+
+def test_offline_validation_names_the_field():
+    with pytest.raises(ValueError, match="structured_outputs"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a+")
+    with pytest.raises(ValueError, match="structured_outputs.choice"):
+        StructuredOutputsParams(choice=[])
+
+
+def test_bad_specs_fail_the_request_and_engine_keeps_serving(llm):
+    bad = [{"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}},
+           {"regex": "([a-z]"},
+           {"grammar": "root ::= "}]
+    for spec in bad:
+        field = "structured_outputs." + next(iter(spec))
+        with pytest.raises(ValueError, match=re.escape(field)):
+            llm.generate(["x"], _so(structured=spec, max_tokens=5), use_tqdm=False)
+    out = llm.generate(["Pick:"], _so(structured={"choice": ["ok"]}, max_tokens=5), use_tqdm=False)
+    assert out[0].outputs[0].text == "ok"
+
+
+def _so_stats(llm) -> dict:
+    return llm.client.call_utility("get_structured_output_stats")
