@@ -68,7 +68,8 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
     engine.inter_token_hooks.append(metrics.observe_inter_token)
     engine.step_hooks.append(metrics.observe_step)
     admission = Admission(engine, settings.max_concurrent_requests, metrics)
-    serving = OpenAIServing(engine, served_model_name, admission)
+    serving = OpenAIServing(engine, served_model_name, admission,
+                            settings.tool_call_parser if settings.enable_auto_tool_choice else None)
     app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
     _add_guards_and_handlers(app, settings)
 
