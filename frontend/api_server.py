@@ -110,9 +110,10 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
         if (body.prompt is None) == (body.messages is None):
             raise ValueError("prompt: give exactly one of prompt or messages")
         if body.messages is not None:
-            messages = ChatCompletionRequest(messages=body.messages).text_messages()
-            prompt = await engine.render_chat(messages, body.add_generation_prompt,
-                                              continue_final_message=body.continue_final_message)
+            chat = ChatCompletionRequest(messages=body.messages, tools=body.tools)
+            prompt = await engine.render_chat(chat.text_messages(), body.add_generation_prompt,
+                                              continue_final_message=body.continue_final_message,
+                                              tools=chat.template_tools())
         else:
             prompt = await engine.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
         tokens = prompt.prompt_token_ids

@@ -125,6 +125,7 @@ class TokenizeRequest(StrictModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: Optional[list[dict[str, Any]]] = None      # rendered by the chat template, as in chat requests
 
 
 class DetokenizeRequest(StrictModel):

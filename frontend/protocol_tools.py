@@ -39,9 +39,7 @@ class ToolFields(StructuredOutputFields):
 
     def chosen_tool(self) -> Union[str, dict[str, Any]]:
         """tool_choice (or the legacy function_call) as none | auto | required | {"function": {"name"}}."""
-        if self.tool_choice is not None and self.function_call is not None:
-            raise ValueError("function_call: give tool_choice or the legacy function_call, not both")
-        if self.function_call is not None:
+        if self.function_call is not None and self.tool_choice is None:
             fc = self.function_call
             return fc if isinstance(fc, str) else {"type": "function", "function": fc}
         if self.tool_choice is not None:
@@ -52,8 +50,10 @@ class ToolFields(StructuredOutputFields):
         """ValueError naming the field for a bad combination. Returns the forced function's name, "required",
         "auto" (parse the answer with the server's tool parser) or None (plain text)."""
         tools = self.tool_list()
-        field = "function_call" if self.function_call is not None else "tool_choice"
+        field = "function_call" if self.function_call is not None and self.tool_choice is None else "tool_choice"
         choice = self.chosen_tool()
+        if self.tool_choice is None and self.function_call is None:
+            field = "functions" if self.functions else "tools"    # auto is their default: name what was sent
         if isinstance(choice, str):
             if choice not in _CHOICES:
                 raise ValueError(f"{field}: must be one of {', '.join(_CHOICES)} or a named function, got {choice!r}")
@@ -96,7 +96,7 @@ class ToolFields(StructuredOutputFields):
             return source
         if source is not None:
             raise ValueError(f"{source}: cannot be combined with a forced tool call (tool_choice)")
-        return "function_call" if self.function_call is not None else "tool_choice"
+        return "function_call" if self.function_call is not None and self.tool_choice is None else "tool_choice"
 
     def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
         schema = self.forced_call_schema()
