@@ -45,10 +45,6 @@ class CoreAddresses:
     handshake: str       # PUSH from the core to the process that started it
 
 
-def engine_args_to_json(args: EngineArgs) -> bytes:
-    return msgspec.json.encode(dataclasses.asdict(args))
-
-
 def engine_args_from_json(data: bytes) -> EngineArgs:
     return EngineArgs(**msgspec.json.decode(data))
 

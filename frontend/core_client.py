@@ -4,18 +4,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
 import os
 import secrets
 import time
 import uuid
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from pagedserve.common.config import CLIENT_KEEPALIVE_S, CORE_HEARTBEAT_INTERVAL_S, EngineArgs
-from pagedserve.core.engine_core_proc import CoreAddresses, engine_args_to_json, run_engine_core
+from pagedserve.common.process_utils import ModuleProcess, stop_at_exit
+from pagedserve.core.engine_core_main import MODULE as CORE_MAIN, CoreLaunch, class_reference
+from pagedserve.core.engine_core_proc import CoreAddresses
 from pagedserve.executor.procs.backends import get_executor_class
 from pagedserve.ipc.messages import (AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineHandshake,
                                      EngineReady, EngineStartupFailed, UtilityCall, UtilityResult)
@@ -63,13 +65,14 @@ class CoreProcess:
         self.token = token or secrets.token_hex(16)
         ctx = zmq.Context.instance()
         handshake = make_socket(ctx, self.addresses.handshake, zmq.PULL, bind=True)
-        spawn = multiprocessing.get_context("spawn")
         # The launcher picks the executor and injects it; the class travels by reference (module + name).
-        executor_class = get_executor_class(engine_args.executor_backend())
-        self.proc = spawn.Process(target=run_engine_core, name="pagedserve-engine-core",
-                                  args=(engine_args_to_json(engine_args), executor_class, self.addresses, self.token,
-                                        os.getpid(), log_level, self.paths.root))
-        self.proc.start()
+        launch = CoreLaunch(engine_args=msgspec.to_builtins(engine_args),
+                            executor=class_reference(get_executor_class(engine_args.executor_backend())),
+                            input=inp, output=out, handshake=self.addresses.handshake, token=self.token,
+                            parent_pid=os.getpid(), log_level=log_level, ipc_root=self.paths.root)
+        self._closed = False
+        self.proc = ModuleProcess(CORE_MAIN, msgspec.json.encode(launch), name="pagedserve-engine-core")
+        self._cancel_exit_hook = stop_at_exit(self, lambda proc: proc.shutdown())
         try:
             self.info = self._wait_ready(handshake).info
         except BaseException:
@@ -95,6 +98,11 @@ class CoreProcess:
         return self.proc.is_alive()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the core (it stops its workers first); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._cancel_exit_hook()
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(timeout_s)
@@ -104,6 +112,7 @@ class CoreProcess:
         # A core that was killed could not unbind: its sockets' files go here, its workers' with paths.
         cleanup_ipc_path(self.addresses.input)
         cleanup_ipc_path(self.addresses.output)
+        self.proc.close()
         self.paths.close()
 
 

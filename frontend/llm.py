@@ -140,7 +140,10 @@ class LLM:
         return [results[rid] for rid in order]
 
     def shutdown(self) -> None:
-        self.client.close()
+        """Stop the engine core and its workers; idempotent. Without it they stop at interpreter exit."""
+        if not getattr(self, "_closed", False):
+            self._closed = True
+            self.client.close()
 
     def __enter__(self) -> "LLM":
         return self

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import multiprocessing.connection
 import os
 import threading
@@ -13,10 +12,11 @@ import msgspec
 import zmq
 
 from pagedserve.common.config import EngineConfig
+from pagedserve.common.process_utils import ModuleProcess, stop_at_exit
 from pagedserve.common.throttled_log import ThrottledLog
 from pagedserve.executor.procs.executor import Executor
 from pagedserve.executor.procs.heartbeat import HeartbeatWatch, heartbeat_interval
-from pagedserve.executor.procs.worker_proc import run_worker
+from pagedserve.executor.procs.worker_proc import WorkerLaunch
 from pagedserve.ipc.broadcast import BroadcastWriter
 from pagedserve.ipc.messages import (ExecuteModel, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerResponse,
                                      WorkerShutdown)
@@ -49,8 +49,10 @@ class MultiProcExecutor(Executor):
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder(WorkerResponse)
         self.dead: str | None = None
-        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.procs: list[ModuleProcess] = []
         self._closing = False
+        # A script that never calls shutdown must still end promptly, leaving no worker behind.
+        self._cancel_exit_hook = stop_at_exit(self, lambda executor: executor.shutdown())
         try:
             self._start_workers()
         except BaseException:
@@ -60,18 +62,18 @@ class MultiProcExecutor(Executor):
         self._monitor_thread.start()
 
     def _start_workers(self) -> None:
-        spawn = multiprocessing.get_context("spawn")
+        # `python -m` children, not multiprocessing: they never re-import the user's __main__.
         init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
-        args_json = msgspec.json.encode(self.config.source_args)
-        handle = msgspec.msgpack.encode(self.writer.handle())
-        level = logging.getLogger().getEffectiveLevel()
-        heartbeat = (self.heartbeats.getsockopt_string(zmq.LAST_ENDPOINT), heartbeat_interval(self.heartbeat_timeout_s))
         for rank in range(self.world_size):
-            proc = spawn.Process(target=run_worker, name=f"pagedserve-worker-{rank}", args=(
-                args_json, rank, init_method, handle, self.responses.getsockopt_string(zmq.LAST_ENDPOINT),
-                os.getpid(), level, heartbeat))
-            proc.start()
-            self.procs.append(proc)
+            launch = WorkerLaunch(
+                engine_args=msgspec.to_builtins(self.config.source_args), rank=rank, init_method=init_method,
+                broadcast_handle=msgspec.msgpack.encode(self.writer.handle()),
+                response_addr=self.responses.getsockopt_string(zmq.LAST_ENDPOINT), parent_pid=os.getpid(),
+                log_level=logging.getLogger().getEffectiveLevel(),
+                heartbeat_addr=self.heartbeats.getsockopt_string(zmq.LAST_ENDPOINT),
+                heartbeat_interval_s=heartbeat_interval(self.heartbeat_timeout_s))
+            self.procs.append(ModuleProcess("pagedserve.executor.procs.worker_proc", msgspec.json.encode(launch),
+                                            name=f"pagedserve-worker-{rank}"))
         ready: set[int] = set()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while len(ready) < self.world_size:
@@ -187,6 +189,7 @@ class MultiProcExecutor(Executor):
         if self._closing:
             return
         self._closing = True
+        self._cancel_exit_hook()
         if self.dead is None and all(p.is_alive() for p in self.procs):
             self._stop_workers_gracefully()
         for proc in self.procs:     # SIGKILL ends a SIGSTOPped process too
@@ -200,4 +203,6 @@ class MultiProcExecutor(Executor):
         self.responses.close(linger=0)
         self.heartbeats.close(linger=0)
         self.ctx.term()
+        for proc in self.procs:
+            proc.close()
         self.paths.close()

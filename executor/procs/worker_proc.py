@@ -1,15 +1,19 @@
-"""Entry point of a worker process: build the Worker, then serve broadcast calls until shutdown."""
+"""Entry point of a worker process: build the Worker, then serve broadcast calls until shutdown.
+
+Run as `python -m pagedserve.executor.procs.worker_proc` with a WorkerLaunch (JSON) on stdin: the
+process never imports its launcher's __main__, so a user's script needs no main guard."""
 from __future__ import annotations
 
 import logging
 import signal
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
 from pagedserve.common.config import EngineArgs
-from pagedserve.common.process_utils import describe_exception, setup_child_process
+from pagedserve.common.process_utils import (describe_exception, exit_without_teardown, read_launch_payload,
+                                             setup_child_process)
 from pagedserve.common.throttled_log import ThrottledLog
 from pagedserve.executor.procs.heartbeat import start_heartbeat_sender
 from pagedserve.ipc.broadcast import BroadcastReader
@@ -25,15 +29,28 @@ logger = logging.getLogger(__name__)
 _bad_frame_log = ThrottledLog(logger)
 
 
-def run_worker(args_json: bytes, rank: int, init_method: str, broadcast_handle: bytes, response_addr: str,
-               parent_pid: int, log_level: int = logging.INFO, heartbeat: tuple[str, float] | None = None) -> None:
-    """heartbeat: (address, interval in s) of the executor's heartbeat socket."""
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [worker {rank}] %(name)s: %(message)s")
-    setup_child_process(f"ps-worker-{rank}", parent_pid, signal.SIGKILL)
+class WorkerLaunch(msgspec.Struct, frozen=True):
+    """Everything a worker process needs, written by the executor to its stdin (see ModuleProcess)."""
+    engine_args: dict[str, Any]      # EngineArgs fields, as the user gave them
+    rank: int
+    init_method: str                 # torch.distributed rendezvous
+    broadcast_handle: bytes          # msgpack of the executor's BroadcastWriter handle
+    response_addr: str               # PUSH to the executor
+    parent_pid: int
+    log_level: int = logging.INFO
+    heartbeat_addr: str | None = None
+    heartbeat_interval_s: float = 1.0
+
+
+def run_worker(launch: WorkerLaunch) -> None:
+    rank = launch.rank
+    logging.basicConfig(level=launch.log_level,
+                        format=f"%(asctime)s %(levelname)s [worker {rank}] %(name)s: %(message)s")
+    setup_child_process(f"ps-worker-{rank}", launch.parent_pid, signal.SIGKILL)
     ctx = zmq.Context()
-    if heartbeat is not None:
-        start_heartbeat_sender(ctx, heartbeat[0], rank, heartbeat[1])
-    sock = make_socket(ctx, response_addr, zmq.PUSH, bind=False)
+    if launch.heartbeat_addr is not None:
+        start_heartbeat_sender(ctx, launch.heartbeat_addr, rank, launch.heartbeat_interval_s)
+    sock = make_socket(ctx, launch.response_addr, zmq.PUSH, bind=False)
     encoder = MsgpackEncoder()
 
     def reply(resp: WorkerResponse) -> None:
@@ -41,11 +58,11 @@ def run_worker(args_json: bytes, rank: int, init_method: str, broadcast_handle: 
 
     try:
         from pagedserve.executor.worker.worker import Worker    # here, not at import: see backends.py
-        config = EngineArgs(**msgspec.json.decode(args_json)).create_engine_config()
-        worker = Worker(config, rank=rank, distributed_init_method=init_method)
+        config = EngineArgs(**launch.engine_args).create_engine_config()
+        worker = Worker(config, rank=rank, distributed_init_method=launch.init_method)
         worker.init_device()
         worker.load_model()
-        reader = BroadcastReader.connect(broadcast_handle, rank)
+        reader = BroadcastReader.connect(launch.broadcast_handle, rank)
     except BaseException as exc:
         reply(WorkerResponse(rank=rank, kind="error", error=describe_exception(exc)))
         sock.close(linger=2000)
@@ -54,7 +71,7 @@ def run_worker(args_json: bytes, rank: int, init_method: str, broadcast_handle: 
     code = _serve(worker, reader, reply, rank)
     reader.close()
     sock.close(linger=1000)
-    raise SystemExit(code)
+    exit_without_teardown(code)
 
 
 def _serve(worker: Worker, reader: BroadcastReader, reply, rank: int) -> int:
@@ -87,3 +104,11 @@ def _serve(worker: Worker, reader: BroadcastReader, reply, rank: int) -> int:
             logger.exception("worker %d failed", rank)
             reply(WorkerResponse(rank=rank, kind="error", error=describe_exception(exc)))
             return 1
+
+
+def main() -> None:
+    run_worker(msgspec.json.decode(read_launch_payload(), type=WorkerLaunch))
+
+
+if __name__ == "__main__":
+    main()
