@@ -56,9 +56,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.block_hashes: list[bytes] = []
-        self.num_prompt_logprobs_sent = 0   # prompt positions already reported (a preempted request rescores)
         # core.structured_output.StructuredOutputRequest when the request has structured_outputs
         self.structured: Any = None
+        self.num_prompt_logprobs_sent = 0   # prompt positions already reported (a preempted request rescores)
         self._hasher = block_hasher
         self._stop_ids = frozenset(self.eos_token_ids) | frozenset(sampling_params.stop_token_ids or ())
         self._update_hashes()
