@@ -241,3 +241,28 @@ def test_auto_tools_need_the_server_flags(thinking_server):
     # Forced calls need no flags.
     resp = chat(thinking_server, tools=TOOLS, tool_choice="required", chat_template_kwargs={"enable_thinking": False})
     assert resp.json()["choices"][0]["finish_reason"] == "tool_calls"
+
+
+# ---------------------------------------------------------------- the other auto parsers, end to end
+
+@pytest.mark.parametrize("parser,regex,content", [
+    ("llama3_json", r'<\|python_tag\|>\{"name": "get_time", "parameters": \{"zone": "(UTC|CET)"\}\}; '
+                    r'\{"name": "get_weather", "parameters": \{"city": "Rome", "unit": "celsius"\}\}', None),
+    ("mistral", r'On it\. \[TOOL_CALLS\]\[\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}, '
+                r'\{"name": "get_weather", "arguments": \{"city": "Rome", "unit": "celsius"\}\}\]', "On it. "),
+])
+def test_other_auto_parsers(model, parser, regex, content):
+    srv = Server("--chat-template", TEMPLATE, "--enable-auto-tool-choice", "--tool-call-parser", parser,
+                 model=model, max_model_len=512)
+    try:
+        fields = dict(tools=TOOLS, structured_outputs={"regex": regex}, seed=11)
+        out = chat(srv, **fields).json()["choices"][0]
+        assert out["finish_reason"] == "tool_calls" and out["message"]["content"] == content
+        calls = calls_of(out["message"])
+        assert [c["name"] for c in calls] == ["get_time", "get_weather"]
+        for call in calls:
+            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        text, reason, streamed_calls = streamed(srv, **fields)
+        assert (text["content"] or None, reason, streamed_calls) == (content, "tool_calls", calls)
+    finally:
+        srv.stop_and_check_clean()
