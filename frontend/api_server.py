@@ -68,7 +68,8 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
     engine.inter_token_hooks.append(metrics.observe_inter_token)
     engine.step_hooks.append(metrics.observe_step)
     admission = Admission(engine, settings.max_concurrent_requests, metrics)
-    serving = OpenAIServing(engine, served_model_name, admission)
+    serving = OpenAIServing(engine, served_model_name, admission,
+                            settings.tool_call_parser if settings.enable_auto_tool_choice else None)
     app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
     _add_guards_and_handlers(app, settings)
 
@@ -109,9 +110,10 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
         if (body.prompt is None) == (body.messages is None):
             raise ValueError("prompt: give exactly one of prompt or messages")
         if body.messages is not None:
-            messages = ChatCompletionRequest(messages=body.messages).text_messages()
-            prompt = await engine.render_chat(messages, body.add_generation_prompt,
-                                              continue_final_message=body.continue_final_message)
+            chat = ChatCompletionRequest(messages=body.messages, tools=body.tools)
+            prompt = await engine.render_chat(chat.text_messages(), body.add_generation_prompt,
+                                              continue_final_message=body.continue_final_message,
+                                              tools=chat.template_tools())
         else:
             prompt = await engine.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
         tokens = prompt.prompt_token_ids

@@ -107,10 +107,11 @@ class AsyncEngineClient:
 
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                           template_kwargs: dict[str, Any] | None = None,
-                          continue_final_message: bool = False) -> ProcessedPrompt:
+                          continue_final_message: bool = False,
+                          tools: list[dict[str, Any]] | None = None) -> ProcessedPrompt:
         return await self._run_tokenizer(self.input_processor.apply_chat_template, messages,
                                          add_generation_prompt, template_kwargs=template_kwargs,
-                                         continue_final_message=continue_final_message)
+                                         continue_final_message=continue_final_message, tools=tools)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         return await self._run_tokenizer(self.tokenizer.decode, token_ids)

@@ -59,8 +59,9 @@ class InputProcessor:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
-                            continue_final_message: bool = False) -> ProcessedPrompt:
-        """Render and tokenize; template_kwargs are extra template variables (a request's
+                            continue_final_message: bool = False,
+                            tools: list[dict[str, Any]] | None = None) -> ProcessedPrompt:
+        """Render and tokenize (tools: OpenAI's tool list, as HF templates take it); template_kwargs are extra template variables (a request's
         chat_template_kwargs), never arguments of the call. continue_final_message: the last message is
         left open (no end of turn) for the model to continue."""
         kwargs = dict(template_kwargs or {})
@@ -79,7 +80,8 @@ class InputProcessor:
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
                                                       add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message, **kwargs)
+                                                      continue_final_message=continue_final_message,
+                                                      tools=tools, **kwargs)
         except Exception as exc:   # the template is fixed, so a failure to render comes from the messages
             raise ValueError(f"messages: the chat template cannot render them: {type(exc).__name__}: {exc}") \
                 from exc

@@ -10,6 +10,7 @@ from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.frontend.protocol_extras import (ExtraChatFields, ExtraCompletionFields, ExtraRequestFields,
                                                  StrictModel, text_content)
 from pagedserve.frontend.protocol_structured import StructuredOutputFields
+from pagedserve.frontend.protocol_tools import ToolFields, template_messages
 
 
 class StreamOptions(StrictModel):
@@ -92,7 +93,7 @@ class ChatMessage(BaseModel):
     content: Optional[Union[str, list[dict[str, Any]]]] = None
 
 
-class ChatCompletionRequest(_SamplingFields, ExtraChatFields):
+class ChatCompletionRequest(ToolFields, _SamplingFields, ExtraChatFields):
     messages: list[ChatMessage]
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
@@ -114,7 +115,7 @@ class ChatCompletionRequest(_SamplingFields, ExtraChatFields):
         return self._params(default_max_tokens if max_tokens is None else max_tokens, logprobs, defaults)
 
     def text_messages(self) -> list[dict[str, Any]]:
-        return text_content(self.messages)
+        return template_messages(text_content(self.messages))
 
 
 class TokenizeRequest(StrictModel):
@@ -124,6 +125,7 @@ class TokenizeRequest(StrictModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: Optional[list[dict[str, Any]]] = None      # rendered by the chat template, as in chat requests
 
 
 class DetokenizeRequest(StrictModel):

@@ -4,14 +4,15 @@ Every field of the current chat and completions schemas is accepted by name, the
 - honoured when it changes the output and is supported (logit_bias; vLLM's allowed_token_ids, bad_words,
   truncate_prompt_tokens, continue_final_message; reasoning_effort reaches the chat template);
 - a no-op when it only labels, bills or caches at OpenAI (METADATA_FIELDS), or is inert here (prediction only
-  speeds OpenAI up; parallel_tool_calls, tool_choice "none"/"auto" and function_call with no tools);
-- a 400 naming it when it cannot be honoured yet (audio output, tools, ...).
+  speeds OpenAI up);
+- a 400 naming it when it cannot be honoured yet (audio output, ...).
+Tool calling's fields are frontend/protocol_tools.py's.
 A field outside the schemas is a 400 too, with a "did you mean" hint when it is close to a known one.
 """
 from __future__ import annotations
 
 import difflib
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
@@ -107,11 +108,6 @@ class ExtraChatFields(ExtraRequestFields):
     verbosity: Optional[str] = None
     web_search_options: Optional[dict[str, Any]] = None
     moderation: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    parallel_tool_calls: Optional[bool] = None
-    functions: Optional[list[dict[str, Any]]] = None
-    function_call: Optional[Union[str, dict[str, Any]]] = None
     # vLLM's
     continue_final_message: bool = False
 
@@ -123,13 +119,6 @@ class ExtraChatFields(ExtraRequestFields):
         for name in ("verbosity", "web_search_options", "moderation"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: not supported by this server")
-        if self.tools or self.functions:
-            raise ValueError(f"{'tools' if self.tools else 'functions'}: tool calling is not supported yet")
-        # With no tools, "none" and "auto" both mean plain text: inert.
-        for name in ("tool_choice", "function_call"):
-            value = getattr(self, name)
-            if value is not None and value not in ("none", "auto"):
-                raise ValueError(f"{name}: tool calling is not supported yet")
 
     def template_variables(self, chat_template_kwargs: Optional[dict[str, Any]]) -> dict[str, Any]:
         """The request's chat template variables; reasoning_effort is one (as in vLLM), for templates

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pagedserve.frontend.chat_output import ChatOutputParser, finish_reason
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
 from pagedserve.frontend.prompt_logprobs import echo_logprobs, prompt_logprobs_json, top_alternatives
 
@@ -43,8 +45,11 @@ class ResponseBuilder:
     top_logprobs: int = 0                   # k: alternatives shown per position
     echo_first_tokens: list[str] | None = None   # echo with logprobs: each prompt's first token, as text
     show_prompt_logprobs: bool = False      # the request set vLLM's prompt_logprobs: return that field
+    # chat with tools or a reasoning parser: makes each choice's ChatOutputParser (frontend/chat_output.py)
+    chat_parser: Callable[[], ChatOutputParser] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _echoed: set[int] = field(default_factory=set)
+    _parsers: dict[int, ChatOutputParser] = field(default_factory=dict)
 
     # ---------------------------------------------------------------- whole responses
 
@@ -100,14 +105,26 @@ class ResponseBuilder:
                 if self.logprobs else None
             if self.show_prompt_logprobs and scored is not None:
                 body["prompt_logprobs"] = prompt_logprobs_json(scored)
-        elif stream:
-            body = {"delta": {"content": c.text} if c.text else {}}
-            logprobs = _chat_logprobs(c, self.top_logprobs) if self.logprobs else None
         else:
-            body = {"message": {"role": "assistant", "content": c.text}}
+            body, reason = self._chat_body(index, c, stream)
             logprobs = _chat_logprobs(c, self.top_logprobs) if self.logprobs else None
+            return {"index": index, **body, "logprobs": logprobs, "finish_reason": reason,
+                    "stop_reason": c.stop_reason}
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
+
+    def _chat_body(self, index: int, c: CompletionOutput, stream: bool) -> tuple[dict[str, Any], str | None]:
+        """A chat choice's message (or delta) and finish reason: "tool_calls" when it called tools."""
+        if self.chat_parser is None:
+            text = {"content": c.text} if c.text else {}
+            return ({"delta": text} if stream else {"message": {"role": "assistant", "content": c.text}}), \
+                c.finish_reason
+        parser = self._parsers.setdefault(index, self.chat_parser())
+        if not stream:
+            message = parser.message(c.text)
+            return {"message": message}, finish_reason(c.finish_reason, bool(message.get("tool_calls")))
+        delta = parser.delta(c.text, final=c.finish_reason is not None)
+        return {"delta": delta}, finish_reason(c.finish_reason, parser.called)
 
     def _echo(self, prompt_index: int, choice_index: int, stream: bool) -> str:
         """The prompt's text before a choice's first text (once per choice in a stream)."""

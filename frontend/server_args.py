@@ -5,6 +5,9 @@ import os
 from dataclasses import dataclass
 
 from pagedserve.common.arg_utils import setting
+from pagedserve.frontend.tool_parsers import TOOL_PARSERS
+
+TOOL_PARSER_NAMES = tuple(TOOL_PARSERS)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -29,6 +32,12 @@ class ServerArgs:
     chat_template: str | None = setting(
         None, help="chat template for /v1/chat/completions instead of the tokenizer's: a file or the Jinja "
                    "text itself")
+    enable_auto_tool_choice: bool = setting(
+        False, store_true=True, help="let tool_choice 'auto' requests call tools; the output is read with "
+                                     "--tool-call-parser")
+    tool_call_parser: str | None = setting(
+        None, choices=TOOL_PARSER_NAMES, help="how the model writes tool calls, for tool_choice 'auto': hermes "
+                                              "(Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.x), mistral")
     ssl_keyfile: str | None = setting(None, help="serve HTTPS with this private key (with --ssl-certfile)")
     ssl_certfile: str | None = setting(None, help="serve HTTPS with this certificate chain (with --ssl-keyfile)")
     max_body_bytes: int = setting(8 << 20, help="larger request bodies get HTTP 413")
@@ -82,5 +91,10 @@ class ServerArgs:
         if self.uvicorn_log_level is not None and self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
                              f"got {self.uvicorn_log_level!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")

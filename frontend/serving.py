@@ -20,20 +20,25 @@ from fastapi.responses import JSONResponse, Response
 from pagedserve.common.errors import EngineOverloadedError
 from pagedserve.frontend.admission import Admission, CountedStreamingResponse
 from pagedserve.frontend.async_client import AsyncEngineClient
+from pagedserve.frontend.chat_output import chat_parser_factory
 from pagedserve.frontend.errors import ModelNotFoundError, classify, error_payload
 from pagedserve.frontend.input_processor import PreparedRequest
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.frontend.protocol_structured import name_field
 from pagedserve.frontend.responses import SSE_DONE, ResponseBuilder, sse
+from pagedserve.frontend.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 GenerationRequest = Union[CompletionRequest, ChatCompletionRequest]
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngineClient, served_model_name: str, admission: Admission) -> None:
+    def __init__(self, engine: AsyncEngineClient, served_model_name: str, admission: Admission,
+                 tool_parser: str | None = None) -> None:
+        """tool_parser: --tool-call-parser when --enable-auto-tool-choice is on (tool_choice auto allowed)."""
         self.engine = engine
+        self.tool_parser = tool_parser
         self.model_name = served_model_name
         self.admission = admission
 
@@ -59,10 +64,13 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         self.check_model(body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = await self._chat_requests(body, rid)
+        tool_mode = body.check_tools(auto_enabled=self.tool_parser is not None)
+        jobs = await self._chat_requests(body, rid, tool_mode)
         builder = ResponseBuilder("chat", rid, self.model_name, body.n, body.logprobs,
                                   top_logprobs=body.top_logprobs or 0,
-                                  show_prompt_logprobs=body.prompt_logprobs is not None)
+                                  show_prompt_logprobs=body.prompt_logprobs is not None,
+                                  chat_parser=chat_parser_factory(tool_mode, self.tool_parser,
+                                                                  self.engine.info.reasoning_parser))
         return await self._run(http, body, jobs, builder)
 
     # ---------------------------------------------------------------- validate and build
@@ -75,16 +83,19 @@ class OpenAIServing:
         return [self.engine.prepare(await self.engine.tokenize(p), params, f"{rid}-{i}", body.priority)
                 for i, p in enumerate(prompts)]
 
-    async def _chat_requests(self, body: ChatCompletionRequest, rid: str) -> list[PreparedRequest]:
+    async def _chat_requests(self, body: ChatCompletionRequest, rid: str,
+                             tool_mode: str | None = None) -> list[PreparedRequest]:
         body.check_supported()      # before rendering: a field we cannot honour is the error to report
         prompt = await self.engine.render_chat(body.text_messages(), body.add_generation_prompt,
                                                body.template_variables(body.chat_template_kwargs),
-                                               body.continue_final_message)
+                                               body.continue_final_message, tools=body.template_tools())
         # The default max_tokens fills what the (possibly truncated) prompt leaves.
         prompt = self.engine.input_processor.truncate(prompt, body.truncate_prompt_tokens)
         room = self.engine.info.max_model_len - len(prompt.prompt_token_ids)
         params = body.to_sampling_params(default_max_tokens=max(room, 1),
                                          defaults=self.engine.info.default_sampling)
+        if tool_mode == "auto" and TOOL_PARSERS[self.tool_parser].keeps_special_tokens:
+            params = params.clone(skip_special_tokens=False)     # its call marker is a special token
         return [self.engine.prepare(prompt, params, rid, body.priority)]
 
     # ---------------------------------------------------------------- run

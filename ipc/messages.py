@@ -90,6 +90,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     num_blocks: int
     # generation_config.json's defaults for sampling fields a request leaves unset (only the keys it sets).
     default_sampling: dict[str, Union[int, float]] = {}
+    reasoning_parser: Optional[str] = None    # --reasoning-parser: the frontend splits reasoning_content by it
 
 
 class EngineReady(msgspec.Struct, array_like=True, tag="ready"):

@@ -143,3 +143,25 @@ def test_reasoning_parser_constrains_only_the_answer(tmp_path):
         assert outs[0].outputs[0].text in ("alpha", "beta") and outs[0].outputs[0].finish_reason == "stop"
         # A random-weight model never writes the marker: nothing constrains it, it runs to max_tokens.
         assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 12
+
+
+def test_grammar_cache_is_bounded(tmp_path, monkeypatch):
+    """A client sending a fresh schema per request must not grow the core: least recently used grammars go."""
+    import pagedserve.core.structured_output as so
+    from pagedserve.tests.helpers.tiny_models import make_tiny_serving_model
+    folder = make_tiny_serving_model(str(tmp_path))
+    monkeypatch.setattr(so, "MAX_CACHED_GRAMMARS", 3)
+    manager = so.StructuredOutputManager(lambda: folder, vocab_size=49152, stop_token_ids=[2])
+    try:
+        def compile_choice(word: str) -> None:
+            manager.submit(StructuredOutputsParams(choice=[word])).compiled.result(timeout=120)
+        for word in ("a", "b", "c", "d", "e"):
+            compile_choice(word)
+        assert manager.stats()["num_cached_grammars"] == 3
+        compiled = manager.num_compiles
+        compile_choice("e")                       # recent: reused
+        assert manager.num_compiles == compiled
+        compile_choice("a")                       # evicted: compiled again
+        assert manager.num_compiles == compiled + 1
+    finally:
+        manager.shutdown()

@@ -25,6 +25,8 @@ from pagedserve.ipc.messages import GrammarBitmask
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
+# Compiled grammars kept for reuse: clients that send a fresh schema per request must not grow the core.
+MAX_CACHED_GRAMMARS = 256
 
 
 class StructuredOutputManager:
@@ -68,11 +70,18 @@ class StructuredOutputManager:
     def submit(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """Start (or reuse) the compile of a request's grammar; returns at once."""
         key = params.cache_key()
-        future = self._cache.get(key)
+        future = self._cache.pop(key, None)
         if future is None:
             future = self._pool.submit(self._compile, params)
-            self._cache[key] = future
+            self._evict()
+        self._cache[key] = future          # (re)inserted last: the dict's order is least recently used first
         return StructuredOutputRequest(params, future)
+
+    def _evict(self) -> None:
+        """Drop the least recently used compiled grammars beyond the bound (never one still compiling)."""
+        excess = len(self._cache) + 1 - MAX_CACHED_GRAMMARS
+        for key in [k for k, f in self._cache.items() if f.done()][:max(0, excess)]:
+            del self._cache[key]
 
     # ---------------------------------------------------------------- the busy loop's side
 
