@@ -1,0 +1,186 @@
+"""AWQ / GPTQ checkpoint tensors decoded to GroupQuantWeight, checked against an independent packer
+(tests/helpers/quant_packers.py), and the weight stream that gathers each linear's parts."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedserve.common.quantization import QuantSpec
+from pagedserve.executor.model.quant.awq_gptq import (awq_to_group_quant, combine_quantized_tensors,
+                                                      gptq_to_group_quant)
+from pagedserve.executor.model.quant.group_quant import GroupQuantWeight
+from pagedserve.tests.helpers.quant_packers import pack_awq, pack_gptq
+
+
+def _weight(out: int, cols: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(out, cols, generator=gen) * 0.05
+
+
+def _assert_same(got: GroupQuantWeight, quant, bits: int) -> None:
+    """Same codes, scales and zero points as the packer, and so the same dequantized weight."""
+    assert got.bits == bits and got.group_size == quant.group_size
+    assert got.q.dtype == torch.uint8 and torch.equal(got.q.long(), quant.codes)
+    assert torch.equal(got.scale, quant.scale)
+    assert torch.equal(got.offset, -quant.scale * quant.zero.float())
+    # s*q + (-s*z) against the packer's s*(q - z): equal up to float32 rounding of one product.
+    torch.testing.assert_close(got.dequantize(), quant.dequantize(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("out,cols,g", [(32, 64, 16), (16, 128, 128), (24, 96, -1)])
+def test_awq_unpacks_the_packer(out, cols, g):
+    tensors, quant = pack_awq(_weight(out, cols, seed=out + cols), g)
+    assert tensors["qweight"].shape == (cols, out // 8) and tensors["qweight"].dtype == torch.int32
+    got = awq_to_group_quant(tensors["qweight"], tensors["qzeros"], tensors["scales"], g)
+    _assert_same(got, quant, 4)
+    assert got.shape == (out, cols)
+
+
+def test_awq_nibble_order_matters():
+    # One code per column position: a decoder reading nibbles in plain order would scramble them.
+    tensors, quant = pack_awq(_weight(8, 32, seed=1), 32)
+    got = awq_to_group_quant(tensors["qweight"], tensors["qzeros"], tensors["scales"], 32)
+    assert torch.equal(got.q.long(), quant.codes)
+    plain = ((tensors["qweight"].unsqueeze(-1) >> torch.arange(0, 32, 4, dtype=torch.int32)) & 15).reshape(32, 8)
+    assert not torch.equal(plain.t().long(), quant.codes)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("g", [16, -1])
+def test_gptq_unpacks_the_packer(bits, fmt, sym, g):
+    out, cols = 16, 64
+    w = _weight(out, cols, seed=bits)
+    tensors, quant = pack_gptq(w, bits, g, sym=sym, checkpoint_format=fmt)
+    assert tensors["qweight"].shape == (cols * bits // 32, out)
+    got = gptq_to_group_quant(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"],
+                              bits, g, fmt)
+    _assert_same(got, quant, bits)
+    # And it decodes to the float weight: round-to-nearest is within half a step (a full one only where a
+    # rounded zero point or the symmetric grid's one-sided range clips an extreme), a quarter on average.
+    err = (got.dequantize() - w).abs() / quant.scale.repeat_interleave(quant.group_size, 1)
+    assert err.max() <= 1.0 + 1e-3 and err.mean() <= 0.3
+
+
+def test_gptq_v1_and_v2_zero_conventions_differ():
+    w = _weight(8, 32, seed=3)
+    v1, quant = pack_gptq(w, 4, 16, checkpoint_format="gptq")
+    v2, _ = pack_gptq(w, 4, 16, checkpoint_format="gptq_v2")
+    assert not torch.equal(v1["qzeros"], v2["qzeros"])
+    # The v2 file read as v1 would be off by one zero step everywhere.
+    wrong = gptq_to_group_quant(v2["qweight"], v2["qzeros"], v2["scales"], None, 4, 16, "gptq")
+    torch.testing.assert_close(wrong.offset, -quant.scale * (quant.zero.float() + 1))
+
+
+def test_gptq_act_order_refused():
+    tensors, _ = pack_gptq(_weight(8, 64, seed=4), 4, 16)
+    shuffled = tensors["g_idx"][torch.randperm(64, generator=torch.Generator().manual_seed(0))]
+    with pytest.raises(ValueError, match="desc_act"):
+        gptq_to_group_quant(tensors["qweight"], tensors["qzeros"], tensors["scales"], shuffled, 4, 16)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(group_size=24), "group_size 24"),
+    (dict(scales=torch.zeros(3, 16, dtype=torch.float16)), "scales"),
+    (dict(qzeros=torch.zeros(4, 1, dtype=torch.int32)), "qzeros"),
+])
+def test_awq_shape_errors(bad, match):
+    tensors, _ = pack_awq(_weight(16, 64, seed=5), 16)
+    args = {**tensors, "group_size": 16, **bad}
+    with pytest.raises(ValueError, match=match):
+        awq_to_group_quant(args["qweight"], args["qzeros"], args["scales"], args["group_size"])
+
+
+def test_gptq_bits_error():
+    tensors, _ = pack_gptq(_weight(8, 32, seed=6), 4, 16)
+    with pytest.raises(ValueError, match="bits"):
+        gptq_to_group_quant(tensors["qweight"], tensors["qzeros"], tensors["scales"], None, 3, 16)
+
+
+# ------------------------------------------------------------------- the weight stream
+
+
+def _checkpoint(pack, spec: QuantSpec, seed: int = 0):
+    """A two-layer 'checkpoint' as a list of (name, tensor), with float tensors between the packed ones."""
+    items, expected = [("model.embed_tokens.weight", torch.randn(10, 32))], {}
+    for i, (name, out) in enumerate([("model.layers.0.self_attn.q_proj", 32), ("model.layers.0.mlp.up_proj", 16)]):
+        tensors, quant = pack(_weight(out, 32, seed=seed + i))
+        items += [(f"{name}.{part}", t) for part, t in tensors.items()]
+        items.append((f"{name}.bias", torch.randn(out)))
+        expected[name + ".weight"] = quant
+    items.append(("model.norm.weight", torch.ones(32)))
+    return items, expected
+
+
+def _split(stream):
+    quantized, plain = {}, {}
+    for name, value in stream:
+        (quantized if isinstance(value, GroupQuantWeight) else plain)[name] = value
+    return quantized, plain
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+@pytest.mark.parametrize("order_seed", [0, 1, 2])
+def test_combine_any_order(method, order_seed):
+    spec = QuantSpec(method, group_size=16)
+    pack = (lambda w: pack_awq(w, 16)) if method == "awq" else (lambda w: pack_gptq(w, 4, 16))
+    items, expected = _checkpoint(pack, spec)
+    random.Random(order_seed).shuffle(items)          # parts of one linear spread over "shards"
+    quantized, plain = _split(combine_quantized_tensors(iter(items), spec))
+    assert set(quantized) == set(expected)
+    for name, quant in expected.items():
+        _assert_same(quantized[name], quant, 4)
+    passed = {n for n, _ in items if n.rpartition(".")[2] not in ("qweight", "qzeros", "scales", "g_idx")}
+    assert set(plain) == passed
+
+
+def test_combine_yields_as_soon_as_complete():
+    spec = QuantSpec("awq", group_size=16)
+    items, _ = _checkpoint(lambda w: pack_awq(w, 16), spec)
+    stream = combine_quantized_tensors(iter(items), spec)
+    names = [next(stream)[0] for _ in range(3)]
+    # embed, then q_proj's weight (its three parts consumed), then its bias: nothing held back.
+    assert names == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                     "model.layers.0.self_attn.q_proj.bias"]
+
+
+def test_combine_gptq_without_g_idx_and_late_g_idx_checked():
+    spec = QuantSpec("gptq", group_size=16)
+    items, expected = _checkpoint(lambda w: pack_gptq(w, 4, 16), spec)
+    no_g_idx = [(n, t) for n, t in items if not n.endswith("g_idx")]
+    quantized, _ = _split(combine_quantized_tensors(iter(no_g_idx), spec))
+    assert set(quantized) == set(expected)
+    # A g_idx after its weight was already yielded is still checked for act-order.
+    bad = no_g_idx + [("model.layers.0.mlp.up_proj.g_idx", torch.arange(32, dtype=torch.int32).flip(0) // 16)]
+    with pytest.raises(ValueError, match="act-order"):
+        list(combine_quantized_tensors(iter(bad), spec))
+
+
+def test_combine_desc_act_waits_for_g_idx():
+    spec = QuantSpec("gptq", group_size=16, desc_act=True)
+    items, _ = _checkpoint(lambda w: pack_gptq(w, 4, 16), spec)
+    no_g_idx = [(n, t) for n, t in items if not n.endswith("g_idx")]
+    with pytest.raises(ValueError, match=r"lacks model.layers.0.mlp.up_proj.g_idx, model.layers.0.self_attn"):
+        list(combine_quantized_tensors(iter(no_g_idx), spec))
+    quantized, _ = _split(combine_quantized_tensors(iter(items), spec))   # trivial g_idx: accepted
+    assert len(quantized) == 2
+
+
+def test_combine_missing_and_duplicate_parts():
+    spec = QuantSpec("awq", group_size=16)
+    items, _ = _checkpoint(lambda w: pack_awq(w, 16), spec)
+    without = [(n, t) for n, t in items if n != "model.layers.0.mlp.up_proj.qzeros"]
+    with pytest.raises(ValueError, match=r"awq checkpoint lacks model.layers.0.mlp.up_proj.qzeros$"):
+        list(combine_quantized_tensors(iter(without), spec))
+    twice = items + [items[1]]
+    with pytest.raises(ValueError, match="twice"):
+        list(combine_quantized_tensors(iter(twice), spec))
+
+
+@pytest.mark.parametrize("spec", [None, QuantSpec("int8", bits=8, group_size=-1), QuantSpec("gguf")])
+def test_combine_passes_other_methods_through(spec):
+    items = [("a.weight", torch.ones(2, 2)), ("b.scales", torch.ones(2))]
+    assert list(combine_quantized_tensors(iter(items), spec)) == items
