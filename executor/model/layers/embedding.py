@@ -6,7 +6,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.executor.model.parallel_state import TPGroup
-from pagedserve.kernels import ops
+from pagedserve.executor.model.quant.packing import (Packed, Piece, apply_linear, pack_embedding,
+                                                     pack_linear)
+from pagedserve.kernels.weight_only import Int8Weight, int8_embedding
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -22,24 +24,53 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.shard_size = -(-vocab_size // tp.size)
         self.vocab_start = tp.rank * self.shard_size
+        self.hidden_size = hidden_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.packed: Packed | None = None        # quantized checkpoints: int8 rows (or int4 for a head)
+        self._pieces: list[Piece] | None = None
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: int | str | None = None) -> None:
-        if tuple(loaded_weight.shape) != (self.vocab_size, param.shape[1]):
+    def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id: int | str | None = None) -> None:
+        if tuple(loaded_weight.shape) != (self.vocab_size, self.hidden_size):
             raise ValueError(f"{type(self).__name__}: checkpoint shape {tuple(loaded_weight.shape)} does not "
-                             f"match (vocab_size={self.vocab_size}, hidden={param.shape[1]})")
+                             f"match (vocab_size={self.vocab_size}, hidden={self.hidden_size})")
         rows = max(0, min(self.shard_size, self.vocab_size - self.vocab_start))
+        if self._pieces is not None:          # the padding rows are zero-filled when packing
+            self._pieces.append((0, loaded_weight.narrow(0, self.vocab_start, rows)))
+            return
         param.data[:rows].copy_(loaded_weight[self.vocab_start:self.vocab_start + rows])
         param.data[rows:].zero_()
 
+    def begin_packed_load(self) -> None:
+        if self._pieces is not None:
+            return
+        placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
+        placeholder.weight_loader = self.weight_loader
+        self.weight, self._pieces = placeholder, []
+
+    def finish_packed_load(self, method: str, device: torch.device, dtype: torch.dtype) -> None:
+        packed = pack_embedding(self._pieces or [], self.shard_size, device, dtype, type(self).__name__)
+        self._set_packed(packed)
+        self.out_dtype = dtype
+
+    def _set_packed(self, packed: Packed) -> None:
+        self._pieces = None
+        if isinstance(packed, torch.Tensor):
+            self.weight = nn.Parameter(packed, requires_grad=False)
+        else:
+            self.packed = packed
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.packed, Int8Weight):
+            return int8_embedding(ids, self.packed, self.out_dtype)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.shard_size)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         # Other ranks own these ids: contribute zeros to the sum.
         return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0.0))
 
@@ -53,10 +84,27 @@ class ParallelLMHead(VocabParallelEmbedding):
             raise ValueError(f"ParallelLMHead.tie: embedding shape {tuple(embedding.weight.shape)} does not "
                              f"match the head's {tuple(self.weight.shape)}")
         self.weight = embedding.weight
+        self.tied_to = embedding
+
+    def begin_packed_load(self) -> None:
+        source = getattr(self, "tied_to", None)
+        if source is None:
+            super().begin_packed_load()
+            return
+        if source._pieces is None:
+            source.begin_packed_load()
+        self.weight = source.weight          # still one shared (placeholder) parameter
+
+    def finish_packed_load(self, method: str, device: torch.device, dtype: torch.dtype) -> None:
+        if getattr(self, "tied_to", None) is not None:
+            return                           # the embedding packs the one shared table
+        packed = pack_linear(self._pieces or [], self.shard_size, method, device, dtype, type(self).__name__)
+        self._set_packed(packed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size], identical on every rank."""
-        logits = ops.linear(hidden, self.weight)
+        source = getattr(self, "tied_to", self)
+        logits = apply_linear(hidden, source.packed if source.packed is not None else source.weight)
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)[:, :self.vocab_size]
         return logits.float()

@@ -1,7 +1,10 @@
 """Linear layers split across tensor-parallel ranks; each parameter knows how to load its shard.
 
 Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`: the model hands it the
-full checkpoint tensor and the layer copies out the slice this rank owns.
+full checkpoint tensor and the layer copies out the slice this rank owns. Each layer knows its slice once
+(`shard`); a dense layer copies it into its weight, a quantized one (after `begin_packed_load`) keeps the
+pieces, which may be quantized (GroupQuantWeight slices like a tensor), and packs them for its kernel in
+`finish_packed_load`.
 """
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import torch
 from torch import nn
 
 from pagedserve.executor.model.parallel_state import TPGroup, split_evenly
+from pagedserve.executor.model.quant.packing import Packed, Piece, apply_linear, pack_linear
 from pagedserve.kernels import ops
 
 
@@ -37,13 +41,44 @@ class LinearBase(nn.Module):
         for param in (self.weight, self.bias):
             if param is not None:
                 param.weight_loader = self.weight_loader
+        self.packed: Packed | None = None        # the kernel's form, for quantized layers
+        self._pieces: list[Piece] | None = None   # while a quantized layer loads
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: int | str | None = None) -> None:
+    def shard(self, loaded_weight, shard_id: int | str | None) -> tuple[int, object]:
+        """(first row of this rank's weight it fills, the checkpoint rows/columns this rank owns)."""
         raise NotImplementedError
 
+    def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id: int | str | None = None) -> None:
+        row, src = self.shard(loaded_weight, shard_id)
+        if param is self.weight and self._pieces is not None:
+            self._pieces.append((row, src))
+            return
+        what = f"{type(self).__name__}{'' if shard_id is None else f' shard {shard_id}'}"
+        copy_weight(param.data.narrow(0, row, src.shape[0]), src, what)
+
+    def begin_packed_load(self) -> None:
+        """Collect the weight's pieces instead of copying them; the dense weight is never filled."""
+        if self._pieces is not None:
+            return
+        placeholder = _empty_param(0)
+        placeholder.weight_loader = self.weight_loader
+        self.weight, self._pieces = placeholder, []
+
+    def finish_packed_load(self, method: str, device: torch.device, dtype: torch.dtype) -> None:
+        packed = pack_linear(self._pieces or [], self.out_features, method, device, dtype, type(self).__name__)
+        self._pieces = None
+        if isinstance(packed, torch.Tensor):      # dense after all (e.g. an F16 tensor in a GGUF file)
+            self.weight = nn.Parameter(packed, requires_grad=False)
+        else:
+            self.packed = packed
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return apply_linear(x, self.packed, bias)
+        return ops.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -52,10 +87,9 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__(in_features, split_evenly(out_features, tp, "output features"), bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: int | str | None = None) -> None:
-        size = param.shape[0]
-        copy_weight(param.data, loaded_weight.narrow(0, self.tp.rank * size, size), type(self).__name__)
+    def shard(self, loaded_weight, shard_id: int | str | None) -> tuple[int, object]:
+        size = self.out_features
+        return 0, loaded_weight.narrow(0, self.tp.rank * size, size)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -65,14 +99,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.local_sizes = [split_evenly(size, tp, "merged output features") for size in output_sizes]
         super().__init__(in_features, sum(output_sizes), bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: int | str | None = None) -> None:
+    def shard(self, loaded_weight, shard_id: int | str | None) -> tuple[int, object]:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.local_sizes):
             raise ValueError(f"MergedColumnParallelLinear: shard_id must be an int in "
                              f"[0, {len(self.local_sizes)}), got {shard_id!r}")
         size = self.local_sizes[shard_id]
-        dst = param.data.narrow(0, sum(self.local_sizes[:shard_id]), size)
-        copy_weight(dst, loaded_weight.narrow(0, self.tp.rank * size, size), f"merged shard {shard_id}")
+        return sum(self.local_sizes[:shard_id]), loaded_weight.narrow(0, self.tp.rank * size, size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -96,8 +128,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (num_heads + 2 * self.num_kv_heads * tp.size) * head_dim   # split back to q + 2 kv per rank
         super().__init__(hidden_size, out, bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: int | str | None = None) -> None:
+    def shard(self, loaded_weight, shard_id: int | str | None) -> tuple[int, object]:
         if shard_id == "q":
             offset, size, start = 0, self.q_size, self.tp.rank * self.q_size
         elif shard_id in ("k", "v"):
@@ -106,8 +137,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             size, start = self.kv_size, first_head * self.head_dim
         else:
             raise ValueError(f"QKVParallelLinear: shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        copy_weight(param.data.narrow(0, offset, size), loaded_weight.narrow(0, start, size),
-                    f"qkv shard {shard_id}")
+        return offset, loaded_weight.narrow(0, start, size)
 
 
 class RowParallelLinear(LinearBase):
@@ -116,16 +146,14 @@ class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__(split_evenly(in_features, tp, "input features"), out_features, bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: int | str | None = None) -> None:
-        if param.dim() == 1:            # the bias is whole on every rank: added once, after the reduce
-            copy_weight(param.data, loaded_weight, "RowParallelLinear bias")
-            return
-        size = param.shape[1]
-        copy_weight(param.data, loaded_weight.narrow(1, self.tp.rank * size, size), "RowParallelLinear")
+    def shard(self, loaded_weight, shard_id: int | str | None) -> tuple[int, object]:
+        if loaded_weight.dim() == 1:    # the bias is whole on every rank: added once, after the reduce
+            return 0, loaded_weight
+        size = self.in_features
+        return 0, loaded_weight.narrow(1, self.tp.rank * size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return ops.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(ops.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        out = self.tp.all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias

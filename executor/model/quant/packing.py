@@ -1,0 +1,114 @@
+"""From the pieces a layer was loaded in to the one form its kernel reads.
+
+A merged layer (q/k/v, gate/up) arrives in pieces, and in a GGUF file they need not share a format: a Q4_K_M
+file stores v in Q6_K beside q and k in Q4_K. So a layer collects (first row, piece) pairs while loading and
+picks its kernel once all are in:
+- every piece 4-bit, in one group size the int4 kernel takes: int4, exact (the scales round to bfloat16);
+- any other quantized piece (5, 6 or 8 bits): int8 per output channel, requantized from the decoded
+  values (|error| <= half a step of max|w| / 127 per row, on top of the format's own);
+- dense pieces: int8 or fp8 when the method asks for it, else a plain tensor in the model's dtype.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Union
+
+import torch
+
+from pagedserve.executor.model.quant.group_quant import GroupQuantWeight
+from pagedserve.kernels.weight_only import (INT4_GROUP_SIZES, Int4Weight, Int8Weight, pack_int4,
+                                            quantize_int8)
+
+Piece = tuple[int, Union[torch.Tensor, GroupQuantWeight]]     # (first output row, rows)
+Packed = Union[Int4Weight, Int8Weight, torch.Tensor]
+
+
+def _check_rows(pieces: Sequence[Piece], rows: int, what: str) -> None:
+    covered = sorted((start, start + piece.shape[0]) for start, piece in pieces)
+    end = 0
+    for start, stop in covered:
+        if start != end:
+            raise ValueError(f"{what}: rows {end}..{start} were not loaded (or loaded twice)")
+        end = stop
+    if end > rows:
+        raise ValueError(f"{what}: {end} rows loaded into a weight of {rows}")
+
+
+def _ordered(pieces: Sequence[Piece]) -> list:
+    return [piece for _, piece in sorted(pieces, key=lambda p: p[0])]
+
+
+def _dense(parts: list, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """The pieces as one float tensor [rows, in]; rows past the last piece (vocabulary padding) are zero."""
+    mats = [p.dequantize(torch.float32) if isinstance(p, GroupQuantWeight) else p.float() for p in parts]
+    w = torch.cat(mats, 0) if len(mats) > 1 else mats[0]
+    if w.shape[0] < rows:
+        w = torch.cat((w, w.new_zeros(rows - w.shape[0], w.shape[1])), 0)
+    return w.to(dtype)
+
+
+def _int4(parts: list[GroupQuantWeight], rows: int, device: torch.device) -> Int4Weight:
+    q = torch.cat([p.q for p in parts], 0)
+    scale = torch.cat([p.scale for p in parts], 0)
+    offset = torch.cat([p.offset for p in parts], 0)
+    if q.shape[0] < rows:           # vocabulary padding: code 8 with scale 0 and zero 0 is a zero row
+        pad = rows - q.shape[0]
+        q = torch.cat((q, q.new_full((pad, q.shape[1]), 8)), 0)
+        scale, offset = (torch.cat((t, t.new_zeros(pad, t.shape[1])), 0) for t in (scale, offset))
+    # Our form is w = scale * q + offset; the kernel's is (q - 8) * scale + zero.
+    return pack_int4(q, scale, offset + 8 * scale, parts[0].group_size, device)
+
+
+def int4_fits(parts: Sequence, device: torch.device) -> bool:
+    if not parts or not all(isinstance(p, GroupQuantWeight) and p.bits <= 4 for p in parts):
+        return False
+    group = parts[0].group_size
+    if any(p.group_size != group for p in parts) or group not in INT4_GROUP_SIZES:
+        return False
+    return device.type == "cpu" or parts[0].shape[1] % 128 == 0
+
+
+def pack_linear(pieces: Sequence[Piece], rows: int, method: str, device: torch.device,
+                dtype: torch.dtype, what: str) -> Packed:
+    """The kernel form of one linear weight [rows, in] from its loaded pieces."""
+    _check_rows(pieces, rows, what)
+    parts = _ordered(pieces)
+    if int4_fits(parts, device):
+        return _int4(parts, rows, device)
+    quantized = any(isinstance(p, GroupQuantWeight) for p in parts)
+    if quantized or method == "int8":
+        w = quantize_int8(_dense(parts, rows, torch.float32))
+        return Int8Weight(w.q.to(device), w.scale.to(device))
+    if method == "fp8":
+        from pagedserve.executor.model.quant.fp8 import pack_fp8
+        return pack_fp8(_dense(parts, rows, torch.float32).to(device))
+    return _dense(parts, rows, dtype).to(device)
+
+
+def pack_embedding(pieces: Sequence[Piece], rows: int, device: torch.device, dtype: torch.dtype,
+                   what: str) -> Int8Weight | torch.Tensor:
+    """An embedding table: quantized sources become int8 rows (a lookup widens only the rows it reads)."""
+    _check_rows(pieces, rows, what)
+    parts = _ordered(pieces)
+    if any(isinstance(p, GroupQuantWeight) for p in parts):
+        w = quantize_int8(_dense(parts, rows, torch.float32))
+        return Int8Weight(w.q.to(device), w.scale.to(device))
+    return _dense(parts, rows, dtype).to(device)
+
+
+def packed_nbytes(packed: Packed) -> int:
+    if isinstance(packed, torch.Tensor):
+        return packed.numel() * packed.element_size()
+    return packed.nbytes
+
+
+def apply_linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    from pagedserve.kernels import ops
+    from pagedserve.kernels.weight_only import int4_linear, int8_linear
+    if isinstance(packed, torch.Tensor):
+        return ops.linear(x, packed, bias)
+    if isinstance(packed, Int4Weight):
+        return int4_linear(x, packed, bias)
+    if isinstance(packed, Int8Weight):
+        return int8_linear(x, packed, bias)
+    return packed.apply(x, bias)         # fp8 and other packed forms carry their own matmul
