@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.executor.model.quant.fp8 import (FP8_DTYPE, check_fp8_device, check_fp8_shape, dequantize_fp8,
-                                                 fp8_checkpoint_to_channel, fp8_linear, quantize_fp8,
-                                                 quantize_fp8_per_token)
+from pagedserve.executor.model.quant.fp8 import (FP8_DTYPE, Fp8Weight, check_fp8_device, check_fp8_shape,
+                                                 combine_fp8_checkpoint, dequantize_fp8,
+                                                 dequantize_fp8_checkpoint, fp8_checkpoint_to_channel,
+                                                 fp8_linear, pack_fp8, quantize_fp8, quantize_fp8_per_token)
 
 
 def _weight(out: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -115,9 +116,61 @@ def test_fp8_checkpoint_blocks_requantized_per_channel():
 def test_fp8_refuses_cpu_and_odd_shapes():
     with pytest.raises(ValueError, match="int8"):
         check_fp8_device("cpu")
+    with pytest.raises(ValueError, match="CUDA"):
+        pack_fp8(torch.randn(32, 64))               # what the layers call at load
     with pytest.raises(ValueError, match="in_features 24"):
         check_fp8_shape(32, 24)
     check_fp8_shape(32, 64)
+
+
+def test_fp8_weight_form():
+    w = _weight(32, 64, seed=6)
+    packed = Fp8Weight(*quantize_fp8(w))
+    assert packed.nbytes == 32 * 64 + 32 * 4                # one byte a weight, a float32 scale a row
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(packed.apply(x), fp8_linear(x, packed.w, packed.scale), rtol=0, atol=0)
+    assert _within_e4m3_rounding(w, packed.dequantize(), packed.scale)
+
+
+def _block_checkpoint(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes and weight_scale_inv as a block-fp8 writer makes them."""
+    bo, bi = block
+    rows, cols = -(-w.shape[0] // bo), -(-w.shape[1] // bi)
+    scale_inv = torch.stack([torch.stack([w[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi].abs().max() / 448
+                                          for c in range(cols)]) for r in range(rows)])
+    expanded = scale_inv.repeat_interleave(bo, 0)[:w.shape[0]].repeat_interleave(bi, 1)[:, :w.shape[1]]
+    return (w / expanded).to(FP8_DTYPE), scale_inv
+
+
+def test_combine_fp8_checkpoint_stream():
+    block = (16, 32)
+    wa, wb = _weight(40, 80, seed=7), _weight(16, 80, seed=8)
+    (ca, sa), (cb, sb) = _block_checkpoint(wa, block), _block_checkpoint(wb, block)
+    items = [("model.layers.0.mlp.up_proj.weight_scale_inv", sa), ("model.norm.weight", torch.ones(80)),
+             ("model.layers.0.mlp.up_proj.weight", ca), ("model.layers.0.mlp.up_proj.input_scale", torch.tensor(1.)),
+             ("model.layers.0.self_attn.k_proj.weight", cb), ("model.layers.0.self_attn.k_scale", torch.tensor(1.)),
+             ("model.layers.0.self_attn.k_proj.weight_scale_inv", sb)]
+    got = dict(combine_fp8_checkpoint(iter(items), block))
+    assert set(got) == {"model.norm.weight", "model.layers.0.mlp.up_proj.weight",
+                        "model.layers.0.self_attn.k_proj.weight"}
+    # Exactly the weight the file means: codes times their block's scale.
+    assert torch.equal(got["model.layers.0.mlp.up_proj.weight"], dequantize_fp8_checkpoint(ca, sa, block))
+    assert _within_e4m3_rounding(wb, got["model.layers.0.self_attn.k_proj.weight"], sb.amax(1).repeat_interleave(16))
+    with pytest.raises(ValueError, match=r"lacks model.layers.0.mlp.up_proj.weight_scale_inv"):
+        list(combine_fp8_checkpoint(iter(items[1:]), block))
+    with pytest.raises(ValueError, match="weight_scale"):
+        list(combine_fp8_checkpoint(iter(items), None))     # a block file read as per-tensor
+
+
+def test_combine_quantized_tensors_routes_fp8_checkpoints():
+    from pagedserve.common.quantization import QuantSpec
+    from pagedserve.executor.model.quant.awq_gptq import combine_quantized_tensors
+    w = _weight(16, 32, seed=9)
+    scale = w.abs().max() / 448
+    items = [("a.weight", (w / scale).to(FP8_DTYPE)), ("a.weight_scale", scale), ("b.weight", w)]
+    got = dict(combine_quantized_tensors(iter(items), QuantSpec("fp8", bits=8, group_size=-1)))
+    assert got["a.weight"].dtype == torch.float32 and torch.equal(got["b.weight"], w)
+    assert _within_e4m3_rounding(w, got["a.weight"], scale.expand(16))
 
 
 @pytest.mark.gpu

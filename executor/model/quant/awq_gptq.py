@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from pagedserve.common.quantization import QuantSpec
+from pagedserve.executor.model.quant.fp8 import combine_fp8_checkpoint
 from pagedserve.executor.model.quant.group_quant import GroupQuantWeight
 
 # AutoAWQ's packer puts column (0, 2, 4, 6, 1, 3, 5, 7)[k] of each 8 in nibble k; so column j sits in
@@ -104,7 +105,11 @@ _GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 def combine_quantized_tensors(weights: Weights, spec: QuantSpec | None) -> Iterator[tuple[str, object]]:
     """The HF weight stream with each AWQ/GPTQ linear's packed tensors replaced by one
     (prefix + ".weight", GroupQuantWeight), yielded once all its parts have arrived (any order, any shard).
-    Every other tensor passes through unchanged, as does the whole stream for other methods."""
+    Every other tensor passes through unchanged, as does the whole stream for other methods, except fp8
+    checkpoints: their e4m3 weights come out as the float32 weights they mean (see fp8.py)."""
+    if spec is not None and spec.method == "fp8":
+        yield from combine_fp8_checkpoint(weights, spec.weight_block_size)
+        return
     if spec is None or spec.method not in ("awq", "gptq"):
         yield from weights
         return
