@@ -219,3 +219,46 @@ def test_checkpoint_folder_round_trip(tmp_path, method):
     hf = AutoModelForCausalLM.from_pretrained(dequant_dir, dtype=torch.float32)
     torch.testing.assert_close(hf.model.layers[1].mlp.down_proj.weight.data,
                                reference["model.layers.1.mlp.down_proj.weight"])
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_quantized_checkpoint_runs_like_its_dequantized_twin(tmp_path, method):
+    """The whole path: an AWQ/GPTQ folder, its quantization_config, the stream, our layers packed for the
+    int4 kernel, against HF transformers on the dequantized twin (float32).
+
+    Tolerance: the int4 CPU kernel takes bfloat16 activations and bfloat16 scales, so the logits may differ
+    as much as running the same weights in bfloat16 does (HF bf16 against HF fp32), measured here, not more.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pagedserve.common.quantization import checkpoint_quant_spec, resolve_quantization
+    from pagedserve.executor.model.model_loader import hf_weights
+    from pagedserve.executor.model.models import get_model_class
+    from pagedserve.executor.model.parallel_state import TPGroup
+    from pagedserve.executor.model.quant.loading import begin_packed, finish_packed
+    from pagedserve.kernels.weight_only import Int4Weight
+    from pagedserve.tests.helpers.quant_checkpoints import write_quantized_checkpoint
+    from pagedserve.tests.helpers.tiny_models import make_tiny_model, prefill_logits
+    float_dir = make_tiny_model(str(tmp_path / "float"), tokenizer="synthetic", hidden_size=128,
+                                intermediate_size=256)
+    quant_dir, dequant_dir = str(tmp_path / method), str(tmp_path / "dequant")
+    write_quantized_checkpoint(float_dir, quant_dir, dequant_dir, method, group_size=32)
+
+    config = AutoConfig.from_pretrained(quant_dir)
+    spec = resolve_quantization(None, checkpoint_quant_spec(config), is_gguf=False)
+    model = get_model_class(config)(config, TPGroup())
+    begin_packed(model)
+    loaded = model.load_weights(combine_quantized_tensors(hf_weights(quant_dir)[0], spec))
+    assert model.expected_weights() <= loaded
+    finish_packed(model, spec.method, torch.device("cpu"), torch.float32)
+    packed = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
+    assert len(packed) == 2 * 4 and all(isinstance(p, Int4Weight) for p in packed)   # qkv, o, gate_up, down
+
+    ids = list(range(10, 60))
+    ours = prefill_logits(model, ids)
+    with torch.inference_mode():
+        ref = AutoModelForCausalLM.from_pretrained(dequant_dir, dtype=torch.float32).eval()(torch.tensor([ids]))
+        bf16 = AutoModelForCausalLM.from_pretrained(dequant_dir, dtype=torch.bfloat16).eval()(torch.tensor([ids]))
+    bf16_err = (bf16.logits[0].float() - ref.logits[0]).abs().max().item()
+    assert (ours - ref.logits[0]).abs().max().item() <= bf16_err
+    assert torch.equal(ours.argmax(-1), ref.logits[0].argmax(-1))
