@@ -103,6 +103,9 @@ def _awq_spec(cfg: dict[str, Any], skip: tuple[str, ...]) -> QuantSpec:
 
 
 def _gptq_spec(cfg: dict[str, Any], skip: tuple[str, ...]) -> QuantSpec:
+    if cfg.get("dynamic"):
+        # GPTQModel's per-module overrides (other bits / group sizes, skipped modules) would decode wrongly.
+        raise ValueError("gptq quantization_config.dynamic (per-module overrides) is not supported")
     fmt = str(_pick(cfg, ("checkpoint_format", "format"), "gptq")).lower()
     if fmt not in _GPTQ_FORMATS:
         raise ValueError(f"gptq quantization_config.checkpoint_format {fmt!r} is not supported "

@@ -51,6 +51,9 @@ def test_gptq_config():
         checkpoint_quant_spec(_hf({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}))
     with pytest.raises(ValueError, match="bits"):
         checkpoint_quant_spec(_hf({"quant_method": "gptq", "bits": 3, "group_size": 128}))
+    with pytest.raises(ValueError, match="dynamic"):
+        checkpoint_quant_spec(_hf({"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*lm_head": {}}}))
+    assert checkpoint_quant_spec(_hf({"quant_method": "gptq", "bits": 4, "dynamic": None})).method == "gptq"
 
 
 def test_fp8_config():
