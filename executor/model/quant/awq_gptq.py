@@ -102,7 +102,8 @@ _AWQ_PARTS = ("qweight", "qzeros", "scales")
 _GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
 
-def combine_quantized_tensors(weights: Weights, spec: QuantSpec | None) -> Iterator[tuple[str, object]]:
+def combine_quantized_tensors(weights: Weights,
+                              spec: QuantSpec | None) -> Iterator[tuple[str, torch.Tensor | GroupQuantWeight]]:
     """The HF weight stream with each AWQ/GPTQ linear's packed tensors replaced by one
     (prefix + ".weight", GroupQuantWeight), yielded once all its parts have arrived (any order, any shard).
     Every other tensor passes through unchanged, as does the whole stream for other methods, except fp8
