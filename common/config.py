@@ -12,6 +12,8 @@ from pagedserve.common.dtype import DTYPE_CHOICES, checkpoint_dtype, resolve_dty
 from pagedserve.common.generation_config import AUTO, check_setting, load_generation_defaults
 from pagedserve.common.hub import TOKENIZER_FILES, local_or_hub_path, looks_like_hub_id
 from pagedserve.common.model_files import ModelSource, load_hf_config, resolve_model
+from pagedserve.common.quantization import (QUANTIZATION_CHOICES, QuantSpec, checkpoint_quant_spec,
+                                            resolve_quantization)
 from pagedserve.common.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ class ModelConfig:
     # From generation_config.json (--generation-config): defaults for unset request fields, extra EOS ids.
     default_sampling: dict = field(default_factory=dict, compare=False)
     generation_eos_token_ids: tuple[int, ...] = ()
+    quantization: QuantSpec | None = None   # resolved from --quantization and the checkpoint; None: float
 
     @property
     def num_layers(self) -> int:
@@ -144,6 +147,12 @@ class EngineArgs:
                               "checkpoint's dtype, as vLLM (float32 checkpoints run in bfloat16), on CPU "
                               "bfloat16 where the CPU has native bf16, else float32")
     device: str = setting("auto", choices=DEVICES, help="where the model runs; auto: CUDA if available")
+    quantization: str | None = setting(
+        None, aliases=("-q",), choices=QUANTIZATION_CHOICES,
+        help="weight quantization (unset: the checkpoint's own: a GGUF file's blocks stay quantized, an "
+             "AWQ/GPTQ/fp8 checkpoint's quantization_config is followed); int8: weight-only per output "
+             "channel, at load, CPU and GPU; fp8: e4m3 weights at load, GPU; none: a GGUF file is "
+             "dequantized at load")
     # Accepted so that vLLM launch scripts and LLM(...) calls run unchanged; they change nothing here.
     trust_remote_code: bool = setting(
         False, store_true=True, help="accepted for vLLM compatibility, no effect: models load through "
@@ -209,7 +218,9 @@ class EngineArgs:
             source=source, hf_config=hf_config, dtype=resolve_dtype(self.dtype, device, checkpoint_dtype(hf_config)),
             device=device, max_model_len=max_len, seed=self.seed,
             served_model_name=self.served_model_name or source.name, enforce_eager=self.enforce_eager,
-            tokenizer=tokenizer, default_sampling=gen.sampling, generation_eos_token_ids=gen.eos_token_ids)
+            tokenizer=tokenizer, default_sampling=gen.sampling, generation_eos_token_ids=gen.eos_token_ids,
+            quantization=resolve_quantization(self.quantization, checkpoint_quant_spec(hf_config),
+                                              source.format == "gguf"))
         cache = CacheConfig(
             block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,

@@ -15,6 +15,7 @@ from pagedserve.common.model_files import embedded_model_path
 from pagedserve.executor.model.model_loader import _tensor_reader, reverse_permute
 from pagedserve.executor.model.quant.gguf_blocks import (GGUF_QUANT_TYPES, decode_gguf_tensor,
                                                          reverse_permute_rows)
+from pagedserve.tests.helpers.gguf_blocks import random_k_blocks as _random_k_blocks
 
 _EXPECTED = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32), "Q4_K": (4, 32), "Q5_K": (5, 32), "Q6_K": (6, 16)}
 
@@ -27,22 +28,6 @@ def _check_matches_reference(data: np.ndarray, qtype: T, shape: tuple[int, int])
     assert w.scale.dtype == w.offset.dtype == torch.float32
     reference = torch.from_numpy(dequantize(data, qtype).reshape(shape))
     assert torch.equal(w.dequantize(), reference)
-
-
-def _random_f16(rng: np.random.Generator, n: int) -> np.ndarray:
-    """Finite positive block scales spanning a few decades, as f16 bytes [n, 2]."""
-    return (10.0 ** rng.uniform(-4, 0, (n, 1))).astype(np.float16).view(np.uint8)
-
-
-def _random_k_blocks(qtype: T, n: int, seed: int) -> np.ndarray:
-    """K-quant blocks with every code/scale byte random (the gguf package has no K-quant quantizer)."""
-    rng = np.random.default_rng(seed)
-    raw = lambda k: rng.integers(0, 256, (n, k), dtype=np.uint8)   # noqa: E731
-    if qtype == T.Q4_K:        # d | dmin | scales | qs
-        return np.concatenate([_random_f16(rng, n), _random_f16(rng, n), raw(12), raw(128)], axis=1)
-    if qtype == T.Q5_K:        # d | dmin | scales | qh | qs
-        return np.concatenate([_random_f16(rng, n), _random_f16(rng, n), raw(12), raw(32), raw(128)], axis=1)
-    return np.concatenate([raw(128), raw(64), raw(16), _random_f16(rng, n)], axis=1)   # Q6_K: ql|qh|sc|d
 
 
 @pytest.fixture(scope="module")

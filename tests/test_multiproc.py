@@ -81,9 +81,9 @@ def test_tp_divisibility_refused_with_message(smollm2_path):
 def test_smollm2_tp3_matches_tp1(smollm2_path):
     prompts = random_prompts(4, [12, 70, 33], 49152)
     params = SamplingParams(temperature=0.0, max_tokens=8)
-    with LLM(smollm2_path, dtype="float32", max_model_len=256) as llm:
+    with LLM(smollm2_path, dtype="float32", max_model_len=256, quantization="none") as llm:
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    with LLM(smollm2_path, dtype="float32", max_model_len=256, tensor_parallel_size=3) as llm:
+    with LLM(smollm2_path, dtype="float32", max_model_len=256, quantization="none", tensor_parallel_size=3) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
 

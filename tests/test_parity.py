@@ -48,11 +48,12 @@ class ParitySuite:
     """Shared cases; subclasses bind a model path and its HF reference."""
     model_fixture = ""
     hf_fixture = ""
+    engine_kwargs: dict = {}
 
     @pytest.mark.parametrize("name", list(CONFIGS))
     def test_batch_parity(self, setup, name):
         path, prompts, expected, _, _ = setup
-        llm = LLM(path, dtype="float32", **CONFIGS[name])
+        llm = LLM(path, dtype="float32", **self.engine_kwargs, **CONFIGS[name])
         check(llm, prompts, expected)
         if name == "preempt":
             assert llm.engine.scheduler.num_preemptions > 0
@@ -61,7 +62,7 @@ class ParitySuite:
 
     def test_prefix_cache_parity(self, setup):
         path, _, _, shared, expected = setup
-        llm = LLM(path, dtype="float32", max_num_batched_tokens=256)
+        llm = LLM(path, dtype="float32", max_num_batched_tokens=256, **self.engine_kwargs)
         check(llm, shared[:1], expected[:1])          # warm the cache with the first prompt
         check(llm, shared, expected)
         stats = llm.engine.kv_cache_manager.prefix_stats
@@ -77,3 +78,6 @@ class TestTinyLlama(ParitySuite):
 class TestSmolLM2(ParitySuite):
     model_fixture = "smollm2_path"
     hf_fixture = "hf_smollm2"
+    # HF dequantizes the GGUF at load; so must we, to compare token for token (test_quantized_model.py
+    # checks the kept-quantized default against this dequantized model).
+    engine_kwargs = {"quantization": "none"}

@@ -1,7 +1,10 @@
 """Build a model on its device and stream its weights in, one tensor at a time.
 
-Sources: an HF folder (*.safetensors, sharded or not; *.bin as a fallback) or a GGUF file
-(dequantized to float32 tensor by tensor, renamed to HF names, Q/K rows un-permuted).
+Sources: an HF folder (*.safetensors, sharded or not; *.bin as a fallback; AWQ/GPTQ parts gathered into one
+quantized weight per linear) or a GGUF file (renamed to HF names, Q/K rows un-permuted; quantized blocks
+decoded to GroupQuantWeight and kept quantized, or dequantized to float32 with `--quantization none`).
+With a quantization method the layers collect their pieces and pack them for their kernels at the end
+(executor/model/quant/packing.py).
 """
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ from tqdm.auto import tqdm
 from pagedserve.common.config import ModelConfig
 from pagedserve.executor.model.models import get_model_class
 from pagedserve.executor.model.parallel_state import TPGroup
+from pagedserve.executor.model.quant.awq_gptq import combine_quantized_tensors
+from pagedserve.executor.model.quant.gguf_blocks import GGUF_QUANT_TYPES, decode_gguf_tensor, reverse_permute_rows
+from pagedserve.executor.model.quant.loading import PACKED_METHODS, begin_packed, finish_packed, num_weights, weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -48,16 +54,25 @@ def load_model(model_config: ModelConfig, tp: TPGroup) -> nn.Module:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {model_config.dtype!r}")
     cls = get_model_class(model_config.hf_config)
     start = time.perf_counter()
+    dtype = _DTYPES[model_config.dtype]
     # Parameters are allocated directly on the target device in the target dtype: no CPU fp32 detour.
-    with torch.device(model_config.device), _default_dtype(_DTYPES[model_config.dtype]):
+    # (A quantized layer's dense weight is allocated but never written, so it never takes memory.)
+    with torch.device(model_config.device), _default_dtype(dtype):
         model = cls(model_config.hf_config, tp)
+    method = model_config.quantization.method if model_config.quantization else None
+    if method in PACKED_METHODS:
+        begin_packed(model)
     weights, count = open_weights(model_config)
     progress = tqdm(weights, total=count or None, desc="Loading weights", unit="tensor",
                     disable=tp.rank != 0, leave=False)
     loaded = model.load_weights(progress)
     _check_complete(model.expected_weights() - loaded, model_config.source.path)
-    logger.info("loaded %s (%s, %s) on rank %d in %.1f s", model_config.source.name, cls.__name__,
-                model_config.dtype, tp.rank, time.perf_counter() - start)
+    if method in PACKED_METHODS:
+        finish_packed(model, method, torch.device(model_config.device), dtype)
+    nbytes, count = weight_bytes(model), num_weights(model)
+    logger.info("loaded %s (%s, %s, %s) on rank %d in %.1f s: weights %.1f MiB, %.2f bits per weight",
+                model_config.source.name, cls.__name__, model_config.dtype, method or "unquantized", tp.rank,
+                time.perf_counter() - start, nbytes / 2**20, 8 * nbytes / max(count, 1))
     return model.eval()
 
 
@@ -73,8 +88,10 @@ def open_weights(model_config: ModelConfig) -> tuple[Weights, int]:
     """(iterator of (HF name, tensor), number of tensors or 0 if unknown) for the model's source."""
     source = model_config.source
     if source.format == "gguf":
-        return gguf_weights(source.path, model_config.hf_config)
-    return hf_weights(source.path)
+        keep = model_config.quantization is not None and model_config.quantization.method == "gguf"
+        return gguf_weights(source.path, model_config.hf_config, keep_quantized=keep)
+    weights, count = hf_weights(source.path)
+    return combine_quantized_tensors(weights, model_config.quantization), count
 
 
 # ---------------------------------------------------------------- HF folders
@@ -202,12 +219,12 @@ def _tensor_reader(path: str) -> Any:
     return TensorReader(path)
 
 
-def gguf_weights(path: str, hf_config: Any) -> tuple[Weights, int]:
+def gguf_weights(path: str, hf_config: Any, keep_quantized: bool = False) -> tuple[Weights, int]:
     reader = _tensor_reader(path)        # memory-mapped: nothing is read until a tensor is touched
-    return _gguf_iter(reader, hf_config), len(reader.tensors)
+    return _gguf_iter(reader, hf_config, keep_quantized), len(reader.tensors)
 
 
-def _gguf_iter(reader: Any, hf_config: Any) -> Weights:
+def _gguf_iter(reader: Any, hf_config: Any, keep_quantized: bool) -> Weights:
     from gguf.quants import dequantize
     permuted = getattr(hf_config, "model_type", None) in _PERMUTED_ARCHS
     heads = hf_config.num_attention_heads
@@ -216,6 +233,15 @@ def _gguf_iter(reader: Any, hf_config: Any) -> Weights:
         name = gguf_to_hf_name(tensor.name)
         if name is None:
             logger.debug("skipping GGUF tensor %s (no HF counterpart)", tensor.name)
+            continue
+        if keep_quantized and tensor.tensor_type.name in GGUF_QUANT_TYPES and len(tensor.shape) == 2:
+            qweight = decode_gguf_tensor(tensor.data, tensor.tensor_type,
+                                         (int(tensor.shape[1]), int(tensor.shape[0])))
+            if permuted and ".self_attn.q_proj." in name:
+                qweight = reverse_permute_rows(qweight, heads)
+            elif permuted and ".self_attn.k_proj." in name:
+                qweight = reverse_permute_rows(qweight, kv_heads)
+            yield name, qweight
             continue
         weight = dequantize(tensor.data, tensor.tensor_type)
         # GGUF lists dimensions innermost first; torch wants them outermost first.
