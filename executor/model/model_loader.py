@@ -23,6 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from pagedserve.common.config import ModelConfig
+from pagedserve.executor.model.layers.rotary import engine_max_model_len
 from pagedserve.executor.model.models import get_model_class
 from pagedserve.executor.model.parallel_state import TPGroup
 
@@ -49,7 +50,8 @@ def load_model(model_config: ModelConfig, tp: TPGroup) -> nn.Module:
     cls = get_model_class(model_config.hf_config)
     start = time.perf_counter()
     # Parameters are allocated directly on the target device in the target dtype: no CPU fp32 detour.
-    with torch.device(model_config.device), _default_dtype(_DTYPES[model_config.dtype]):
+    with torch.device(model_config.device), _default_dtype(_DTYPES[model_config.dtype]), \
+            engine_max_model_len(model_config.max_model_len):       # hook: longrope picks its factors by it
         model = cls(model_config.hf_config, tp)
     weights, count = open_weights(model_config)
     progress = tqdm(weights, total=count or None, desc="Loading weights", unit="tensor",

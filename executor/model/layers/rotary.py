@@ -4,6 +4,9 @@ The scaling variants (linear, llama3, yarn, dynamic NTK, longrope) live in rope_
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -11,6 +14,20 @@ from torch import nn
 
 from pagedserve.common.model_files import rope_max_positions, rope_settings
 from pagedserve.executor.model.layers.rope_scaling import scaled_inv_freq
+
+
+# The engine's max_model_len while the loader builds a model: longrope picks its factors by it, and the model
+# classes keep their (hf_config, tp) constructors.
+_MAX_MODEL_LEN: ContextVar[int | None] = ContextVar("rope_max_model_len", default=None)
+
+
+@contextmanager
+def engine_max_model_len(max_model_len: int) -> Iterator[None]:
+    token = _MAX_MODEL_LEN.set(max_model_len)
+    try:
+        yield
+    finally:
+        _MAX_MODEL_LEN.reset(token)
 
 
 class RotaryEmbedding(nn.Module):
@@ -40,12 +57,13 @@ class RotaryEmbedding(nn.Module):
 
 
 def get_rope(hf_config: Any, head_dim: int, max_model_len: int | None = None) -> RotaryEmbedding:
-    """The model's rotary embedding. max_model_len (default: the longest the config allows) only matters for
-    longrope, which picks its short or long factors from it (see rope_scaling.longrope)."""
+    """The model's rotary embedding. max_model_len (default: the engine's, under engine_max_model_len, else the
+    longest the config allows) only matters for longrope: it picks the short or long factors (rope_scaling)."""
     theta, scaling = rope_settings(hf_config)
     partial = float((scaling or {}).get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)))
     if partial != 1.0:
         raise ValueError(f"rope_scaling: partial_rotary_factor={partial} is not supported")
     positions = rope_max_positions(hf_config)
-    inv_freq, attention_factor = scaled_inv_freq(head_dim, theta, scaling, hf_config, max_model_len or positions)
+    max_model_len = max_model_len or _MAX_MODEL_LEN.get() or positions
+    inv_freq, attention_factor = scaled_inv_freq(head_dim, theta, scaling, hf_config, max_model_len)
     return RotaryEmbedding(head_dim, positions, inv_freq, attention_factor)

@@ -7,12 +7,14 @@ from torch import nn
 
 from pagedserve.executor.model.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                               Qwen3ForCausalLM)
+from pagedserve.executor.model.models.phi3 import Phi3ForCausalLM
 
 _BY_ARCHITECTURE: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 # Configs built from GGUF metadata carry no `architectures`, only `model_type`.
 _BY_MODEL_TYPE: dict[str, type[nn.Module]] = {
