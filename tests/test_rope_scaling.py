@@ -154,3 +154,18 @@ def test_unknown_rope_type_names_the_supported_ones():
     config.rope_parameters = {"rope_type": "fancy", "rope_theta": 10000.0}
     with pytest.raises(ValueError, match="'fancy' is not supported.*yarn.*dynamic.*longrope"):
         get_rope(config, HEAD_DIM)
+
+
+def test_max_model_len_reaches_the_scaled_length():
+    """YaRN and dynamic NTK configs keep the pre-training length in max_position_embeddings: as vLLM, the
+    engine may serve up to that length times the factor (our table covers it), and no further."""
+    from pagedserve.common.config import _resolve_max_model_len
+    yarn = _qwen2(max_position_embeddings=ORIGINAL, rope_scaling=dict(YARN_CASES["qwen2.5_style"]))
+    assert _resolve_max_model_len(None, yarn) == 4 * ORIGINAL
+    assert get_rope(yarn, HEAD_DIM).cos_cache.shape == (4 * ORIGINAL, HEAD_DIM)
+    with pytest.raises(ValueError, match="max_model_len"):
+        _resolve_max_model_len(4 * ORIGINAL + 1, yarn)
+    plain = _llama(max_position_embeddings=ORIGINAL)
+    assert _resolve_max_model_len(None, plain) == ORIGINAL
+    with pytest.raises(ValueError, match="max_model_len"):
+        _resolve_max_model_len(ORIGINAL + 1, plain)
