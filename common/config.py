@@ -11,7 +11,7 @@ from pagedserve.common.arg_utils import setting
 from pagedserve.common.dtype import DTYPE_CHOICES, checkpoint_dtype, resolve_dtype
 from pagedserve.common.generation_config import AUTO, check_setting, load_generation_defaults
 from pagedserve.common.hub import TOKENIZER_FILES, local_or_hub_path, looks_like_hub_id
-from pagedserve.common.model_files import ModelSource, load_hf_config, resolve_model
+from pagedserve.common.model_files import ModelSource, load_hf_config, resolve_model, rope_max_positions
 from pagedserve.common.quantization import (QUANTIZATION_CHOICES, QuantSpec, checkpoint_quant_spec,
                                             resolve_quantization)
 from pagedserve.common.reasoning import REASONING_PARSERS
@@ -317,11 +317,14 @@ def _resolve_device(device: str) -> str:
 
 
 def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None)
+    if getattr(hf_config, "max_position_embeddings", None) is None:
+        return requested or 2048
+    limit = rope_max_positions(hf_config)      # max_position_embeddings, extended by YaRN / dynamic NTK
     if requested is None:
-        return int(limit or 2048)
-    if limit is not None and requested > limit:
-        raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings ({limit})")
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len ({requested}) exceeds the model's maximum length ({limit}: "
+                         "max_position_embeddings, times the rope scaling factor for yarn and dynamic)")
     return requested
 
 

@@ -166,6 +166,26 @@ def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     return theta, None
 
 
+def rope_max_positions(hf_config: Any) -> int:
+    """The longest sequence the model's rotary embedding addresses.
+
+    As vLLM: YaRN extends original_max_position_embeddings by `factor` and dynamic NTK extends
+    max_position_embeddings by it (their configs keep the pre-training length there); other kinds
+    (llama3, longrope: already the extended length) stay at max_position_embeddings.
+    """
+    limit = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+    _, scaling = rope_settings(hf_config)
+    if not scaling or scaling.get("factor") is None:
+        return limit
+    kind, factor = scaling.get("rope_type", scaling.get("type")), float(scaling["factor"])
+    if kind == "yarn":
+        original = scaling.get("original_max_position_embeddings") or limit
+        return max(limit, int(int(original) * factor))
+    if kind == "dynamic":
+        return int(limit * factor)
+    return limit
+
+
 def cache_root() -> str:
     return os.environ.get("PAGEDSERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve"))
 

@@ -26,6 +26,10 @@ TINY_CASES: dict[str, tuple[str, dict]] = {
     "llama_gqa": ("llama", {}),
     "llama3_rope": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
     "llama_linear_rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    # Qwen2.5's long-context layout; original 32 puts the 16-dim heads' frequencies on both sides of the ramp.
+    "qwen2_yarn_rope": ("qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 32},
+                                  "max_position_embeddings": 32}),
     "mistral": ("mistral", {}),
     "qwen2_bias_tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {"head_dim": 32}),        # head_dim != hidden / heads
@@ -134,6 +138,10 @@ TP_CASES: dict[str, tuple[str, dict]] = {
     "kv_replicated_4h_1kv_odd_vocab_tied": ("llama", {"num_key_value_heads": 1, "vocab_size": 509,
                                                       "tie_word_embeddings": True}),
     "qwen2_bias": ("qwen2", {}),
+    "phi3_fused_longrope": ("phi3", {"pad_token_id": 0, "sliding_window": None, "max_position_embeddings": 256,
+                                     "original_max_position_embeddings": 16,
+                                     "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
+                                                      "long_factor": [1.0 + i for i in range(8)]}}),
 }
 TP_TIMEOUT_S = 180
 

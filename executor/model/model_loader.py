@@ -26,6 +26,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from pagedserve.common.config import ModelConfig
+from pagedserve.executor.model.layers.rotary import engine_max_model_len
 from pagedserve.executor.model.models import get_model_class
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.executor.model.quant.awq_gptq import combine_quantized_tensors
@@ -57,7 +58,8 @@ def load_model(model_config: ModelConfig, tp: TPGroup) -> nn.Module:
     dtype = _DTYPES[model_config.dtype]
     # Parameters are allocated directly on the target device in the target dtype: no CPU fp32 detour.
     # (A quantized layer's dense weight is allocated but never written, so it never takes memory.)
-    with torch.device(model_config.device), _default_dtype(dtype):
+    with torch.device(model_config.device), _default_dtype(dtype), \
+            engine_max_model_len(model_config.max_model_len):       # hook: longrope picks its factors by it
         model = cls(model_config.hf_config, tp)
     method = model_config.quantization.method if model_config.quantization else None
     if method in PACKED_METHODS:

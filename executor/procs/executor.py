@@ -11,6 +11,10 @@ from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
 class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # An unsupported checkpoint is the user's error: one line naming what is supported, raised in the
+        # engine core before any worker starts or weight is read (the registry imports no torch).
+        from pagedserve.executor.model.models import resolve_architecture
+        resolve_architecture(config.model.hf_config)
 
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:

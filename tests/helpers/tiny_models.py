@@ -21,7 +21,8 @@ _DEFAULTS: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_attent
 def _config_class(arch: str) -> Any:
     import transformers
     classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-               "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+               "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+               "phi3": transformers.Phi3Config}
     if arch not in classes:
         raise ValueError(f"arch must be one of {sorted(classes)}, got {arch!r}")
     return classes[arch]

@@ -1,41 +1,33 @@
-"""Rotary position embedding (neox / rotate-half layout) with default, linear and llama3 scaling."""
+"""Rotary position embedding (neox / rotate-half layout): cos/sin tables for every position.
+
+The scaling variants (linear, llama3, yarn, dynamic NTK, longrope) live in rope_scaling.py.
+"""
 from __future__ import annotations
 
-import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 from torch import nn
 
-from pagedserve.common.model_files import rope_settings
+from pagedserve.common.model_files import rope_max_positions, rope_settings
+from pagedserve.executor.model.layers.rope_scaling import scaled_inv_freq
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    # Same arithmetic, in the same order, as transformers' _compute_llama3_parameters.
-    factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+# The engine's max_model_len while the loader builds a model: longrope picks its factors by it, and the model
+# classes keep their (hf_config, tp) constructors.
+_MAX_MODEL_LEN: ContextVar[int | None] = ContextVar("rope_max_model_len", default=None)
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """float32 [head_dim // 2] inverse frequencies after scaling."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
-    kind = "default" if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"rope_scaling: rope_type {kind!r} is not supported (default, linear, llama3)")
+@contextmanager
+def engine_max_model_len(max_model_len: int) -> Iterator[None]:
+    token = _MAX_MODEL_LEN.set(max_model_len)
+    try:
+        yield
+    finally:
+        _MAX_MODEL_LEN.reset(token)
 
 
 class RotaryEmbedding(nn.Module):
@@ -44,15 +36,18 @@ class RotaryEmbedding(nn.Module):
     One instance serves all layers: the model looks up cos/sin once per forward.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None = None) -> None:
+    def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor,
+                 attention_factor: float = 1.0) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        # YaRN / longrope scale cos and sin (transformers' `attention_scaling`), in float32 like transformers.
+        cos, sin = emb.cos(), emb.sin()
+        if attention_factor != 1.0:
+            cos, sin = cos * attention_factor, sin * attention_factor
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """([T, 1, D], [T, 1, D]) for positions [T], cast to dtype as transformers does."""
@@ -61,9 +56,14 @@ class RotaryEmbedding(nn.Module):
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
-def get_rope(hf_config: Any, head_dim: int) -> RotaryEmbedding:
+def get_rope(hf_config: Any, head_dim: int, max_model_len: int | None = None) -> RotaryEmbedding:
+    """The model's rotary embedding. max_model_len (default: the engine's, under engine_max_model_len, else the
+    longest the config allows) only matters for longrope: it picks the short or long factors (rope_scaling)."""
     theta, scaling = rope_settings(hf_config)
-    partial = float((scaling or {}).get("partial_rotary_factor", 1.0))
+    partial = float((scaling or {}).get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)))
     if partial != 1.0:
         raise ValueError(f"rope_scaling: partial_rotary_factor={partial} is not supported")
-    return RotaryEmbedding(head_dim, int(hf_config.max_position_embeddings), theta, scaling)
+    positions = rope_max_positions(hf_config)
+    max_model_len = max_model_len or _MAX_MODEL_LEN.get() or positions
+    inv_freq, attention_factor = scaled_inv_freq(head_dim, theta, scaling, hf_config, max_model_len)
+    return RotaryEmbedding(head_dim, positions, inv_freq, attention_factor)

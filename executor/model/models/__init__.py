@@ -1,39 +1,52 @@
-"""Model registry: HF architecture name -> our implementation."""
+"""Model registry: HF architecture name -> our implementation, imported only when a model is built.
+
+The registry itself imports no torch, so the engine core can reject an unsupported checkpoint at start,
+before any worker process exists (Executor.__init__).
+"""
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
-from pagedserve.executor.model.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-                                              Qwen3ForCausalLM)
-
-_BY_ARCHITECTURE: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+# architecture -> (module under pagedserve.executor.model.models, class name)
+_BY_ARCHITECTURE: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }
 # Configs built from GGUF metadata carry no `architectures`, only `model_type`.
-_BY_MODEL_TYPE: dict[str, type[nn.Module]] = {
-    "llama": LlamaForCausalLM,
-    "mistral": MistralForCausalLM,
-    "qwen2": Qwen2ForCausalLM,
-    "qwen3": Qwen3ForCausalLM,
+_BY_MODEL_TYPE: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
+
+
+def supported_architectures() -> list[str]:
+    return list(_BY_ARCHITECTURE)
+
+
+def resolve_architecture(hf_config: Any) -> str:
+    """The registered architecture for the config, or ValueError naming what is supported (one line)."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if architectures:
+        if architectures[0] not in _BY_ARCHITECTURE:
+            raise ValueError(f"architectures: {architectures[0]!r} is not supported "
+                             f"(supported: {', '.join(_BY_ARCHITECTURE)})")
+        return architectures[0]
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in _BY_MODEL_TYPE:
+        raise ValueError(f"model_type: {model_type!r} is not supported (supported: {', '.join(_BY_MODEL_TYPE)}; "
+                         f"architectures: {', '.join(_BY_ARCHITECTURE)})")
+    return _BY_MODEL_TYPE[model_type]
 
 
 def get_model_class(hf_config: Any) -> type[nn.Module]:
-    architectures = getattr(hf_config, "architectures", None) or []
-    if architectures:
-        cls = _BY_ARCHITECTURE.get(architectures[0])
-        if cls is None:
-            raise ValueError(f"architectures: {architectures[0]!r} is not supported "
-                             f"(supported: {', '.join(_BY_ARCHITECTURE)})")
-        return cls
-    model_type = getattr(hf_config, "model_type", None)
-    cls = _BY_MODEL_TYPE.get(model_type)
-    if cls is None:
-        raise ValueError(f"model_type: {model_type!r} is not supported (supported: {', '.join(_BY_MODEL_TYPE)}; "
-                         f"architectures: {', '.join(_BY_ARCHITECTURE)})")
-    return cls
+    module, name = _BY_ARCHITECTURE[resolve_architecture(hf_config)]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
