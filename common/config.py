@@ -12,8 +12,8 @@ from pagedserve.common.dtype import DTYPE_CHOICES, checkpoint_dtype, resolve_dty
 from pagedserve.common.generation_config import AUTO, check_setting, load_generation_defaults
 from pagedserve.common.hub import TOKENIZER_FILES, local_or_hub_path, looks_like_hub_id
 from pagedserve.common.model_files import ModelSource, load_hf_config, resolve_model, rope_max_positions
-from pagedserve.common.quantization import (QUANTIZATION_CHOICES, QuantSpec, checkpoint_quant_spec,
-                                            resolve_quantization)
+from pagedserve.common.quantization import (QUANTIZATION_CHOICES, WEIGHT_ONLY_METHODS, QuantSpec,
+                                            checkpoint_quant_spec, resolve_quantization)
 from pagedserve.common.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -145,7 +145,8 @@ class EngineArgs:
     dtype: str = setting("auto", choices=DTYPES,
                          help="weights and activations (half = float16, float = float32); auto: on CUDA the "
                               "checkpoint's dtype, as vLLM (float32 checkpoints run in bfloat16), on CPU "
-                              "bfloat16 where the CPU has native bf16, else float32")
+                              "bfloat16 where the CPU has native bf16, else float32, and float32 for int4/int8 "
+                              "weights (their kernels round activations to bfloat16 themselves)")
     device: str = setting("auto", choices=DEVICES, help="where the model runs; auto: CUDA if available")
     quantization: str | None = setting(
         None, aliases=("-q",), choices=QUANTIZATION_CHOICES,
@@ -214,13 +215,16 @@ class EngineArgs:
         gen = load_generation_defaults(self.generation_config, source.path if source.format == "hf" else None)
         device = _resolve_device(self.device)
         max_len = _resolve_max_model_len(self.max_model_len, hf_config)
+        quantization = resolve_quantization(self.quantization, checkpoint_quant_spec(hf_config),
+                                            source.format == "gguf")
+        weight_only = quantization is not None and quantization.method in WEIGHT_ONLY_METHODS
+        dtype = resolve_dtype(self.dtype, device, checkpoint_dtype(hf_config), weight_only_quantized=weight_only)
         model = ModelConfig(
-            source=source, hf_config=hf_config, dtype=resolve_dtype(self.dtype, device, checkpoint_dtype(hf_config)),
+            source=source, hf_config=hf_config, dtype=dtype,
             device=device, max_model_len=max_len, seed=self.seed,
             served_model_name=self.served_model_name or source.name, enforce_eager=self.enforce_eager,
             tokenizer=tokenizer, default_sampling=gen.sampling, generation_eos_token_ids=gen.eos_token_ids,
-            quantization=resolve_quantization(self.quantization, checkpoint_quant_spec(hf_config),
-                                              source.format == "gguf"))
+            quantization=quantization)
         cache = CacheConfig(
             block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,

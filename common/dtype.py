@@ -19,12 +19,13 @@ def checkpoint_dtype(hf_config: Any) -> str | None:
 
 
 def resolve_dtype(requested: str, device: str, config_dtype: str | None,
-                  cpu_native_bf16: bool | None = None) -> str:
+                  cpu_native_bf16: bool | None = None, weight_only_quantized: bool = False) -> str:
     """The dtype to run in: "float32" | "bfloat16" | "float16".
 
     auto on CUDA follows the checkpoint, as vLLM does: float16 and bfloat16 checkpoints keep their dtype,
     float32 ones (or a config that names none) run in bfloat16. auto on CPU: bfloat16 where the CPU has it
-    natively, else float32 (see below). cpu_native_bf16: None reads /proc/cpuinfo.
+    natively, else float32 (see below). cpu_native_bf16: None reads /proc/cpuinfo. weight_only_quantized
+    (int4/int8 weights on CPU): float32, whatever the CPU (see below).
     """
     if requested not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {requested!r}")
@@ -32,6 +33,12 @@ def resolve_dtype(requested: str, device: str, config_dtype: str | None,
         return _ALIASES.get(requested, requested)
     if device == "cuda":
         return config_dtype if config_dtype in ("float16", "bfloat16") else "bfloat16"
+    if weight_only_quantized:
+        # The weight-only kernels take bfloat16 activations either way (kernels/weight_only.py), so the
+        # dtype only decides the rest (norms, rotary, attention, the residual stream): in float32 the
+        # embedded Q4_1 model gave the dequantized model's greedy tokens on 8 of 8 chat prompts, in
+        # bfloat16 on 4 (tests/test_quantized_model.py), and batch-1 speed was the same.
+        return "float32"
     if cpu_native_bf16 is None:
         cpu_native_bf16 = _cpu_has_native_bf16()
     # Without AMX or AVX512-BF16 torch emulates bf16: measured on such a CPU, bf16 matmuls ran at
