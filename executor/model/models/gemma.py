@@ -8,6 +8,7 @@ gives its sliding layers their own RoPE base.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -29,6 +30,13 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 def _head_dim(cfg: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+@functools.cache
+def _in_dtype(value: float, dtype: torch.dtype) -> float:
+    """value rounded to dtype, as transformers scales the embedding (sqrt(3072) becomes 55.5 in bf16); a Python
+    float, so no tensor is made per step (CUDA graphs) and the product rounds like HF's dtype-by-dtype one."""
+    return float(torch.tensor(value, dtype=dtype))
 
 
 class GemmaRMSNorm(nn.Module):
@@ -151,8 +159,7 @@ class GemmaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        # The scale is rounded to the model dtype first, as transformers does (sqrt(3072) becomes 55.5 in bf16).
-        h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        h = h * _in_dtype(self.embed_scale, h.dtype)
         ropes = {kind: rope.cos_sin(positions, h.dtype) for kind, rope in self.ropes.items()}
         for layer in self.layers:
             h = layer(h, ropes[layer.kind], meta)
@@ -167,6 +174,8 @@ class _GemmaForCausalLM(nn.Module):
         self.config = hf_config
         if any(kind == SLIDING for kind in layer_types(hf_config)) and not hf_config.sliding_window:
             raise ValueError("sliding_window: sliding layers need a positive window")
+        if getattr(hf_config, "use_bidirectional_attention", False):      # EmbeddingGemma, not a causal LM
+            raise ValueError("use_bidirectional_attention: only causal Gemma models are supported")
         self.model = GemmaModel(hf_config, tp, self.qk_norm, self.ropes(hf_config))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", True))
