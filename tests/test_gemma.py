@@ -9,7 +9,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.executor.model.model_loader import load_model
-from pagedserve.executor.model.models.gemma import FULL, SLIDING, layer_types
+from pagedserve.executor.model.models.gemma import FULL, SLIDING, gemma3_ropes, layer_types
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model, prefill_logits, random_prompts
 from pagedserve.tests.test_model import _tp_worker, free_port, hf_model, model_config
@@ -89,6 +89,25 @@ def test_layer_types_older_config_fields():
     assert layer_types(g2) == [SLIDING, FULL, SLIDING]
     with pytest.raises(ValueError, match="layer_types"):
         layer_types(SimpleNamespace(model_type="gemma2", num_hidden_layers=2, layer_types=["sliding_attention"]))
+
+
+def test_gemma3_ropes_from_flat_and_nested_configs():
+    """transformers 4.x (rope_theta, rope_local_base_freq, rope_scaling for global layers) and 5.x
+    (rope_parameters per layer kind) spell the same RoPEs."""
+    from types import SimpleNamespace
+    flat = SimpleNamespace(max_position_embeddings=64, rope_theta=1e6, rope_local_base_freq=1e4,
+                           rope_scaling={"rope_type": "linear", "factor": 8.0})
+    nested = SimpleNamespace(max_position_embeddings=64, rope_parameters={
+        FULL: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        SLIDING: {"rope_type": "default", "rope_theta": 1e4}})
+    a, b = gemma3_ropes(flat, 16), gemma3_ropes(nested, 16)
+    for kind in (SLIDING, FULL):
+        torch.testing.assert_close(a[kind].cos_cache, b[kind].cos_cache, rtol=0, atol=0)
+    pos = torch.arange(64, dtype=torch.float32)[:, None]
+    exponents = torch.arange(0, 16, 2) / 16
+    local, full = 1.0 / 1e4 ** exponents, 1.0 / 1e6 ** exponents / 8.0      # linear scaling: positions / 8
+    torch.testing.assert_close(a[SLIDING].cos_cache[:, :8], (pos * local).cos())
+    torch.testing.assert_close(a[FULL].cos_cache[:, :8], (pos * full).cos())
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
