@@ -56,11 +56,14 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """window: keys at positions > query position - window only (None: global); softcap: tanh capping."""
     if use_triton(query):
         from pagedserve.kernels import triton_attention
-        return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale)
-    return reference.paged_attention(query, k_cache, v_cache, meta, scale)
+        return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale, window=window,
+                                                softcap=softcap)
+    return reference.paged_attention(query, k_cache, v_cache, meta, scale, window, softcap)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -29,21 +29,27 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of query [T, Hq, D] over each sequence's paged context; returns [T, Hq, D]."""
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of query [T, Hq, D] over each sequence's paged context; returns [T, Hq, D].
+
+    window: a query at position p sees only keys at positions > p - window (None: all earlier keys).
+    softcap: scores become tanh(scores / softcap) * softcap before the softmax (Gemma 2).
+    """
     out = torch.empty_like(query)
     # Decodes in groups: each group gathers its context padded only to its own longest member
     # (the runner sorts decodes by length, so groups are tight).
     for lo in range(0, meta.num_decodes, DECODE_GROUP):
         hi = min(lo + DECODE_GROUP, meta.num_decodes)
         out[lo:hi] = _decode_attention(query[lo:hi], k_cache, v_cache, meta.block_tables[lo:hi],
-                                       meta.seq_lens[lo:hi], max(meta.seq_lens_cpu[lo:hi]), scale)
+                                       meta.seq_lens[lo:hi], max(meta.seq_lens_cpu[lo:hi]), scale,
+                                       window, softcap)
     starts = meta.query_start_loc_cpu
     for i in range(meta.num_decodes, meta.num_seqs):
         lo, hi = starts[i], starts[i + 1]
         if hi > lo:
             out[lo:hi] = _prefill_attention(query[lo:hi], k_cache, v_cache, meta.block_tables[i:i + 1],
-                                            meta.seq_lens_cpu[i], scale)
+                                            meta.seq_lens_cpu[i], scale, window, softcap)
     return out
 
 
@@ -62,7 +68,7 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int)
 
 def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-                      scale: float) -> torch.Tensor:
+                      scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -70,13 +76,17 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     values = gather_context(v_cache, block_tables, max_len).transpose(0, 1)
     # GQA without repeating K/V: the query heads of one KV head become that head's query rows.
     q = query.view(batch, num_kv_heads, group, head_dim).to(keys.dtype)
-    mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
+    key_pos = torch.arange(max_len, device=query.device)[None, :]
+    mask = key_pos < seq_lens[:, None]
+    if window is not None:      # the query sits at seq_len - 1
+        mask = mask & (key_pos > seq_lens[:, None] - 1 - window)
+    out = _attend(q, keys, values, mask[:, None, None, :], scale, softcap)
     return out.reshape(batch, num_heads, head_dim).to(query.dtype)
 
 
 def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+                       block_table: torch.Tensor, seq_len: int, scale: float, window: int | None = None,
+                       softcap: float | None = None) -> torch.Tensor:
     qlen, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -86,10 +96,24 @@ def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q = q.reshape(num_kv_heads, group * qlen, head_dim).to(keys.dtype)
     # Query row i sits at absolute position seq_len - qlen + i and sees keys up to it.
     q_pos = torch.arange(seq_len - qlen, seq_len, device=query.device).repeat(group)
-    mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    key_pos = torch.arange(seq_len, device=query.device)[None, :]
+    mask = key_pos <= q_pos[:, None]
+    if window is not None:
+        mask = mask & (key_pos > q_pos[:, None] - window)
+    out = _attend(q, keys, values, mask, scale, softcap)
     out = out.view(num_kv_heads, group, qlen, head_dim).permute(2, 0, 1, 3)
     return out.reshape(qlen, num_heads, head_dim).to(query.dtype)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """softmax(mask(q @ k^T * scale)) @ v; SDPA has no soft-capping, so capped scores are formed by hand."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), values)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

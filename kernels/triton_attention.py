@@ -6,6 +6,10 @@ context through its block table in tiles of TILE tokens with an online softmax. 
 per-step host metadata: program i finds its sequence by binary search over query_start_loc, so the
 same launch works for any mix and inside a CUDA graph.
 
+Sliding window (WINDOW > 0): a row at position p sees keys > p - WINDOW only, and a program starts at the
+first tile its earliest row can see, so a long context costs only the window. SOFTCAP > 0 caps the scaled
+scores as tanh(s / SOFTCAP) * SOFTCAP (Gemma 2).
+
 Split-KV (flash-decoding): with NUM_SPLITS > 1 every program covers one slice of the context and
 writes an unnormalised partial result; a second kernel merges the slices. Small decode batches use
 it so that long contexts still occupy every multiprocessor.
@@ -37,11 +41,11 @@ def _find_seq(query_start_loc, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        part_out, part_max, part_sum, scale, num_seqs,
+        part_out, part_max, part_sum, scale, num_seqs, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt,
         NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -66,10 +70,13 @@ def _paged_attention_kernel(
 
     # Causal: this q-block needs keys up to its last token's position.
     kv_end = context + tl.minimum((local + 1) * BLOCK_Q, q_len)
-    num_tiles = tl.cdiv(kv_end, TILE)
+    first_tile = 0
+    if HAS_WINDOW:      # tiles wholly before the window of this q-block's first token are skipped
+        first_tile = tl.maximum(context + local * BLOCK_Q - window + 1, 0) // TILE
+    num_tiles = tl.cdiv(kv_end, TILE) - first_tile
     per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * per_split
-    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    tile_lo = first_tile + split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, first_tile + num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -88,7 +95,12 @@ def _paged_attention_kernel(
         else:
             scores = tl.dot(q, k)
         allowed = row_ok[:, None] & pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-        scores = tl.where(allowed, scores * scale, float("-inf"))
+        if HAS_WINDOW:
+            allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
+        scores = scores * scale
+        if SOFTCAP > 0:     # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates cleanly, no libdevice needed
+            scores = SOFTCAP * (1.0 - 2.0 / (tl.exp(scores * (2.0 / SOFTCAP)) + 1.0))
+        scores = tl.where(allowed, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)    # a row with nothing visible yet
         p = tl.exp(scores - m_use[:, None])
@@ -146,8 +158,12 @@ def _num_splits(meta: AttentionMetadata, num_kv_heads: int) -> int:
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, num_splits: int | None = None) -> torch.Tensor:
-    """query [T, Hq, D] (any row stride, unit dim stride); caches [blocks, Hkv, block_size, D]."""
+                    meta: AttentionMetadata, scale: float, num_splits: int | None = None,
+                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """query [T, Hq, D] (any row stride, unit dim stride); caches [blocks, Hkv, block_size, D].
+
+    window: keys at positions > query position - window only (None: global); softcap: tanh score capping.
+    """
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -167,12 +183,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         part_out = part_max = part_sum = out      # unused
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        part_out, part_max, part_sum, scale, meta.num_seqs,
+        part_out, part_max, part_sum, scale, meta.num_seqs, window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         NUM_HEADS=num_heads, G=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE=64 if head_pad <= 128 else 32, NUM_SPLITS=splits,
-        IEEE=query.dtype == torch.float32, num_warps=4)
+        IEEE=query.dtype == torch.float32, HAS_WINDOW=window is not None, SOFTCAP=float(softcap or 0.0),
+        num_warps=4)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_max, part_sum, out.stride(0), out.stride(1),

@@ -10,15 +10,20 @@ from pagedserve.kernels import reference
 from pagedserve.tests.helpers.attention_cases import make_batch
 
 
-def dense_attention(q, k, v, scale):
-    """q [n, Hq, D] at the last n positions of k/v [L, Hkv, D]; causal."""
+def dense_attention(q, k, v, scale, window=None, softcap=None):
+    """q [n, Hq, D] at the last n positions of k/v [L, Hkv, D]; causal, optionally windowed and soft-capped."""
     n, hq, _ = q.shape
     L, hkv, _ = k.shape
     k = k.repeat_interleave(hq // hkv, dim=1)
     v = v.repeat_interleave(hq // hkv, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     q_pos = torch.arange(L - n, L)[:, None]
-    scores = scores.masked_fill(torch.arange(L)[None, :] > q_pos, float("-inf"))
+    hidden = torch.arange(L)[None, :] > q_pos
+    if window is not None:
+        hidden = hidden | (torch.arange(L)[None, :] <= q_pos - window)
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -42,6 +47,25 @@ def test_paged_attention_matches_dense(block_size, hq, hkv):
         lo, hi = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         want = dense_attention(q[lo:hi], gather(k_cache, tables[i], ctx), gather(v_cache, tables[i], ctx), scale)
         torch.testing.assert_close(out[lo:hi], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,softcap", [(1, None), (5, None), (16, None), (None, 0.5), (7, 2.0)])
+def test_paged_attention_sliding_window_and_softcap(window, softcap):
+    gen = torch.Generator().manual_seed(1)
+    hq, hkv, d, block_size = 6, 2, 16, 4
+    # contexts shorter, equal to and longer than the windows; decodes then prefill chunks
+    seqs = [(3, 1), (7, 1), (16, 1), (40, 1), (12, 12), (30, 9), (21, 2)]
+    k_cache, v_cache, tables, meta = make_batch(seqs, block_size, hkv, d, gen)
+    q = torch.randn(meta.query_start_loc_cpu[-1], hq, d, generator=gen) * 3     # large scores: capping bites
+    scale = 1 / math.sqrt(d)
+    out = reference.paged_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+    plain = reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    for i, (ctx, ql) in enumerate(seqs):
+        lo, hi = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        want = dense_attention(q[lo:hi], gather(k_cache, tables[i], ctx), gather(v_cache, tables[i], ctx), scale,
+                               window, softcap)
+        torch.testing.assert_close(out[lo:hi], want, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(out, plain, atol=1e-3)       # the window / cap changed something
 
 
 def test_write_kv_cache_skips_padding_slots():

@@ -29,16 +29,17 @@ def to_device(meta: AttentionMetadata) -> AttentionMetadata:
                                 for name, value in vars(meta).items()})
 
 
-def run_both(seqs, block_size, hq, hkv, d, seed, num_splits=None, share_prefix=0, dtype=torch.float32):
+def run_both(seqs, block_size, hq, hkv, d, seed, num_splits=None, share_prefix=0, dtype=torch.float32,
+             window=None, softcap=None):
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, _, meta = make_batch(seqs, block_size, hkv, d, gen, dtype, share_prefix)
     # Query as a strided view into a wider buffer, the way the model hands it over (a slice of qkv).
     wide = torch.randn(meta.query_start_loc_cpu[-1], hq + 2, d, generator=gen).to(dtype)
     q = wide[:, :hq]
     scale = 1 / math.sqrt(d)
-    ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale, window, softcap)
     out = triton_attention.paged_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), to_device(meta),
-                                           scale, num_splits=num_splits)
+                                           scale, num_splits=num_splits, window=window, softcap=softcap)
     return out.float().cpu(), ref
 
 
@@ -56,6 +57,21 @@ def test_attention_mixed_batch(block_size, hq, hkv):
 def test_attention_decodes_split_kv(num_splits):
     seqs = [(n, 1) for n in (1, 17, 64, 100, 150)]
     out, ref = run_both(seqs, 16, 6, 2, 64, seed=3, num_splits=num_splits)
+    assert rel_err(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("window,softcap", [(1, None), (10, None), (70, None), (None, 0.3), (37, 1.0)])
+def test_attention_sliding_window_and_softcap(window, softcap):
+    # windows inside one 64-token tile, across tiles (whole tiles skipped), longer than every context
+    out, ref = run_both([(5, 1), (90, 1), (150, 1), (20, 20), (140, 70)], 16, 6, 2, 32, seed=11,
+                        window=window, softcap=softcap)
+    assert rel_err(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_attention_sliding_window_decodes_split_kv(num_splits):
+    seqs = [(n, 1) for n in (1, 17, 64, 100, 200)]
+    out, ref = run_both(seqs, 16, 4, 2, 32, seed=12, num_splits=num_splits, window=24)
     assert rel_err(out, ref) < 1e-3
 
 

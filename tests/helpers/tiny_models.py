@@ -22,7 +22,8 @@ def _config_class(arch: str) -> Any:
     import transformers
     classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-               "phi3": transformers.Phi3Config}
+               "phi3": transformers.Phi3Config, "gemma2": transformers.Gemma2Config,
+               "gemma3": transformers.Gemma3TextConfig}
     if arch not in classes:
         raise ValueError(f"arch must be one of {sorted(classes)}, got {arch!r}")
     return classes[arch]

@@ -10,11 +10,23 @@ from pagedserve.kernels.metadata import AttentionMetadata
 
 class PagedAttention(nn.Module):
     """Holds no weights. `kv_cache` is bound by the model runner after the cache is allocated:
-    a tensor [2, num_blocks, num_kv_heads, block_size, head_dim] (index 0 = K, 1 = V)."""
+    a tensor [2, num_blocks, num_kv_heads, block_size, head_dim] (index 0 = K, 1 = V).
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    sliding_window: this layer's window (None = global attention). Only the attention math applies it: the KV
+    cache keeps every block of a sequence, also those that fell out of every layer's window, so a block is
+    the same whichever layer reads it and prefix caching stays correct (simplest; costs memory on long
+    sequences). logit_softcap: Gemma 2's tanh capping of the attention scores.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window: must be >= 1, got {sliding_window}")
+        if logit_softcap is not None and logit_softcap <= 0:
+            raise ValueError(f"attn_logit_softcapping: must be > 0, got {logit_softcap}")
+        self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
         self.kv_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -27,5 +39,6 @@ class PagedAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
         ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window,
+                                  self.logit_softcap)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -18,6 +18,8 @@ _BY_ARCHITECTURE: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
 }
 # Configs built from GGUF metadata carry no `architectures`, only `model_type`.
 _BY_MODEL_TYPE: dict[str, str] = {
