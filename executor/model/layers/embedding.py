@@ -49,7 +49,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight, self._pieces = placeholder, []
 
     def finish_packed_load(self, method: str, device: torch.device, dtype: torch.dtype) -> None:
-        packed = pack_embedding(self._pieces or [], self.shard_size, device, dtype, type(self).__name__)
+        packed = pack_embedding(self._pieces or [], self.shard_size, method, device, dtype, type(self).__name__)
         self._set_packed(packed)
         self.out_dtype = dtype
 

@@ -101,7 +101,7 @@ def _symmetric_int8(parts: list, rows: int) -> Int8Weight | None:
                       scale.t().contiguous().to(torch.bfloat16))
 
 
-def pack_embedding(pieces: Sequence[Piece], rows: int, device: torch.device, dtype: torch.dtype,
+def pack_embedding(pieces: Sequence[Piece], rows: int, method: str, device: torch.device, dtype: torch.dtype,
                    what: str) -> Int8Weight | torch.Tensor:
     """An embedding table: quantized sources become int8 (a lookup widens only the rows it reads).
 
@@ -112,12 +112,12 @@ def pack_embedding(pieces: Sequence[Piece], rows: int, device: torch.device, dty
     """
     _check_rows(pieces, rows, what)
     parts = _ordered(pieces)
-    if not any(isinstance(p, GroupQuantWeight) for p in parts):
+    groups = [p.group_size for p in parts if isinstance(p, GroupQuantWeight)]
+    if not groups and method != "int8":
         return _dense(parts, rows, dtype).to(device)
     exact = _symmetric_int8(parts, rows)
     if exact is None:
-        group = min(p.group_size for p in parts if isinstance(p, GroupQuantWeight))
-        exact = quantize_int8(_dense(parts, rows, torch.float32), chunk=group)
+        exact = quantize_int8(_dense(parts, rows, torch.float32), chunk=min(groups, default=32))
     return Int8Weight(exact.q.to(device), exact.scale.to(device))
 
 
