@@ -98,4 +98,7 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
     """Weighted sum of each token's chosen experts (SiLU-gated MLPs, stacked weights); x [T, H] -> [T, H]."""
+    if use_triton(x) and x.dim() == 2:
+        from pagedserve.kernels import triton_moe
+        return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
     return moe_reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
