@@ -147,6 +147,15 @@ def test_missing_expert_weight_is_named(tmp_path):
         load_model(model_config(folder), TPGroup())
 
 
+def test_quantized_moe_is_refused_with_one_clear_error(tmp_path):
+    import dataclasses
+    from pagedserve.common.quantization import QuantSpec
+    config = dataclasses.replace(model_config(_make(tmp_path / "mixtral", "mixtral")),
+                                 quantization=QuantSpec(method="int8", bits=8, group_size=-1))
+    with pytest.raises(ValueError, match="quantized expert weights are not supported"):
+        load_model(config, TPGroup())
+
+
 def test_moe_tp2_logits_equal_tp1(tmp_path):
     """Every expert's intermediate dim split over 2 CPU ranks (gloo), one all-reduce per block."""
     import torch.multiprocessing as mp

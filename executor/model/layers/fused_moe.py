@@ -98,6 +98,11 @@ class FusedMoE(nn.Module):
             offset = 0 if shard_id == "w1" else size
             copy_weight(dst[:, offset:offset + size], src.narrow(1, start, size), what)
 
+    def begin_packed_load(self) -> None:
+        """Called by the loader for a quantized model: the expert kernels take dense weights only (so far)."""
+        raise ValueError("quantization: quantized expert weights are not supported for mixture-of-experts "
+                         "models yet; load an unquantized checkpoint with --quantization none (or unset)")
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H]."""
         weights, ids = ops.topk_softmax(router_logits, self.top_k, self.renormalize)
