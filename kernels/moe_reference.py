@@ -44,6 +44,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     out = torch.zeros_like(x)
     if tokens == 0:
         return out
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return masked_moe(x, w13, w2, topk_weights, topk_ids)
     order, counts = sort_by_expert(topk_ids, w13.shape[0])
     token_of = order // top_k                              # source row of each sorted assignment
     rows = x.index_select(0, token_of)
@@ -59,4 +61,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         start = end
     weights = topk_weights.reshape(-1).index_select(0, order).to(x.dtype)
     out.index_add_(0, token_of, expert_out * weights[:, None])
+    return out
+
+
+def masked_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor) -> torch.Tensor:
+    """Every expert over every token, weighted by the routing (zero where not chosen): E times the work, but no
+    data-dependent shapes, so it can be captured in a CUDA graph (PAGEDSERVE_KERNELS=torch on a GPU)."""
+    out = torch.zeros_like(x)
+    for expert in range(w13.shape[0]):
+        weight = (topk_weights * (topk_ids == expert)).sum(dim=-1).to(x.dtype)      # [T]
+        gate_up = F.linear(x, w13[expert])
+        half = gate_up.shape[-1] // 2
+        out += F.linear(F.silu(gate_up[:, :half]) * gate_up[:, half:], w2[expert]) * weight[:, None]
     return out

@@ -69,6 +69,7 @@ def test_grouped_reference_equals_dense_and_skips_unchosen_experts():
     weights, ids = moe_reference.topk_softmax(torch.randn(tokens, experts, generator=gen), 2, True)
     want = dense_moe(x, w13, w2, weights, ids)
     torch.testing.assert_close(moe_reference.fused_moe(x, w13, w2, weights, ids), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(moe_reference.masked_moe(x, w13, w2, weights, ids), want, rtol=1e-5, atol=1e-5)
     # Experts 3 and 4, which no token chose, are never read: NaN weights there leave the output finite.
     ids = torch.stack([torch.randperm(3, generator=gen)[:2] for _ in range(tokens)])
     poisoned13, poisoned2 = w13.clone(), w2.clone()
