@@ -10,7 +10,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import reference
+from pagedserve.kernels import moe_reference, reference
 from pagedserve.kernels.metadata import AttentionMetadata
 
 
@@ -91,3 +91,17 @@ def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_h
         from pagedserve.kernels import triton_fused
         return triton_fused.qk_norm_rope(qk, cos, sin, num_q_heads, q_weight, k_weight, eps)
     return reference.qk_norm_rope(qk, cos, sin, num_q_heads, q_weight, k_weight, eps)
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: (weights [T, k] float32, expert ids [T, k]) from logits [T, E]."""
+    return moe_reference.topk_softmax(router_logits, top_k, renormalize)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of each token's chosen experts (SiLU-gated MLPs, stacked weights); x [T, H] -> [T, H]."""
+    if use_triton(x) and x.dim() == 2:
+        from pagedserve.kernels import triton_moe
+        return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    return moe_reference.fused_moe(x, w13, w2, topk_weights, topk_ids)

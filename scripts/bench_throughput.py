@@ -4,7 +4,8 @@ W1 (CPU): 64 requests from random.Random(0); per request L = randint(32, 512) pr
 max_tokens = randint(32, 256), ignore_eos, all submitted at once.
 G1 (GPU): 256 requests from random.Random(0); prompt length and max_tokens each randint(100, 1024),
 prompt ids in [100, 49000), ignore_eos, all at once; on a Qwen3-0.6B-shaped random-weight model
-(`--make-qwen3-0.6b` writes one to --model when the folder does not exist).
+(`--make-qwen3-0.6b` writes one to --model when the folder does not exist), or on an OLMoE-1B-7B-shaped
+mixture of experts (`--make-moe-olmoe-shape`).
 Each engine runs in its own subprocess so that peak memory (max RSS) is its own.
 
     python scripts/bench_throughput.py --dtype float32 --engines pagedserve,hf --out benchmarks/throughput_cpu.md
@@ -61,6 +62,23 @@ def make_qwen3_06b(path: str) -> None:
                     intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960,
                     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
                     bos_token_id=1, eos_token_id=2)
+
+
+# OLMoE-1B-7B's shape (64 experts, top 8, 16 layers; ~6.9B weights, ~1.3B active) as a Qwen3-MoE model, which
+# differs from OLMoE only in details that do not change the work (q/k norm per head, not over the whole row).
+OLMOE_SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+                   head_dim=128, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=1024,
+                   norm_topk_prob=False, intermediate_size=1024, vocab_size=50304, max_position_embeddings=4096,
+                   rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02,
+                   bos_token_id=1, eos_token_id=2)
+
+
+def make_moe_olmoe_shape(path: str) -> None:
+    """Random bf16 weights in OLMoE-1B-7B's shape, as a Qwen3MoeForCausalLM checkpoint (per-expert tensors)."""
+    import torch
+
+    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    make_tiny_model(path, arch="qwen3_moe", tokenizer="synthetic", dtype=torch.bfloat16, **OLMOE_SHAPE)
 
 
 class StepProfile:
@@ -183,6 +201,10 @@ def parent_main(args: argparse.Namespace) -> None:
         if not args.model:
             sys.exit("--make-qwen3-0.6b needs --model PATH")
         make_qwen3_06b(args.model)
+    if args.make_moe_olmoe_shape and not os.path.isdir(args.model or ""):
+        if not args.model:
+            sys.exit("--make-moe-olmoe-shape needs --model PATH")
+        make_moe_olmoe_shape(args.model)
     results = []
     for engine in args.engines.split(","):
         # Variants of the multi-process path: pagedserve-mp (engine core process), pagedserve-tpN.
@@ -241,6 +263,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--make-qwen3-0.6b", dest="make_qwen3_06b", action="store_true",
                    help="write a Qwen3-0.6B-shaped random-weight model to --model if it does not exist")
+    p.add_argument("--make-moe-olmoe-shape", action="store_true",
+                   help="write an OLMoE-1B-7B-shaped random-weight Qwen3-MoE model to --model if it does not exist")
     p.add_argument("--engines", default="pagedserve,hf",
                    help="comma-separated: pagedserve, pagedserve-mp, pagedserve-tp2, pagedserve-eager, hf")
     p.add_argument("--num-requests", type=int, default=64)

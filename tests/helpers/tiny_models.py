@@ -23,7 +23,8 @@ def _config_class(arch: str) -> Any:
     classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
                "phi3": transformers.Phi3Config, "gemma2": transformers.Gemma2Config,
-               "gemma3": transformers.Gemma3TextConfig}
+               "gemma3": transformers.Gemma3TextConfig, "mixtral": transformers.MixtralConfig,
+               "qwen2_moe": transformers.Qwen2MoeConfig, "qwen3_moe": transformers.Qwen3MoeConfig}
     if arch not in classes:
         raise ValueError(f"arch must be one of {sorted(classes)}, got {arch!r}")
     return classes[arch]
@@ -37,7 +38,7 @@ def make_tiny_model(path: str, arch: str = "llama", sharded: bool = False, seed:
     embedded model, and for vocabularies larger than SmolLM2's)."""
     from transformers import AutoModelForCausalLM
     fields = {**_DEFAULTS, **overrides}
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
     config = _config_class(arch)(**fields)
     torch.manual_seed(seed)

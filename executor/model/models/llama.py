@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -75,12 +75,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, tp: TPGroup, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: Any, tp: TPGroup, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, tp, qkv_bias, o_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg, tp)     # MoE families pass their expert block
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,11 +96,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: Any, tp: TPGroup, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: Any, tp: TPGroup, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 make_mlp: Callable[[int], nn.Module | None] | None = None) -> None:
+        """make_mlp(layer index): that layer's MLP, or None for Llama's dense one."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, qkv_bias, o_bias, qk_norm)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, qkv_bias, o_bias, qk_norm,
+                                                      make_mlp(i) if make_mlp else None)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = get_rope(cfg, _head_dim(cfg))     # shared by all layers
 
@@ -121,7 +125,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         _warn_sliding_window(hf_config)
         qkv_bias, o_bias = self.attention_biases(hf_config)
-        self.model = LlamaModel(hf_config, tp, qkv_bias, o_bias, self.qk_norm)
+        self.model = LlamaModel(hf_config, tp, qkv_bias, o_bias, self.qk_norm,
+                                lambda layer: self.make_mlp(hf_config, tp, layer))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tied:
@@ -132,6 +137,10 @@ class LlamaForCausalLM(nn.Module):
         """(q/k/v bias, o_proj bias): Llama, Mistral and Qwen3 follow `attention_bias` for both."""
         bias = bool(getattr(hf_config, "attention_bias", False))
         return bias, bias
+
+    def make_mlp(self, hf_config: Any, tp: TPGroup, layer: int) -> nn.Module | None:
+        """The MLP of decoder layer `layer`; None: the dense LlamaMLP (mixture-of-experts models override)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]."""
