@@ -66,6 +66,8 @@ def parse_engine(text: str) -> dict:
         unknown = set(options) - {"batch", "dtype"}
         if unknown:
             raise ValueError(f"engine {name!r}: unknown option(s) {sorted(unknown)} (hf takes batch, dtype)")
+        if not options.get("batch", "16").isdigit() or int(options.get("batch", "16")) < 1:
+            raise ValueError(f"engine {name!r}: batch must be a positive integer, got {options['batch']!r}")
     elif name.startswith("pagedserve"):
         kind = "pagedserve"
         options = engine_args_overrides(name, options)
@@ -91,7 +93,10 @@ def engine_args_overrides(name: str, options: dict[str, str]) -> dict:
                 raise ValueError(f"engine {name!r}: {key} must be true or false, got {value!r}")
             typed[key] = value.lower() in ("true", "1")
             continue
-        typed[key] = None if value.lower() == "none" else action.type(value)
+        try:
+            typed[key] = None if value.lower() == "none" else action.type(value)
+        except ValueError as exc:
+            raise ValueError(f"engine {name!r}: {key}={value!r} is not a {action.type.__name__}") from exc
         if action.choices and typed[key] not in action.choices:
             raise ValueError(f"engine {name!r}: {key} must be one of {list(action.choices)}, got {value!r}")
     return typed
