@@ -224,7 +224,7 @@ def fmt_ratio(value: float, peer: float | None) -> str:
 
 def run_rows(runs: list[list[dict]]) -> list[str]:
     lines = ["| run | engine | W1 output tok/s | W1 vs llama.cpp | single stream ms/token | vs llama.cpp | "
-             "llama.cpp's own ms/token | peak RSS MiB |", "|---|---|---|---|---|---|---|---|"]
+             "llama.cpp's own ms/token | peak RSS MiB | threads |", "|---|---|---|---|---|---|---|---|---|"]
     for i, results in enumerate(runs, 1):
         peer = next((r for r in results if r["engine"] == PEER), None)
         for r in results:
@@ -233,7 +233,8 @@ def run_rows(runs: list[list[dict]]) -> list[str]:
             rss = f"{r['peak_rss_mib']:.0f}" + (f" (+{sub:.0f} in subprocesses)" if sub >= 1 else "")
             lines.append(f"| {i} | {r['engine']} | {r['tok_per_s']:.1f} | "
                          f"{fmt_ratio(r['tok_per_s'], peer and peer['tok_per_s'])} | {r['ms_per_token']:.2f} | "
-                         f"{fmt_ratio(r['ms_per_token'], peer and peer['ms_per_token'])} | {own} | {rss} |")
+                         f"{fmt_ratio(r['ms_per_token'], peer and peer['ms_per_token'])} | {own} | {rss} | "
+                         f"{r['threads']} |")
     return lines
 
 
@@ -255,14 +256,15 @@ def format_report(cfg: dict, engines: list[dict], runs: list[list[dict]], peer_v
     names = [e["name"] for e in engines]
     specs = "; ".join(f"{e['name']}: {json.dumps(e['options'])}" for e in engines if e["options"])
     head = [f"\n### CPU side by side on {os.path.basename(cfg['gguf'])} ({time.strftime('%Y-%m-%d %H:%M')}, "
-            f"{cpu_name()}, {os.cpu_count()} cores, {cfg['threads']} threads "
-            f"each; torch {torch.__version__}; llama-server {peer_version})\n",
+            f"{cpu_name()}, {os.cpu_count()} cores, {cfg['threads']} threads each (column threads: what each "
+            f"engine ran with); torch {torch.__version__}; llama-server {peer_version})\n",
             f"W1: {cfg['num_requests']} requests" + (f", max_tokens capped at {cfg['max_tokens']}"
                                                       if cfg["max_tokens"] else "") +
             f". Single stream: {cfg['single_in']} prompt ids, {cfg['single_out']} output tokens, batch 1, ms per "
             "output token = (t(n+1 tokens) - t(1 token)) / n. llama.cpp: -np "
             f"{cfg['llama_parallel']} -c {cfg['llama_ctx']} --cont-batching, {cfg['llama_parallel']} requests "
-            f"in flight, every response checked for exactly max_tokens tokens." +
+            f"in flight, every response checked for exactly max_tokens tokens. Ratios are engine / llama.cpp of "
+            "the same run (tok/s: higher is better; ms/token: lower is better)." +
             (f" Engine options: {specs}." if specs else ""), ""]
     body = run_rows(runs)
     if len(runs) > 1:

@@ -152,7 +152,13 @@ class LlamaServer:
 
 
 def version(binary: str) -> str:
-    """`llama-server --version`'s first line, e.g. "version: 1 (abc123)"."""
+    """`llama-server --version`'s first line, and the sdist the sources came from when
+    build_llama_server.sh built it (a build outside git reports no commit)."""
     out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
     lines = [l for l in (out.stdout + out.stderr).splitlines() if l.startswith("version")]
-    return lines[0] if lines else "unknown"
+    text = lines[0] if lines else "version unknown"
+    marker = os.path.join(os.path.dirname(binary), "..", "..", "src", ".from_sdist")
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            text += f", from {f.read().strip()}"
+    return text
