@@ -153,37 +153,53 @@ def _timed_generate(llm, reqs, args: argparse.Namespace, SamplingParams, profile
     return result
 
 
-def run_hf(args: argparse.Namespace) -> dict:
+def load_hf_model(model_path: str | None, dtype_name: str, device_arg: str):
+    """HF transformers' own model for `model_path` (a .gguf is dequantized by transformers), in eval mode,
+    with EOS turned off so that every generate runs its full length (ignore_eos). Returns (model, device)."""
     import torch
     from transformers import AutoModelForCausalLM
     from pagedserve.common.model_files import resolve_model
 
-    source = resolve_model(args.model)
-    dtype = getattr(torch, args.dtype)
+    source = resolve_model(model_path)
+    dtype = getattr(torch, dtype_name)
     if source.format == "gguf":
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(source.path),
                                                      gguf_file=os.path.basename(source.path), dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
-    device = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
+    device = "cuda" if device_arg != "cpu" and torch.cuda.is_available() else "cpu"
     model.to(device).eval()
-    model.generation_config.eos_token_id = None      # ignore_eos: every batch runs its full length
+    model.generation_config.eos_token_id = None
+    return model, device
+
+
+def hf_static_generate(model, device: str, reqs: list[tuple[list[int], int]], batch_size: int) -> int:
+    """Runs `reqs` in static batches of `batch_size` (left-padded, each batch as long as its longest
+    max_tokens); returns the requested output tokens, the only ones that count."""
+    import torch
     pad = 0
-    reqs = workload(args)
-    start = time.perf_counter()
     tokens = 0
     with torch.inference_mode():
-        for i in range(0, len(reqs), args.hf_batch):
-            batch = reqs[i:i + args.hf_batch]
+        for i in range(0, len(reqs), batch_size):
+            batch = reqs[i:i + batch_size]
             width = max(len(p) for p, _ in batch)
             ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
             longest = max(m for _, m in batch)
             model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
                            do_sample=False, pad_token_id=pad)
-            tokens += sum(m for _, m in batch)       # only the tokens that were requested count
+            tokens += sum(m for _, m in batch)
     if device == "cuda":
         torch.cuda.synchronize()
+    return tokens
+
+
+def run_hf(args: argparse.Namespace) -> dict:
+    import torch
+    model, device = load_hf_model(args.model, args.dtype, args.device)
+    reqs = workload(args)
+    start = time.perf_counter()
+    tokens = hf_static_generate(model, device, reqs, args.hf_batch)
     elapsed = time.perf_counter() - start
     return {"engine": f"hf-static-{args.hf_batch}", "seconds": elapsed, "output_tokens": tokens,
             "threads": torch.get_num_threads()}

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's `llama-server`, the peer in the side-by-side CPU benchmark (issue 14), from the
+# llama.cpp sources vendored in the llama-cpp-python sdist: the package index is the only network we use.
+# Idempotent: an existing binary is reused. Prints the binary's path as the last line of stdout.
+#
+# Usage: scripts/build_llama_server.sh [CACHE_DIR]
+#   CACHE_DIR (or $PAGEDSERVE_LLAMA_CPP_DIR), default ~/.cache/pagedserve/llama.cpp
+#   $PYTHON: the interpreter whose pip downloads the sdist (default: .venv/bin/python, else python3)
+#   $LLAMA_CPP_PYTHON_VERSION: pin the sdist version (default: the newest on the index)
+#   $JOBS: parallel compile jobs (default 2)
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+CACHE="${1:-${PAGEDSERVE_LLAMA_CPP_DIR:-$HOME/.cache/pagedserve/llama.cpp}}"
+JOBS="${JOBS:-2}"
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
+BIN="$CACHE/build/bin/llama-server"
+if [ -x "$BIN" ]; then
+  echo "$BIN"
+  exit 0
+fi
+log() { echo "build_llama_server: $*" >&2; }
+trap 'log "failed (line $LINENO, exit $?)"' ERR
+
+for tool in gcc g++ make; do
+  command -v "$tool" >/dev/null 2>&1 || { log "missing $tool (apt-get install build-essential)"; exit 1; }
+done
+CMAKE="$(command -v cmake || true)"
+if [ -z "$CMAKE" ]; then
+  log "cmake not found; installing it into $PYTHON's environment"
+  "$PYTHON" -m pip install --quiet --disable-pip-version-check cmake
+  CMAKE="$(dirname "$PYTHON")/cmake"
+  [ -x "$CMAKE" ] || { log "pip installed cmake but $CMAKE is missing"; exit 1; }
+fi
+
+mkdir -p "$CACHE"
+SRC="$CACHE/src"
+if [ ! -f "$SRC/CMakeLists.txt" ]; then
+  DL="$CACHE/sdist"
+  mkdir -p "$DL"
+  shopt -s nullglob
+  TARBALLS=("$DL"/llama_cpp_python-*.tar.gz "$DL"/llama-cpp-python-*.tar.gz)
+  if [ ${#TARBALLS[@]} -eq 0 ]; then
+    SPEC="llama-cpp-python${LLAMA_CPP_PYTHON_VERSION:+==$LLAMA_CPP_PYTHON_VERSION}"
+    log "downloading the $SPEC sdist"
+    "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: -d "$DL" "$SPEC"
+    TARBALLS=("$DL"/llama_cpp_python-*.tar.gz "$DL"/llama-cpp-python-*.tar.gz)
+  fi
+  [ ${#TARBALLS[@]} -gt 0 ] || { log "no sdist tarball in $DL"; exit 1; }
+  TARBALL="${TARBALLS[0]}"
+  tar -xzf "$TARBALL" -C "$DL"
+  VENDORS=("$DL"/*/vendor/llama.cpp)
+  shopt -u nullglob
+  VENDOR="${VENDORS[0]:-}"
+  [ -n "$VENDOR" ] && [ -f "$VENDOR/CMakeLists.txt" ] || { log "no vendored llama.cpp in $TARBALL"; exit 1; }
+  rm -rf "$SRC" && mv "$VENDOR" "$SRC"
+  basename "$TARBALL" > "$SRC/.from_sdist"
+  rm -rf "$DL"
+fi
+
+log "configuring in $CACHE/build (sources from $(cat "$SRC/.from_sdist" 2>/dev/null || echo unknown))"
+# Static libraries make one self-contained binary; tests, examples and other tools are skipped so only
+# what llama-server links gets compiled.
+"$CMAKE" -S "$SRC" -B "$CACHE/build" \
+  -DCMAKE_BUILD_TYPE=Release \
+  -DGGML_NATIVE=ON \
+  -DLLAMA_CURL=OFF \
+  -DBUILD_SHARED_LIBS=OFF \
+  -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_SERVER=ON \
+  -DGGML_BUILD_TESTS=OFF \
+  -DGGML_BUILD_EXAMPLES=OFF >&2
+log "compiling llama-server with $JOBS jobs (about 9 minutes on 2 cores)"
+"$CMAKE" --build "$CACHE/build" --target llama-server -j "$JOBS" >&2
+[ -x "$BIN" ] || { log "build finished but $BIN is missing"; exit 1; }
+echo "$BIN"
