@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from typing import Any
 
 from pagedserve.common.config import EngineConfig
@@ -23,6 +24,18 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         ...
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Start a step and return at once; the future holds its output (async scheduling).
+
+        Steps run in the order they are started. This fallback runs the step before returning, which is
+        correct but overlaps nothing; executors that can launch without waiting override it."""
+        future: Future[ModelRunnerOutput] = Future()
+        try:
+            future.set_result(self.execute_model(scheduler_output))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
 
     def determine_num_blocks(self) -> int:
         # Every rank must fit the same block count.

@@ -1,0 +1,165 @@
+"""Async scheduling: step N+1 is scheduled before step N's sampled ids are back.
+
+The engine core's bookkeeping runs against a fake executor whose outputs come back one step late
+(placeholders, a stop found late, aborts and preemption with a step in flight); then the real engine on
+the tiny Llama must give the same tokens with async scheduling on as off."""
+from __future__ import annotations
+
+import argparse
+import random
+from functools import partial
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.common.arg_utils import add_dataclass_args, dataclass_from
+from pagedserve.common.config import EngineArgs
+from pagedserve.core.engine_core import EngineCore
+from pagedserve.ipc.messages import EngineCoreRequest
+from pagedserve.tests.helpers.fake_executor import EOS, FakeExecutor, expected_tokens
+
+Finished = dict[str, tuple[list[int], str | None]]
+
+
+def make_core(model_dir: str, async_on: bool, eos_at: dict[str, int] | None = None, **kw) -> EngineCore:
+    settings = dict(dtype="float32", device="cpu", generation_config="vllm", block_size=4, max_model_len=64,
+                    max_num_batched_tokens=32, num_gpu_blocks_override=64)
+    settings.update(kw)
+    args = EngineArgs(model=model_dir, async_scheduling=async_on, **settings)
+    return EngineCore.from_engine_args(args, partial(FakeExecutor, eos_at=eos_at))
+
+
+def add(core: EngineCore, rid: str, prompt: list[int], max_tokens: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    core.add_request(EngineCoreRequest(rid, prompt, params, arrival_time=0.0))
+
+
+def collect(core: EngineCore, done: Finished, max_steps: int = 500) -> None:
+    """Step until nothing is left, gathering each request's ids and finish reason."""
+    for _ in range(max_steps):
+        if not core.has_unfinished_requests():
+            return
+        for out in core.step().outputs:
+            tokens, _ = done.get(out.request_id, ([], None))
+            if out.request_id in done and done[out.request_id][1] is not None:
+                raise AssertionError(f"{out.request_id}: output after it finished: {out}")
+            done[out.request_id] = (tokens + list(out.new_token_ids), out.finish_reason)
+    raise AssertionError("requests did not finish")
+
+
+def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+
+
+def assert_all_free(core: EngineCore) -> None:
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+    assert not core.scheduler.requests and not core.scheduler.running and not core._in_flight
+
+
+# ---------------------------------------------------------------- bookkeeping, fake executor
+
+def test_placeholders_count_the_ids_in_flight(tiny_llama_dir):
+    core = make_core(tiny_llama_dir, async_on=True)
+    prompt = prompts(0, [10])[0]
+    add(core, "a", prompt, max_tokens=5)
+    request = core.scheduler.requests["a"]
+
+    assert core.step().outputs == []                  # step 1 (the prefill) started, nothing back yet
+    assert (request.num_output_placeholders, request.num_computed_tokens, request.num_tokens) == (1, 10, 10)
+
+    outs = core.step().outputs                       # step 2 started on the id step 1 sampled; step 1 back
+    assert [o.new_token_ids for o in outs] == [expected_tokens(prompt, 1)]
+    assert (request.num_output_placeholders, request.num_computed_tokens, request.num_tokens) == (1, 11, 11)
+    worker = core.executor.states["a"]
+    assert len(worker.token_ids) == 12               # the worker already holds step 2's id
+    assert core.executor.log == [("start", 1), ("start", 2), ("result", 1)]
+
+    done: Finished = {"a": (outs[0].new_token_ids, None)}
+    collect(core, done)
+    assert done["a"] == (expected_tokens(prompt, 5), "length")
+    # max_tokens is known ahead: no step is started for a token past it.
+    assert core.executor.sampled["a"] == expected_tokens(prompt, 5)
+    assert_all_free(core)
+
+
+def test_steps_overlap_one_deep(tiny_llama_dir):
+    core = make_core(tiny_llama_dir, async_on=True)
+    for i, p in enumerate(prompts(1, [7, 20, 13])):
+        add(core, f"r{i}", p, max_tokens=6)
+    collect(core, {})
+    log = core.executor.log
+    for step in range(2, core.executor.num_steps + 1):
+        # step k starts before step k-1's output is taken, and after step k-2's.
+        assert log.index(("start", step)) < log.index(("result", step - 1))
+        if step > 2:
+            assert log.index(("result", step - 2)) < log.index(("start", step))
+
+
+def test_late_stop_drops_the_extra_token(tiny_llama_dir):
+    a, b = prompts(2, [9, 14])
+    core = make_core(tiny_llama_dir, async_on=True, eos_at={"a": 2})
+    add(core, "a", a, max_tokens=20)
+    add(core, "b", b, max_tokens=8)
+    done: Finished = {}
+    collect(core, done)
+    assert done["a"] == (expected_tokens(a, 20, eos_at=2), "stop")
+    assert done["a"][0][-1] == EOS and len(done["a"][0]) == 3
+    assert done["b"] == (expected_tokens(b, 8), "length")
+    # The step started before EOS was seen sampled a 4th id for "a": the core never reported it, the
+    # worker was told to drop the request, and its blocks went back to the pool.
+    assert len(core.executor.sampled["a"]) == 4
+    assert "a" in core.executor.dropped
+    assert_all_free(core)
+
+
+@pytest.mark.parametrize("async_on", [False, True])
+def test_same_tokens_as_sync_across_preemption(tiny_llama_dir, async_on):
+    lengths = [10, 23, 7, 31, 15, 12]
+    max_tokens = [20, 9, 25, 14, 30, 11]
+    eos_at = {"r2": 6, "r4": 17}
+    # 16 blocks of 4 tokens: one max_model_len request fits, six growing ones do not.
+    core = make_core(tiny_llama_dir, async_on=async_on, eos_at=eos_at, num_gpu_blocks_override=16)
+    ps = prompts(3, lengths)
+    for i, (p, m) in enumerate(zip(ps, max_tokens)):
+        add(core, f"r{i}", p, m)
+    done: Finished = {}
+    collect(core, done)
+    for i, (p, m) in enumerate(zip(ps, max_tokens)):
+        want = expected_tokens(p, m, eos_at.get(f"r{i}"))
+        assert done[f"r{i}"] == (want, "stop" if want[-1] == EOS else "length"), f"r{i}"
+    assert core.scheduler.num_preemptions > 0
+    assert_all_free(core)
+
+
+def test_abort_with_a_step_in_flight(tiny_llama_dir):
+    a, b = prompts(4, [12, 8])
+    core = make_core(tiny_llama_dir, async_on=True)
+    add(core, "a", a, max_tokens=30)
+    add(core, "b", b, max_tokens=10)
+    done: Finished = {}
+    for _ in range(4):
+        for out in core.step().outputs:
+            done[out.request_id] = (done.get(out.request_id, ([], None))[0] + out.new_token_ids, None)
+    assert core._in_flight is not None and "a" in core._in_flight[0].num_scheduled_tokens
+    seen = len(done["a"][0])
+    aborted = core.abort_requests(["a"])
+    assert [(o.request_id, o.finish_reason) for o in aborted] == [("a", "abort")]
+    done["a"] = (done["a"][0], "abort")
+    # The id is free again at once: the in-flight step's output for the old "a" must not reach the new one.
+    a2 = prompts(5, [6])[0]
+    add(core, "a", a2, max_tokens=4)
+    done_after: Finished = {}
+    collect(core, done_after)
+    assert done["a"][0] == expected_tokens(a, seen)
+    assert done_after["a"] == (expected_tokens(a2, 4), "length")
+    assert done["b"][0] + done_after["b"][0] == expected_tokens(b, 10)
+    assert done_after["b"][1] == "length"
+    assert_all_free(core)
+
+
+def test_async_scheduling_flag():
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, EngineArgs)
+    assert dataclass_from(parser.parse_args(["--async-scheduling"]), EngineArgs).async_scheduling is True
+    assert dataclass_from(parser.parse_args([]), EngineArgs).async_scheduling is False     # off by default
