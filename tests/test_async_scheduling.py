@@ -132,6 +132,25 @@ def test_same_tokens_as_sync_across_preemption(tiny_llama_dir, async_on):
     assert_all_free(core)
 
 
+def test_preempted_request_stopped_by_its_id_in_flight(tiny_llama_dir):
+    # 16 blocks: a (32 tokens, 8 blocks) and b (28, 7) prefill together; step 2 needs one more block each,
+    # so b is preempted while step 1's id for it is in flight, and that id (EOS) ends it in the queue.
+    a, b = prompts(6, [32, 28])
+    core = make_core(tiny_llama_dir, async_on=True, eos_at={"b": 0}, num_gpu_blocks_override=16,
+                     max_num_batched_tokens=64, enable_prefix_caching=False)
+    add(core, "a", a, max_tokens=10)
+    add(core, "b", b, max_tokens=10)
+    core.step()
+    outs = {o.request_id: o for o in core.step().outputs}
+    assert core.scheduler.num_preemptions == 1
+    assert (outs["b"].new_token_ids, outs["b"].finish_reason) == ([EOS], "stop")
+    assert "b" not in core.scheduler.requests and not len(core.scheduler.waiting)
+    done: Finished = {"a": (outs["a"].new_token_ids, None)}
+    collect(core, done)
+    assert done["a"] == (expected_tokens(a, 10), "length")
+    assert_all_free(core)
+
+
 def test_abort_with_a_step_in_flight(tiny_llama_dir):
     a, b = prompts(4, [12, 8])
     core = make_core(tiny_llama_dir, async_on=True)
