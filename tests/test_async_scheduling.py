@@ -249,3 +249,15 @@ def test_structured_outputs_under_async_scheduling(tiny_serving_model):
             assert re.fullmatch(pattern, outs[0].outputs[0].text)
             assert outs[1].outputs[0].text in ("yes", "no", "maybe so")
     assert texts[True] == texts[False]
+
+
+def test_async_scheduling_in_the_core_process(tiny_llama_dir):
+    """The engine-core process's busy loop drives async steps too (the server's path)."""
+    from pagedserve.tests.helpers.tiny_models import random_prompts
+    prompts_ = random_prompts(12, [9, 40, 17], 512)
+    params = [SamplingParams(temperature=0.0, max_tokens=10), SamplingParams(temperature=0.8, seed=3, max_tokens=7),
+              SamplingParams(temperature=0.0, max_tokens=1)]
+    _, sync = generate(tiny_llama_dir, prompts_, params)
+    with LLM(tiny_llama_dir, dtype="float32", multiprocess_core=True, async_scheduling=True) as llm:
+        outs = llm.generate(prompts_, params, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs] == sync
