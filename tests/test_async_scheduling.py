@@ -261,3 +261,14 @@ def test_async_scheduling_in_the_core_process(tiny_llama_dir):
     with LLM(tiny_llama_dir, dtype="float32", multiprocess_core=True, async_scheduling=True) as llm:
         outs = llm.generate(prompts_, params, use_tqdm=False)
     assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs] == sync
+
+
+def test_async_scheduling_with_worker_processes(tiny_llama_dir):
+    """The mp executor starts a step on its ranks and reads the output later (two stages)."""
+    from pagedserve.tests.helpers.tiny_models import random_prompts
+    prompts_ = random_prompts(13, [9, 40, 17, 5], 512)
+    params = [SamplingParams(temperature=0.0, max_tokens=9), SamplingParams(temperature=0.8, seed=4, max_tokens=12)] * 2
+    _, sync = generate(tiny_llama_dir, prompts_, params)
+    llm, out = generate(tiny_llama_dir, prompts_, params, distributed_executor_backend="mp", async_scheduling=True)
+    llm.shutdown()
+    assert out == sync

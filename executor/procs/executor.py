@@ -2,11 +2,26 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class OutputToCome:
+    """A step the workers already started; its output is read when first asked for (a two-stage call)."""
+
+    def __init__(self, receive: Callable[[], ModelRunnerOutput]) -> None:
+        self._receive: Callable[[], ModelRunnerOutput] | None = receive
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        if self._receive is not None:
+            receive, self._receive = self._receive, None
+            self._output = receive()
+        return self._output
 
 
 class Executor(ABC):
