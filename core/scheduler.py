@@ -159,7 +159,8 @@ class Scheduler:
             finished_req_ids=self._finished_ids)
         self._finished_ids = []
         sampling = self._advance(num_scheduled)
-        self._scheduled[id(out)] = {rid: self.requests[rid] for rid in num_scheduled}
+        if num_scheduled:                # a step with no tokens gets no output to match
+            self._scheduled[id(out)] = {rid: self.requests[rid] for rid in num_scheduled}
         if self.structured is not None:
             out.grammar_bitmask = self.structured.grammar_bitmask(
                 [(r.request_id, r.structured) for r in sampling if r.structured is not None])

@@ -31,7 +31,8 @@ class UniProcExecutor(Executor):
         # request states, where the next step's inputs read them. torch releases the GIL while it computes,
         # so the core schedules the next step meanwhile.
         if self._step_thread is None:
-            self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uniproc-step")
+            self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uniproc-step",
+                                                   initializer=self.worker.bind_thread)
         return self._step_thread.submit(self.worker.execute_model, scheduler_output)
 
     def shutdown(self) -> None:
