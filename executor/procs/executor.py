@@ -3,11 +3,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class PendingOutput(Protocol):
+    """The output of a started step (a concurrent.futures.Future is one)."""
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput: ...
 
 
 class OutputToCome:
@@ -17,10 +22,14 @@ class OutputToCome:
         self._receive: Callable[[], ModelRunnerOutput] | None = receive
         self._output: ModelRunnerOutput | None = None
 
+    @classmethod
+    def ready(cls, output: ModelRunnerOutput) -> "OutputToCome":
+        return cls(lambda: output)
+
     def result(self, timeout: float | None = None) -> ModelRunnerOutput:
         if self._receive is not None:
-            receive, self._receive = self._receive, None
-            self._output = receive()
+            self._output = self._receive()
+            self._receive = None
         return self._output
 
 
@@ -40,17 +49,12 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         ...
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        """Start a step and return at once; the future holds its output (async scheduling).
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        """Start a step and return at once; its output comes from .result() (async scheduling).
 
-        Steps run in the order they are started. This fallback runs the step before returning, which is
-        correct but overlaps nothing; executors that can launch without waiting override it."""
-        future: Future[ModelRunnerOutput] = Future()
-        try:
-            future.set_result(self.execute_model(scheduler_output))
-        except Exception as exc:
-            future.set_exception(exc)
-        return future
+        Steps run in the order they are started. This fallback runs the step before returning: correct,
+        but it overlaps nothing; executors that can start a step without waiting override it."""
+        return OutputToCome.ready(self.execute_model(scheduler_output))
 
     def determine_num_blocks(self) -> int:
         # Every rank must fit the same block count.
