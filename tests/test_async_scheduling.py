@@ -194,14 +194,17 @@ E2E_CONFIGS = {
 }
 
 
-def e2e_params(stops: dict[int, int] | None = None) -> list[SamplingParams]:
-    """Greedy and seeded rows side by side, max_tokens varying; stops: row -> a stop token id."""
+def e2e_params(stops: dict[int, int] | None = None, stop_str: str | None = None) -> list[SamplingParams]:
+    """Greedy and seeded rows side by side, max_tokens varying, penalties on row 3, logprobs on rows 4 and
+    5, prompt logprobs on row 6; stops: row -> a stop token id; stop_str: a stop string for row 7."""
     stops = stops or {}
     params = []
     for i in range(len(E2E_LENGTHS)):
         sampling = dict(temperature=0.0) if i % 2 == 0 else dict(temperature=0.9, top_p=0.95, seed=100 + i)
+        extra = {3: dict(repetition_penalty=1.3, frequency_penalty=0.5), 4: dict(logprobs=3),
+                 5: dict(logprobs=2), 6: dict(prompt_logprobs=2), 7: dict(stop=[stop_str] if stop_str else None)}
         params.append(SamplingParams(max_tokens=12 + 3 * i, stop_token_ids=[stops[i]] if i in stops else None,
-                                     **sampling))
+                                     **sampling, **extra.get(i, {})))
     return params
 
 
@@ -209,23 +212,49 @@ def generate(path: str, prompts_: list[list[int]], params: list[SamplingParams],
     llm = LLM(path, dtype="float32", **engine)
     outs = llm.generate(prompts_, params, use_tqdm=False)
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.num_blocks
-    return llm, [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+    return llm, [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs], outs
+
+
+def logprob_steps(out) -> list[dict[int, float]]:
+    """Per sampled position, then per prompt position: token id -> logprob."""
+    steps = list(out.outputs[0].logprobs or []) + [p for p in out.prompt_logprobs or [] if p]
+    return [{t: lp.logprob for t, lp in step.items()} for step in steps]
+
+
+def assert_logprobs_close(got: list[dict[int, float]], want: list[dict[int, float]], row: int) -> None:
+    assert len(got) == len(want), f"row {row}"
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys(), f"row {row}"
+        assert list(g.values()) == pytest.approx(list(w.values()), rel=1e-4, abs=1e-5), f"row {row}"
 
 
 @pytest.mark.parametrize("name", list(E2E_CONFIGS))
 def test_async_equals_sync_on_tiny_llama(tiny_llama_dir, name):
     from pagedserve.tests.helpers.tiny_models import random_prompts
     prompts_ = random_prompts(11, E2E_LENGTHS, 512)
-    _, sync = generate(tiny_llama_dir, prompts_, e2e_params(), **E2E_CONFIGS[name])
-    # Stops on three rows, each at an id the row samples mid-way: found a step late under async scheduling.
+    _, sync, sync_outs = generate(tiny_llama_dir, prompts_, e2e_params(), **E2E_CONFIGS[name])
+    # Stops on three rows, each at an id the row samples mid-way: found a step late under async scheduling;
+    # and a stop string on row 7, which the frontend finds and aborts the request for.
     stops = {i: sync[i][0][4 + i] for i in (1, 2, 5)}
-    llm, out = generate(tiny_llama_dir, prompts_, e2e_params(stops), async_scheduling=True, **E2E_CONFIGS[name])
+    text7 = sync_outs[7].outputs[0].text
+    stop_str = text7[len(text7) // 2:len(text7) // 2 + 3]
+    llm, out, outs = generate(tiny_llama_dir, prompts_, e2e_params(stops, stop_str), async_scheduling=True,
+                              **E2E_CONFIGS[name])
     for i, (tokens, reason) in enumerate(sync):
         if i in stops:
             end = tokens.index(stops[i]) + 1
             tokens, reason = tokens[:end], "stop"
+        if i == 7:
+            assert outs[i].outputs[0].text == text7[:text7.index(stop_str)]
+            assert out[i][1] == "stop" and out[i][0] == tokens[:len(out[i][0])]
+            continue
         assert out[i] == (tokens, reason), f"row {i} ({len(prompts_[i])} prompt tokens) diverged"
+        want = logprob_steps(sync_outs[i])
+        if i == 5:                       # stopped early: the steps both made
+            want = want[:len(tokens)]
+        assert_logprobs_close(logprob_steps(outs[i]), want, i)
     assert any(reason == "length" for _, reason in out)
+    assert logprob_steps(outs[4]) and logprob_steps(outs[5]) and logprob_steps(outs[6])
     if name == "preempt":
         assert llm.engine.scheduler.num_preemptions > 0
 
@@ -257,7 +286,7 @@ def test_async_scheduling_in_the_core_process(tiny_llama_dir):
     prompts_ = random_prompts(12, [9, 40, 17], 512)
     params = [SamplingParams(temperature=0.0, max_tokens=10), SamplingParams(temperature=0.8, seed=3, max_tokens=7),
               SamplingParams(temperature=0.0, max_tokens=1)]
-    _, sync = generate(tiny_llama_dir, prompts_, params)
+    _, sync, _ = generate(tiny_llama_dir, prompts_, params)
     with LLM(tiny_llama_dir, dtype="float32", multiprocess_core=True, async_scheduling=True) as llm:
         outs = llm.generate(prompts_, params, use_tqdm=False)
     assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs] == sync
@@ -268,7 +297,7 @@ def test_async_scheduling_with_worker_processes(tiny_llama_dir):
     from pagedserve.tests.helpers.tiny_models import random_prompts
     prompts_ = random_prompts(13, [9, 40, 17, 5], 512)
     params = [SamplingParams(temperature=0.0, max_tokens=9), SamplingParams(temperature=0.8, seed=4, max_tokens=12)] * 2
-    _, sync = generate(tiny_llama_dir, prompts_, params)
-    llm, out = generate(tiny_llama_dir, prompts_, params, distributed_executor_backend="mp", async_scheduling=True)
+    _, sync, _ = generate(tiny_llama_dir, prompts_, params)
+    llm, out, _ = generate(tiny_llama_dir, prompts_, params, distributed_executor_backend="mp", async_scheduling=True)
     llm.shutdown()
     assert out == sync
