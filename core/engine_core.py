@@ -23,7 +23,7 @@ from pagedserve.ipc.messages import (EngineCoreOutput, EngineCoreOutputs, Engine
 logger = logging.getLogger(__name__)
 
 
-class StepFuture(Protocol):
+class PendingOutput(Protocol):
     """A step started by execute_model_async (a concurrent.futures.Future does)."""
 
     def result(self, timeout: float | None = None) -> ModelRunnerOutput: ...
@@ -37,7 +37,7 @@ class ExecutorLike(Protocol):
     def initialize_cache(self, num_blocks: int) -> None: ...
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
     # Starts the step and returns at once; steps run in the order they were started.
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture: ...
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput: ...
     def check_health(self) -> None: ...
     def shutdown(self) -> None: ...
 
@@ -59,7 +59,7 @@ class EngineCore:
         self.block_hasher = BlockHasher(cache.block_size) if cache.enable_prefix_caching else None
         self.eos_token_ids = config.model.eos_token_ids
         self.async_scheduling = config.scheduler.async_scheduling
-        self._in_flight: tuple[SchedulerOutput, StepFuture] | None = None    # async scheduling's step N
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None    # async scheduling's step N
         self._info: EngineInfo | None = None
         logger.info("engine core ready in %.1f s: %d KV blocks", time.perf_counter() - start, self.num_blocks)
 
