@@ -96,6 +96,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # New requests beyond this many waiting are refused (EngineOverloadedError); None = unbounded.
     max_waiting_requests: int | None = None
+    # Schedule step N+1 while step N runs: requests carry output placeholders until the sampled ids arrive.
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,9 @@ class EngineArgs:
         help="uni: in-process, mp: a process per rank, torchrun: ranks started by torchrun (unset: uni for "
              "one rank, else mp)")
     enforce_eager: bool = setting(False, store_true=True, help="CUDA: no CUDA graphs for decode steps")
+    async_scheduling: bool = setting(
+        False, help="schedule the next step while the current one runs (vLLM's --async-scheduling): the "
+                    "host's scheduling overlaps the model; a stop found late costs one dropped token")
     reasoning_parser: str | None = setting(
         None, choices=tuple(REASONING_PARSERS),
         help="the model thinks between markers: the server returns that as reasoning_content, and a "
@@ -238,7 +243,7 @@ class EngineArgs:
         scheduler = SchedulerConfig(
             max_num_batched_tokens=batched, max_num_seqs=self.max_num_seqs, max_model_len=max_len,
             policy=self.scheduling_policy, enable_chunked_prefill=self.enable_chunked_prefill,
-            max_waiting_requests=self.max_waiting_requests)
+            max_waiting_requests=self.max_waiting_requests, async_scheduling=self.async_scheduling)
         parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                   distributed_executor_backend=self.executor_backend(),
                                   worker_heartbeat_timeout_s=float(self.worker_heartbeat_timeout))

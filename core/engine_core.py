@@ -23,6 +23,12 @@ from pagedserve.ipc.messages import (EngineCoreOutput, EngineCoreOutputs, Engine
 logger = logging.getLogger(__name__)
 
 
+class PendingOutput(Protocol):
+    """A step started by execute_model_async (a concurrent.futures.Future does)."""
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput: ...
+
+
 class ExecutorLike(Protocol):
     """What the core drives. The executor classes satisfy it; the core never imports them, whoever builds
     the core injects one (executor.procs.backends.get_executor_class)."""
@@ -30,6 +36,8 @@ class ExecutorLike(Protocol):
     def determine_num_blocks(self) -> int: ...
     def initialize_cache(self, num_blocks: int) -> None: ...
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    # Starts the step and returns at once; steps run in the order they were started.
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput: ...
     def check_health(self) -> None: ...
     def shutdown(self) -> None: ...
 
@@ -50,6 +58,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured_outputs)
         self.block_hasher = BlockHasher(cache.block_size) if cache.enable_prefix_caching else None
         self.eos_token_ids = config.model.eos_token_ids
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None    # async scheduling's step N
         self._info: EngineInfo | None = None
         logger.info("engine core ready in %.1f s: %d KV blocks", time.perf_counter() - start, self.num_blocks)
 
@@ -97,21 +107,49 @@ class EngineCore:
         return [EngineCoreOutput(request_id=r.request_id, new_token_ids=[], finish_reason="abort") for r in done]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        # A step still in flight counts: its output must be taken even if all its requests were aborted.
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # ---------------------------------------------------------------- the step
 
     def step(self) -> EngineCoreOutputs:
+        if self.async_scheduling:
+            return self._step_async()
         sched = self.scheduler.schedule()
         outputs: list[EngineCoreOutput] = self.scheduler.grammar_errors
         self.scheduler.grammar_errors = []
-        if sched.total_num_scheduled_tokens > 0 or sched.finished_req_ids:
+        if _has_work(sched):
             result = self.executor.execute_model(sched)
             outputs += self.scheduler.update_from_output(sched, result)
         elif not outputs:
             self.scheduler.grammar_waiters.wait()   # only compiles pending: do not spin
+        return self._outputs(outputs, sched.total_num_scheduled_tokens)
+
+    def _step_async(self) -> EngineCoreOutputs:
+        """Start step N+1, then take step N's output: the scheduling overlaps step N's run, and the
+        output processing overlaps step N+1's. Requests in both steps were given placeholders; a stop
+        found in step N's output frees the request, and step N+1's token for it is dropped on arrival."""
+        outputs: list[EngineCoreOutput] = self.scheduler.grammar_errors
+        self.scheduler.grammar_errors = []
+        if self._in_flight is not None and self.scheduler.needs_each_output_before_scheduling():
+            outputs += self._take_in_flight()
+        sched = self.scheduler.schedule()
+        started = (sched, self.executor.execute_model_async(sched)) if _has_work(sched) else None
+        if self._in_flight is not None:
+            outputs += self._take_in_flight()
+        self._in_flight = started
+        if started is None and not outputs:
+            self.scheduler.grammar_waiters.wait()   # only compiles pending: do not spin
+        return self._outputs(outputs, sched.total_num_scheduled_tokens)
+
+    def _take_in_flight(self) -> list[EngineCoreOutput]:
+        sched, future = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update_from_output(sched, future.result())
+
+    def _outputs(self, outputs: list[EngineCoreOutput], num_step_tokens: int) -> EngineCoreOutputs:
         stats = self.scheduler.make_stats()
-        stats.num_step_tokens = sched.total_num_scheduled_tokens
+        stats.num_step_tokens = num_step_tokens
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
 
     def reset_prefix_cache(self) -> bool:
@@ -148,5 +186,16 @@ class EngineCore:
         return handler(*args)
 
     def shutdown(self) -> None:
+        if self._in_flight is not None:    # let the worker finish it before the executor goes
+            try:
+                self._in_flight[1].result()
+            except Exception:               # the engine is going down anyway; the step's error was its own
+                logger.debug("the step in flight at shutdown failed", exc_info=True)
+            self._in_flight = None
         self.structured_outputs.shutdown()
         self.executor.shutdown()
+
+
+def _has_work(sched: SchedulerOutput) -> bool:
+    """Tokens to run, or finished requests the workers must drop."""
+    return sched.total_num_scheduled_tokens > 0 or bool(sched.finished_req_ids)

@@ -49,6 +49,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens scheduled to be sampled whose ids have not come back yet (async scheduling keeps up to two
+        # steps of them): the request counts them as its own when the next step is scheduled.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1       # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None    # for the queue-time metric

@@ -22,6 +22,10 @@ class Scheduler:
 
     Each step every request simply gets tokens until its num_computed_tokens catches up with its
     tokens: a prompt is a run of tokens like any other, so prefill chunks and decodes share a batch.
+
+    A step that samples for a request gives it an output placeholder until the sampled id comes back, and
+    the next schedule() counts placeholders as tokens: with async scheduling that next step is scheduled
+    (and runs) before the previous step's ids are known, and the worker feeds them in itself.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
@@ -37,6 +41,10 @@ class Scheduler:
         self._finished_ids: list[str] = []       # to drop from the workers' batch next step
         self.num_preemptions = 0
         self.grammar_errors: list[EngineCoreOutput] = []   # requests whose grammar failed, for the next outputs
+        # id(SchedulerOutput) -> the Request objects it scheduled: an output is applied only to those, never
+        # to a later request that reused the id of one aborted while the step ran.
+        self._scheduled: dict[int, dict[str, Request]] = {}
+        self._num_structured = 0
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -44,6 +52,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if request.structured is not None:
+            self._num_structured += 1
         if request.structured is not None and self.grammar_waiters is not None:
             self.grammar_waiters.add(request)
         else:
@@ -56,12 +66,7 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
-                self.grammar_waiters.remove(request)
-            else:
-                self.waiting.remove(request)
+            self._unqueue(request)
             request.status = status
             self._free(request)
             done.append(request)
@@ -70,9 +75,24 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def needs_each_output_before_scheduling(self) -> bool:
+        """True while a request has structured outputs: its grammar must accept step N's token before step
+        N+1's bitmask can be built, so async scheduling waits for each step's output then."""
+        return self._num_structured > 0
+
+    def _unqueue(self, request: Request) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            self.grammar_waiters.remove(request)
+        else:                            # waiting, or preempted while a step for it was in flight
+            self.waiting.remove(request)
+
     def _free(self, request: Request) -> None:
         self.kv.free(request)
         del self.requests[request.request_id]
+        if request.structured is not None:
+            self._num_structured -= 1
         if request.request_id in self._sent_to_workers:
             self._sent_to_workers.discard(request.request_id)
             self._finished_ids.append(request.request_id)
@@ -118,6 +138,8 @@ class Scheduler:
         while (not preempted_any and budget > 0 and len(self.waiting)
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
+            if request.num_output_placeholders:
+                break                    # preempted with a step in flight: its ids come back first
             scheduled = self._admit(request, budget)
             if scheduled is None:
                 break
@@ -136,14 +158,25 @@ class Scheduler:
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=self._finished_ids)
         self._finished_ids = []
-        # The tokens count as computed from now on: the next schedule() builds on this step.
-        for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+        sampling = self._advance(num_scheduled)
+        if num_scheduled:                # a step with no tokens gets no output to match
+            self._scheduled[id(out)] = {rid: self.requests[rid] for rid in num_scheduled}
         if self.structured is not None:
             out.grammar_bitmask = self.structured.grammar_bitmask(
-                [(rid, r.structured) for rid in num_scheduled
-                 if (r := self.requests[rid]).structured is not None and r.num_computed_tokens >= r.num_tokens])
+                [(r.request_id, r.structured) for r in sampling if r.structured is not None])
         return out
+
+    def _advance(self, num_scheduled: dict[str, int]) -> list[Request]:
+        """Count this step's tokens as computed (the next schedule() builds on it) and give every request
+        this step samples for a placeholder; returns those requests."""
+        sampling = []
+        for rid, n in num_scheduled.items():
+            request = self.requests[rid]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
+                sampling.append(request)
+        return sampling
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar compiled join the waiting queue; failed compiles end with an error."""
@@ -158,7 +191,11 @@ class Scheduler:
                                                         finish_reason="error", error=error, error_kind=INVALID))
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+        pending = request.num_output_placeholders
+        if pending and (request.num_output_tokens + pending >= request.max_tokens
+                        or request.num_tokens + pending >= self.config.max_model_len):
+            return 0                     # the ids in flight already end it: another step would be thrown away
+        num_new = request.num_tokens + pending - request.num_computed_tokens
         if not self.config.enable_chunked_prefill and num_new > budget:
             return 0
         return min(num_new, budget)
@@ -226,11 +263,14 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         logprobs = result.logprobs
         prompt_logprobs = result.prompt_logprobs or {}
+        scheduled = self._scheduled.pop(id(sched), {})
         for i, rid in enumerate(result.req_ids):
             token = result.sampled_token_ids[i]
             request = self.requests.get(rid)
-            if request is None:
-                continue                 # aborted while the step ran
+            if request is None or scheduled.get(rid, request) is not request:
+                continue                 # finished (aborted, or stopped by the step before) while it ran
+            if token >= 0:
+                request.num_output_placeholders -= 1
             scored = request.take_prompt_logprobs(prompt_logprobs.get(rid))
             if token < 0 and scored is None:
                 continue                 # a prefill chunk
@@ -251,7 +291,7 @@ class Scheduler:
                 out.new_token_ids = [token]
                 out.new_logprobs = [entry] if entry is not None else None
             if status is not None:
-                self.running.remove(request)
+                self._unqueue(request)
                 request.status = status
                 out.finish_reason = status.finish_reason
                 out.stop_reason = request.stop_reason

@@ -2,10 +2,35 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class PendingOutput(Protocol):
+    """The output of a started step (a concurrent.futures.Future is one)."""
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput: ...
+
+
+class OutputToCome:
+    """A step the workers already started; its output is read when first asked for (a two-stage call)."""
+
+    def __init__(self, receive: Callable[[], ModelRunnerOutput]) -> None:
+        self._receive: Callable[[], ModelRunnerOutput] | None = receive
+        self._output: ModelRunnerOutput | None = None
+
+    @classmethod
+    def ready(cls, output: ModelRunnerOutput) -> "OutputToCome":
+        return cls(lambda: output)
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        if self._receive is not None:
+            self._output = self._receive()
+            self._receive = None
+        return self._output
 
 
 class Executor(ABC):
@@ -23,6 +48,13 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         ...
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        """Start a step and return at once; its output comes from .result() (async scheduling).
+
+        Steps run in the order they are started. This fallback runs the step before returning: correct,
+        but it overlaps nothing; executors that can start a step without waiting override it."""
+        return OutputToCome.ready(self.execute_model(scheduler_output))
 
     def determine_num_blocks(self) -> int:
         # Every rank must fit the same block count.

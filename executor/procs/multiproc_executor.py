@@ -14,7 +14,7 @@ import zmq
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.process_utils import ModuleProcess, stop_at_exit
 from pagedserve.common.throttled_log import ThrottledLog
-from pagedserve.executor.procs.executor import Executor
+from pagedserve.executor.procs.executor import Executor, OutputToCome
 from pagedserve.executor.procs.heartbeat import HeartbeatWatch, heartbeat_interval
 from pagedserve.executor.procs.worker_proc import WorkerLaunch
 from pagedserve.ipc.broadcast import BroadcastWriter
@@ -167,6 +167,15 @@ class MultiProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._broadcast(ExecuteModel(scheduler_output))
+        return self._receive_output()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> OutputToCome:
+        # The ranks start the step now; the core reads its output after scheduling the next one. Ranks
+        # run steps in the order broadcast and rank 0 answers in that order.
+        self._broadcast(ExecuteModel(scheduler_output))
+        return OutputToCome(self._receive_output)
+
+    def _receive_output(self) -> ModelRunnerOutput:
         while True:
             resp = self._recv_response()
             if resp is None:

@@ -1,6 +1,7 @@
 """One worker, inside the engine core's own process."""
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from pagedserve.common.config import EngineConfig
@@ -17,9 +18,24 @@ class UniProcExecutor(Executor):
         self.worker = Worker(config, rank=0)
         self.worker.init_device()
         self.worker.load_model()
+        self._step_thread: ThreadPoolExecutor | None = None
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         return [self.worker.call_remote(method, args)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        # One thread: steps run in submission order, and the worker keeps each step's sampled ids in its
+        # request states, where the next step's inputs read them. torch releases the GIL while it computes,
+        # so the core schedules the next step meanwhile.
+        if self._step_thread is None:
+            self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uniproc-step",
+                                                   initializer=self.worker.bind_thread)
+        return self._step_thread.submit(self.worker.execute_model, scheduler_output)
+
+    def shutdown(self) -> None:
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=True)
+            self._step_thread = None

@@ -43,6 +43,12 @@ class Worker:
                                     world_size=self.tp.size, rank=self.rank)
         torch.manual_seed(self.config.model.seed)
 
+    def bind_thread(self) -> None:
+        """Make this worker's device current in the calling thread (CUDA's current device is per thread):
+        for an executor that runs steps on a thread of its own."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def load_model(self) -> None:
         from pagedserve.executor.model.model_loader import load_model
         model = load_model(self.config.model, self.tp)
