@@ -1,95 +1,29 @@
 """PyTorch ops: the CPU path and the oracle for the Triton kernels (paged attention, cache write,
-RMSNorm, SiLU*mul, q/k norm + rotary).
+RMSNorm, SiLU*mul, q/k norm + rotary). Paged attention and the cache write live in cpu_attention.
 
-Cache layout: [num_blocks, num_kv_heads, block_size, head_dim] per K and V. Head-major blocks let one
-KV head's context be gathered as whole contiguous rows (index_select, i.e. memcpy) straight into the
-[kv_heads, seqs, len, head_dim] layout attention wants, with no strided copy.
+Cache layout: [num_blocks, num_kv_heads, block_size, head_dim] per K and V.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels import cpu_attention
 from pagedserve.kernels.metadata import AttentionMetadata
-
-DECODE_GROUP = 16
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter key/value [T, Hkv, D] into the caches at slot_mapping (block * block_size + offset; -1 skipped)."""
-    block_size = k_cache.shape[2]
-    valid = slot_mapping >= 0
-    slots = slot_mapping
-    if not bool(valid.all()):
-        slots, key, value = slot_mapping[valid], key[valid], value[valid]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = key.to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
+    cpu_attention.write_kv_cache(key, value, k_cache, v_cache, cpu_attention.write_plan(slot_mapping, k_cache))
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each sequence's paged context; returns [T, Hq, D]."""
-    out = torch.empty_like(query)
-    # Decodes in groups: each group gathers its context padded only to its own longest member
-    # (the runner sorts decodes by length, so groups are tight).
-    for lo in range(0, meta.num_decodes, DECODE_GROUP):
-        hi = min(lo + DECODE_GROUP, meta.num_decodes)
-        out[lo:hi] = _decode_attention(query[lo:hi], k_cache, v_cache, meta.block_tables[lo:hi],
-                                       meta.seq_lens[lo:hi], max(meta.seq_lens_cpu[lo:hi]), scale)
-    starts = meta.query_start_loc_cpu
-    for i in range(meta.num_decodes, meta.num_seqs):
-        lo, hi = starts[i], starts[i + 1]
-        if hi > lo:
-            out[lo:hi] = _prefill_attention(query[lo:hi], k_cache, v_cache, meta.block_tables[i:i + 1],
-                                            meta.seq_lens_cpu[i], scale)
-    return out
-
-
-def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached positions of each sequence: [Hkv, S, length, D] (block_tables [S, n])."""
-    num_blocks, num_kv_heads, block_size, head_dim = cache.shape
-    nblocks = -(-length // block_size)
-    ids = block_tables[:, :nblocks].reshape(-1).long()
-    seqs = block_tables.shape[0]
-    out = torch.empty(num_kv_heads, seqs * nblocks, block_size * head_dim, dtype=cache.dtype, device=cache.device)
-    rows = cache.view(num_blocks, num_kv_heads, block_size * head_dim)
-    for h in range(num_kv_heads):
-        torch.index_select(rows[:, h], 0, ids, out=out[h])
-    return out.view(num_kv_heads, seqs, nblocks * block_size, head_dim)[:, :, :length]
-
-
-def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-                      scale: float) -> torch.Tensor:
-    batch, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    keys = gather_context(k_cache, block_tables, max_len).transpose(0, 1)      # [B, Hkv, L, D]
-    values = gather_context(v_cache, block_tables, max_len).transpose(0, 1)
-    # GQA without repeating K/V: the query heads of one KV head become that head's query rows.
-    q = query.view(batch, num_kv_heads, group, head_dim).to(keys.dtype)
-    mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
-    return out.reshape(batch, num_heads, head_dim).to(query.dtype)
-
-
-def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
-    qlen, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    keys = gather_context(k_cache, block_table, seq_len)[:, 0]               # [Hkv, L, D]
-    values = gather_context(v_cache, block_table, seq_len)[:, 0]
-    q = query.view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)   # [Hkv, G, q, D]
-    q = q.reshape(num_kv_heads, group * qlen, head_dim).to(keys.dtype)
-    # Query row i sits at absolute position seq_len - qlen + i and sees keys up to it.
-    q_pos = torch.arange(seq_len - qlen, seq_len, device=query.device).repeat(group)
-    mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    out = out.view(num_kv_heads, group, qlen, head_dim).permute(2, 0, 1, 3)
-    return out.reshape(qlen, num_heads, head_dim).to(query.dtype)
+    kv_rows = cpu_attention.stacked_rows(k_cache, v_cache)
+    plan = cpu_attention.step_plan(meta, k_cache, query.shape[1], kv_rows is not None)
+    return cpu_attention.paged_attention(query, k_cache, v_cache, kv_rows, plan, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -114,11 +48,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :half]) * x[..., half:]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] (any strides) rotated, neox layout; cos/sin [T, 1, D] in x's dtype. Returns a new tensor."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 signed_sin: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H, D] (any strides) rotated, neox layout; cos/sin [T, 1, D] in x's dtype. Returns a new tensor.
+
+    signed_sin (sin with its first half negated, see `signed_sin`) saves the negation: rotate_half(x) * sin
+    is then roll(x, D/2) * signed_sin, the same products bit for bit, in two ops instead of four."""
+    if signed_sin is None:
+        signed_sin = _negate_first_half(sin)
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+_signed_sins = cpu_attention.LastStep()
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """cat(-sin[..., :D/2], sin[..., D/2:]), made once per forward pass: every layer passes the same sin."""
+    return _signed_sins.get(sin, (cpu_attention.version(sin),), (), _negate_first_half)
+
+
+def _negate_first_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return torch.cat((-x[..., :half], x[..., half:]), dim=-1)
 
 
 def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
@@ -128,4 +79,5 @@ def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_h
     if q_weight is not None:
         qk = torch.cat((_rms_norm(qk[:, :num_q_heads], q_weight, eps),
                         _rms_norm(qk[:, num_q_heads:], k_weight, eps)), dim=1)
-    return apply_rotary(qk, cos.view(cos.shape[0], 1, -1), sin.view(sin.shape[0], 1, -1))
+    sin_signed = signed_sin(sin).view(sin.shape[0], 1, -1)
+    return apply_rotary(qk, cos.view(cos.shape[0], 1, -1), sin.view(sin.shape[0], 1, -1), sin_signed)
