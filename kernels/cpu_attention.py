@@ -187,8 +187,11 @@ def gather(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_rows: torch.Tensor |
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     kv_rows: torch.Tensor | None, plan: StepPlan, scale: float) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each sequence's paged context; returns [T, Hq, D]."""
-    if len(plan.decodes) == 1 and not plan.prefills:       # batch-1 and small decode steps: no copy out
+    # One group or one prefill covering the whole step (batch-1 decode, a lone prompt): no copy out.
+    if len(plan.decodes) == 1 and not plan.prefills and plan.decodes[0].hi == query.shape[0]:
         return _decode(query, k_cache, v_cache, kv_rows, plan.decodes[0], scale)
+    if len(plan.prefills) == 1 and not plan.decodes and plan.prefills[0].hi - plan.prefills[0].lo == query.shape[0]:
+        return _prefill(query, k_cache, v_cache, kv_rows, plan.prefills[0], scale)
     out = torch.empty_like(query)
     for g in plan.decodes:
         out[g.lo:g.hi] = _decode(query[g.lo:g.hi], k_cache, v_cache, kv_rows, g, scale)

@@ -28,6 +28,7 @@ CASES = {
     "equal_lengths": [(20, 1)] * 5,
     "ragged_two_groups": [(1 + (5 * i) % 37, 1) for i in range(18)],
     "mixed": [(17, 1), (3, 1), (16, 16), (40, 7), (9, 1)],
+    "prefill_only": [(40, 7)],
 }
 
 
