@@ -1,31 +1,21 @@
 """PyTorch ops: the CPU path and the oracle for the Triton kernels (paged attention, cache write,
-RMSNorm, SiLU*mul, q/k norm + rotary).
+RMSNorm, SiLU*mul, q/k norm + rotary). Paged attention and the cache write live in cpu_attention.
 
-Cache layout: [num_blocks, num_kv_heads, block_size, head_dim] per K and V. Head-major blocks let one
-KV head's context be gathered as whole contiguous rows (index_select, i.e. memcpy) straight into the
-[kv_heads, seqs, len, head_dim] layout attention wants, with no strided copy.
+Cache layout: [num_blocks, num_kv_heads, block_size, head_dim] per K and V.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels import cpu_attention
 from pagedserve.kernels.metadata import AttentionMetadata
-
-DECODE_GROUP = 16
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter key/value [T, Hkv, D] into the caches at slot_mapping (block * block_size + offset; -1 skipped)."""
-    block_size = k_cache.shape[2]
-    valid = slot_mapping >= 0
-    slots = slot_mapping
-    if not bool(valid.all()):
-        slots, key, value = slot_mapping[valid], key[valid], value[valid]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = key.to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
+    cpu_attention.write_kv_cache(key, value, k_cache, v_cache, cpu_attention.write_plan(slot_mapping, k_cache))
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -35,7 +25,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     window: a query at position p sees only keys at positions > p - window (None: all earlier keys).
     softcap: scores become tanh(scores / softcap) * softcap before the softmax (Gemma 2).
+    Without either, the in-place path of cpu_attention runs (blocks read in place, plans shared by layers);
+    windowed or capped layers take the straightforward gather-and-mask path below.
     """
+    if window is None and softcap is None:
+        kv_rows = cpu_attention.stacked_rows(k_cache, v_cache)
+        plan = cpu_attention.step_plan(meta, k_cache, query.shape[1], kv_rows is not None)
+        return cpu_attention.paged_attention(query, k_cache, v_cache, kv_rows, plan, scale)
     out = torch.empty_like(query)
     # Decodes in groups: each group gathers its context padded only to its own longest member
     # (the runner sorts decodes by length, so groups are tight).
@@ -138,11 +134,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :half]) * x[..., half:]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] (any strides) rotated, neox layout; cos/sin [T, 1, D] in x's dtype. Returns a new tensor."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 signed_sin: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H, D] (any strides) rotated, neox layout; cos/sin [T, 1, D] in x's dtype. Returns a new tensor.
+
+    signed_sin (sin with its first half negated, see `signed_sin`) saves the negation: rotate_half(x) * sin
+    is then roll(x, D/2) * signed_sin, the same products bit for bit, in two ops instead of four."""
+    if signed_sin is None:
+        signed_sin = _negate_first_half(sin)
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+_signed_sins = cpu_attention.LastStep()
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """cat(-sin[..., :D/2], sin[..., D/2:]), made once per forward pass: every layer passes the same sin."""
+    return _signed_sins.get(sin, (cpu_attention.version(sin),), (), _negate_first_half)
+
+
+def _negate_first_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return torch.cat((-x[..., :half], x[..., half:]), dim=-1)
 
 
 def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
@@ -152,4 +165,5 @@ def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_h
     if q_weight is not None:
         qk = torch.cat((_rms_norm(qk[:, :num_q_heads], q_weight, eps),
                         _rms_norm(qk[:, num_q_heads:], k_weight, eps)), dim=1)
-    return apply_rotary(qk, cos.view(cos.shape[0], 1, -1), sin.view(sin.shape[0], 1, -1))
+    sin_signed = signed_sin(sin).view(sin.shape[0], 1, -1)
+    return apply_rotary(qk, cos.view(cos.shape[0], 1, -1), sin.view(sin.shape[0], 1, -1), sin_signed)

@@ -1,0 +1,225 @@
+"""Paged attention and the cache write for the PyTorch path, reading the cache blocks in place.
+
+Cache layout: [num_blocks, num_kv_heads, block_size, head_dim] per K and V. Viewed as rows of
+[num_blocks * num_kv_heads, block_size * head_dim], one row is one KV head's whole block, so a single
+index_select over row ids (head-major) lands every head's context of a group of sequences straight in
+the [kv_heads, seqs, len, head_dim] layout attention wants. When K and V are the two halves of one
+[2, ...] tensor (as the model runner allocates them), one index_select reads both.
+
+Everything that depends only on the batch, not on the layer (row ids, write positions, masks), is built
+once per forward pass in a StepPlan and reused by every layer: at batch 1 the per-layer work is then one
+index_put_ per cache, one index_select and one SDPA call.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels.metadata import AttentionMetadata
+
+DECODE_GROUP = 16
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decodes lo..hi-1, attended together over contexts padded to `length`."""
+    lo: int
+    hi: int
+    length: int
+    rows: torch.Tensor               # [Hkv * S * nblocks] row ids, K rows then (if stacked) V rows
+    mask: torch.Tensor | None        # [S, 1, 1, length] bool; None when every member has `length` tokens
+
+
+@dataclass(frozen=True)
+class PrefillSeq:
+    """Query tokens lo..hi-1 of one sequence of `length` tokens (the new ones last)."""
+    lo: int
+    hi: int
+    length: int
+    rows: torch.Tensor
+    mask: torch.Tensor | None        # [group * q, length] bool; None when q == 1 (sees everything)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    decodes: tuple[DecodeGroup, ...]
+    prefills: tuple[PrefillSeq, ...]
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    rows: torch.Tensor               # [T', Hkv] rows of the cache viewed [num_blocks * Hkv * block_size, D]
+    tokens: torch.Tensor | None      # the tokens with a slot (>= 0); None when all have one
+
+
+class LastStep:
+    """What was derived from the last step's inputs, keyed by the input object itself: every layer
+    gets the same metadata and slot tensors, and the runner makes new ones each step. A weak reference
+    (a dead object is never mistaken for a new one at its address) plus the tensors' version counters
+    (an in-place change invalidates)."""
+
+    def __init__(self) -> None:
+        self._owner: weakref.ref | None = None
+        self._versions: tuple[int, ...] = ()
+        self._made: dict[tuple, object] = {}
+
+    def get(self, owner: object, versions: tuple[int, ...], key: tuple, build: Callable) -> object:
+        if self._owner is None or self._owner() is not owner or self._versions != versions:
+            self._owner, self._versions, self._made = weakref.ref(owner), versions, {}
+        made = self._made.get(key)
+        if made is None:
+            made = self._made[key] = build(owner, *key)
+        return made
+
+
+def version(t: torch.Tensor) -> int:
+    """The tensor's in-place version counter; inference tensors keep none (-1): under inference_mode the
+    runner's step inputs are new tensors every step, which the identity check already catches."""
+    return -1 if t.is_inference() else t._version
+
+
+_step_plans = LastStep()
+_write_plans = LastStep()
+
+
+def stacked_rows(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
+    """[2 * num_blocks * Hkv, block_size * D] rows over K then V when they are adjacent halves of one
+    tensor (the runner's [2, ...] cache), else None."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+            and k_cache.dtype == v_cache.dtype):
+        return None
+    if k_cache.untyped_storage().data_ptr() != v_cache.untyped_storage().data_ptr():
+        return None
+    if v_cache.storage_offset() != k_cache.storage_offset() + k_cache.numel():
+        return None
+    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    return k_cache.as_strided((2 * num_blocks * num_kv_heads, block_size * head_dim), (block_size * head_dim, 1))
+
+
+def step_plan(meta: AttentionMetadata, k_cache: torch.Tensor, num_heads: int, stacked: bool) -> StepPlan:
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    versions = (id(meta.block_tables), version(meta.block_tables), id(meta.seq_lens), version(meta.seq_lens))
+    key = (num_blocks, num_kv_heads, block_size, num_heads // num_kv_heads, stacked, k_cache.device)
+    return _step_plans.get(meta, versions, key, _build_plan)
+
+
+def write_plan(slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> WritePlan:
+    key = (k_cache.shape[1], k_cache.shape[2])
+    return _write_plans.get(slot_mapping, (version(slot_mapping),), key, _build_write_plan)
+
+
+def _build_write_plan(slots: torch.Tensor, num_kv_heads: int, block_size: int) -> WritePlan:
+    valid = slots >= 0
+    tokens = None
+    if not bool(valid.all()):       # once per step, not once per layer
+        tokens = valid.nonzero().flatten()
+        slots = slots[tokens]
+    heads = torch.arange(num_kv_heads, device=slots.device)
+    rows = ((slots // block_size) * num_kv_heads)[:, None] + heads
+    return WritePlan(rows * block_size + (slots % block_size)[:, None], tokens)
+
+
+def _build_plan(meta: AttentionMetadata, num_blocks: int, num_kv_heads: int, block_size: int, group: int,
+                stacked: bool, device: torch.device) -> StepPlan:
+    heads = torch.arange(num_kv_heads, device=device)
+
+    def rows(tables: torch.Tensor, length: int) -> torch.Tensor:
+        nblocks = -(-length // block_size)
+        ids = tables[:, :nblocks].reshape(-1).to(torch.int64) * num_kv_heads
+        out = (heads[:, None] + ids[None, :]).reshape(-1)
+        return torch.cat((out, out + num_blocks * num_kv_heads)) if stacked else out
+
+    decodes = []
+    lens = meta.seq_lens_cpu
+    for lo in range(0, meta.num_decodes, DECODE_GROUP):
+        hi = min(lo + DECODE_GROUP, meta.num_decodes)
+        length = max(lens[lo:hi])
+        mask = None
+        if min(lens[lo:hi]) != length:
+            mask = torch.arange(length, device=device)[None, :] < meta.seq_lens[lo:hi, None]
+            mask = mask[:, None, None, :]
+        decodes.append(DecodeGroup(lo, hi, length, rows(meta.block_tables[lo:hi], length), mask))
+    prefills = []
+    starts = meta.query_start_loc_cpu
+    for i in range(meta.num_decodes, meta.num_seqs):
+        lo, hi, length = starts[i], starts[i + 1], lens[i]
+        if hi == lo:
+            continue
+        mask = None
+        if hi - lo > 1:
+            # Query row r sits at absolute position length - q + r and sees keys up to it.
+            q_pos = torch.arange(length - (hi - lo), length, device=device).repeat(group)
+            mask = torch.arange(length, device=device)[None, :] <= q_pos[:, None]
+        prefills.append(PrefillSeq(lo, hi, length, rows(meta.block_tables[i:i + 1], length), mask))
+    return StepPlan(tuple(decodes), tuple(prefills))
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   plan: WritePlan) -> None:
+    """key/value [T, Hkv, D] into the caches at the plan's rows (tokens without a slot skipped)."""
+    if plan.tokens is not None:
+        key, value = key[plan.tokens], value[plan.tokens]
+    head_dim = k_cache.shape[-1]
+    # index_put_ with one index tensor [T, Hkv] takes key as it is (no reshape copy of a strided slice).
+    k_cache.view(-1, head_dim).index_put_((plan.rows,), key.to(k_cache.dtype))
+    v_cache.view(-1, head_dim).index_put_((plan.rows,), value.to(v_cache.dtype))
+
+
+def gather(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_rows: torch.Tensor | None, rows: torch.Tensor,
+           seqs: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [Hkv, seqs, length, D] (views of one or two fresh buffers)."""
+    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    nblocks = -(-length // block_size)
+    shape = (num_kv_heads, seqs, nblocks * block_size, head_dim)
+    if kv_rows is not None:
+        both = kv_rows.index_select(0, rows).view(2, *shape)[..., :length, :]
+        return both[0], both[1]
+    half = rows.shape[0]
+    keys = k_cache.view(-1, block_size * head_dim).index_select(0, rows[:half]).view(shape)
+    values = v_cache.view(-1, block_size * head_dim).index_select(0, rows[:half]).view(shape)
+    return keys[..., :length, :], values[..., :length, :]
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    kv_rows: torch.Tensor | None, plan: StepPlan, scale: float) -> torch.Tensor:
+    """Causal attention of query [T, Hq, D] over each sequence's paged context; returns [T, Hq, D]."""
+    # One group or one prefill covering the whole step (batch-1 decode, a lone prompt): no copy out.
+    if len(plan.decodes) == 1 and not plan.prefills and plan.decodes[0].hi == query.shape[0]:
+        return _decode(query, k_cache, v_cache, kv_rows, plan.decodes[0], scale)
+    if len(plan.prefills) == 1 and not plan.decodes and plan.prefills[0].hi - plan.prefills[0].lo == query.shape[0]:
+        return _prefill(query, k_cache, v_cache, kv_rows, plan.prefills[0], scale)
+    out = torch.empty_like(query)
+    for g in plan.decodes:
+        out[g.lo:g.hi] = _decode(query[g.lo:g.hi], k_cache, v_cache, kv_rows, g, scale)
+    for p in plan.prefills:
+        out[p.lo:p.hi] = _prefill(query[p.lo:p.hi], k_cache, v_cache, kv_rows, p, scale)
+    return out
+
+
+def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_rows: torch.Tensor | None,
+            g: DecodeGroup, scale: float) -> torch.Tensor:
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[1]
+    keys, values = gather(k_cache, v_cache, kv_rows, g.rows, batch, g.length)
+    # GQA without repeating K/V: the query heads of one KV head become that head's query rows.
+    q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).to(keys.dtype)
+    out = F.scaled_dot_product_attention(q, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=g.mask,
+                                         scale=scale)
+    return out.reshape(batch, num_heads, head_dim).to(query.dtype)
+
+
+def _prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_rows: torch.Tensor | None,
+             p: PrefillSeq, scale: float) -> torch.Tensor:
+    qlen, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    keys, values = gather(k_cache, v_cache, kv_rows, p.rows, 1, p.length)
+    q = query.view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)   # [Hkv, G, q, D]
+    q = q.reshape(num_kv_heads, group * qlen, head_dim).to(keys.dtype)
+    out = F.scaled_dot_product_attention(q, keys[:, 0], values[:, 0], attn_mask=p.mask, scale=scale)
+    out = out.view(num_kv_heads, group, qlen, head_dim).permute(2, 0, 1, 3)
+    return out.reshape(qlen, num_heads, head_dim).to(query.dtype)
