@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import cpu_attention
+from pagedserve.kernels.cpu_attention import DECODE_GROUP
 from pagedserve.kernels.metadata import AttentionMetadata
 
 
