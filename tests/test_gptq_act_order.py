@@ -1,0 +1,99 @@
+"""GPTQ act-order (desc_act) weights in our linear layers: decoded from real GPTQ tensors (the packer in
+tests/helpers/quant_packers.py, a random column order per input), packed for the int4 kernel behind an
+input gather, against dequantize-then-matmul in float32; and how tensor parallelism treats them.
+
+Tolerance (as tests/test_quantized_linear.py argues): the int4 kernel keeps the codes exactly and rounds the
+activations and per-group scale/zero to bfloat16, so |y - ref| <= 1e-2 * (|x| @ |W|^T). The int8 fallback
+adds half an int8 step per weight: (max|w_row| / 254) * sum|x|.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.executor.model.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+                                                     RowParallelLinear)
+from pagedserve.executor.model.parallel_state import TPGroup
+from pagedserve.executor.model.quant.awq_gptq import gptq_to_group_quant
+from pagedserve.executor.model.quant.group_quant import GroupQuantWeight
+from pagedserve.executor.model.quant.packing import PermutedInput, apply_linear
+from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
+from pagedserve.tests.helpers.quant_packers import pack_gptq
+
+CPU = torch.device("cpu")
+IN, G = 256, 32
+
+
+def _act_order(out: int, seed: int, order_seed: int | None = 11, bits: int = 4) -> GroupQuantWeight:
+    w = torch.randn(out, IN, generator=torch.Generator().manual_seed(seed)) * 0.05
+    t, _ = pack_gptq(w, bits, G, checkpoint_format="gptq_v2", act_order_seed=order_seed)
+    return gptq_to_group_quant(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, G, "gptq_v2")
+
+
+def _load(layer, pieces: list[tuple[GroupQuantWeight, int | str | None]]):
+    layer.begin_packed_load()
+    for weight, shard_id in pieces:
+        layer.weight_loader(layer.weight, weight, shard_id)
+    layer.finish_packed_load("gptq", CPU, torch.float32)
+    return layer
+
+
+def _bound(x: torch.Tensor, ref_w: torch.Tensor, int8: bool = False) -> torch.Tensor:
+    bound = 1e-2 * (x.abs() @ ref_w.abs().T)
+    if int8:
+        bound = bound + (ref_w.abs().amax(1) / 254)[None, :] * x.abs().sum(1, keepdim=True)
+    return bound + 1e-6
+
+
+@pytest.mark.parametrize("batch", [1, 7])
+def test_merged_act_order_layer_matches_dequantized_matmul(batch):
+    gate, up = _act_order(48, seed=1), _act_order(48, seed=2)        # one input: one column order
+    layer = _load(MergedColumnParallelLinear(IN, [48, 48], False, TPGroup()), [(up, 1), (gate, 0)])
+    assert isinstance(layer.packed, PermutedInput) and isinstance(layer.packed.inner, Int4Weight)
+    ref_w = torch.cat((gate.dequantize(), up.dequantize()))
+    x = torch.randn(batch, IN)
+    ref = x @ ref_w.T
+    assert ((layer(x) - ref).abs() <= _bound(x, ref_w)).all()
+    # The gather is what makes it right: the kernel on unpermuted x is far off.
+    assert ((apply_linear(x, layer.packed.inner) - ref).abs() > _bound(x, ref_w)).any()
+
+
+def test_act_order_pieces_in_different_orders_fall_back_to_int8():
+    gate, up = _act_order(48, seed=1, order_seed=11), _act_order(48, seed=2, order_seed=12)
+    layer = _load(MergedColumnParallelLinear(IN, [48, 48], False, TPGroup()), [(gate, 0), (up, 1)])
+    assert isinstance(layer.packed, Int8Weight)
+    ref_w = torch.cat((gate.dequantize(), up.dequantize()))
+    x = torch.randn(3, IN)
+    assert ((layer(x) - x @ ref_w.T).abs() <= _bound(x, ref_w, int8=True)).all()
+
+
+def test_act_order_8_bit_takes_int8_in_checkpoint_order():
+    w = _act_order(40, seed=3, bits=8)
+    layer = _load(RowParallelLinear(IN, 40, False, TPGroup()), [(w, None)])
+    assert isinstance(layer.packed, Int8Weight)
+    x = torch.randn(2, IN)
+    ref_w = w.dequantize()
+    assert ((layer(x) - x @ ref_w.T).abs() <= _bound(x, ref_w, int8=True)).all()
+
+
+def test_column_parallel_act_order_splits_rows():
+    w = _act_order(64, seed=4)
+    layer = _load(ColumnParallelLinear(IN, 64, False, TPGroup(rank=1, size=2)), [(w, None)])
+    assert isinstance(layer.packed, PermutedInput)
+    ref_w = w.dequantize()[32:]
+    x = torch.randn(4, IN)
+    assert ((layer(x) - x @ ref_w.T).abs() <= _bound(x, ref_w)).all()
+
+
+def test_row_parallel_act_order_refuses_tensor_parallelism():
+    layer = RowParallelLinear(IN, 32, False, TPGroup(rank=0, size=2))
+    layer.begin_packed_load()
+    with pytest.raises(ValueError, match="desc_act"):
+        layer.weight_loader(layer.weight, _act_order(32, seed=5), None)
+    # A desc_act checkpoint whose g_idx is the plain i // group_size has no order to keep: it splits.
+    plain = _act_order(32, seed=5, order_seed=None)
+    assert plain.perm is None
+    layer = _load(RowParallelLinear(IN, 32, False, TPGroup(rank=1, size=2)), [(plain, None)])
+    x = torch.randn(2, IN // 2)
+    ref_w = plain.dequantize()[:, IN // 2:]
+    assert ((layer.matmul(x, None) - x @ ref_w.T).abs() <= _bound(x, ref_w)).all()
