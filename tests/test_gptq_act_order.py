@@ -1,6 +1,7 @@
 """GPTQ act-order (desc_act) weights in our linear layers: decoded from real GPTQ tensors (the packer in
 tests/helpers/quant_packers.py, a random column order per input), packed for the int4 kernel behind an
-input gather, against dequantize-then-matmul in float32; and how tensor parallelism treats them.
+input gather, against dequantize-then-matmul in float32; and tensor parallelism, simulated rank by rank
+(each rank's partial product, summed as the all-reduce would).
 
 Tolerance (as tests/test_quantized_linear.py argues): the int4 kernel keeps the codes exactly and rounds the
 activations and per-group scale/zero to bfloat16, so |y - ref| <= 1e-2 * (|x| @ |W|^T). The int8 fallback
@@ -24,10 +25,11 @@ CPU = torch.device("cpu")
 IN, G = 256, 32
 
 
-def _act_order(out: int, seed: int, order_seed: int | None = 11, bits: int = 4) -> GroupQuantWeight:
-    w = torch.randn(out, IN, generator=torch.Generator().manual_seed(seed)) * 0.05
-    t, _ = pack_gptq(w, bits, G, checkpoint_format="gptq_v2", act_order_seed=order_seed)
-    return gptq_to_group_quant(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, G, "gptq_v2")
+def _act_order(out: int, seed: int, order_seed: int | None = 11, bits: int = 4, cols: int = IN,
+               g: int = G) -> GroupQuantWeight:
+    w = torch.randn(out, cols, generator=torch.Generator().manual_seed(seed)) * 0.05
+    t, _ = pack_gptq(w, bits, g, checkpoint_format="gptq_v2", act_order_seed=order_seed)
+    return gptq_to_group_quant(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, g, "gptq_v2")
 
 
 def _load(layer, pieces: list[tuple[GroupQuantWeight, int | str | None]]):
@@ -85,15 +87,40 @@ def test_column_parallel_act_order_splits_rows():
     assert ((layer(x) - x @ ref_w.T).abs() <= _bound(x, ref_w)).all()
 
 
-def test_row_parallel_act_order_refuses_tensor_parallelism():
-    layer = RowParallelLinear(IN, 32, False, TPGroup(rank=0, size=2))
-    layer.begin_packed_load()
-    with pytest.raises(ValueError, match="desc_act"):
-        layer.weight_loader(layer.weight, _act_order(32, seed=5), None)
-    # A desc_act checkpoint whose g_idx is the plain i // group_size has no order to keep: it splits.
+@pytest.mark.parametrize("tp,cols,g", [(2, 256, 32), (4, 256, 32), (2, 512, 128), (4, 512, 128)])
+def test_row_parallel_act_order_splits_exactly(tp, cols, g):
+    """Each rank takes its own slice of checkpoint columns (a few of every group), regrouped into padded
+    kernel groups; the ranks' partial products sum to the whole layer's."""
+    w = _act_order(32, seed=5, cols=cols, g=g)
+    ref_w = w.dequantize()
+    x = torch.randn(3, cols)
+    total = torch.zeros(3, 32)
+    for rank in range(tp):
+        layer = _load(RowParallelLinear(cols, 32, False, TPGroup(rank=rank, size=tp)), [(w, None)])
+        assert isinstance(layer.packed, PermutedInput) and isinstance(layer.packed.inner, Int4Weight)
+        assert layer.packed.inner.in_features % 128 == 0          # the CUDA kernel's K multiple
+        part = slice(rank * cols // tp, (rank + 1) * cols // tp)
+        local = layer.matmul(x[:, part], None)
+        assert ((local - x[:, part] @ ref_w[:, part].T).abs() <= _bound(x[:, part], ref_w[:, part])).all()
+        total += local
+    assert ((total - x @ ref_w.T).abs() <= _bound(x, ref_w)).all()
+
+
+def test_row_parallel_act_order_slice_dequantizes_to_its_columns():
+    w = _act_order(16, seed=6)
+    part = w.narrow(1, 64, 64)
+    assert part.perm is not None and part.inputs == 64
+    assert torch.equal(part.dequantize(), w.dequantize()[:, 64:128])
+    with pytest.raises(ValueError, match="split once"):
+        part.narrow(1, 0, 32)
+
+
+def test_row_parallel_plain_g_idx_splits_by_group():
+    # A desc_act checkpoint whose g_idx is the plain i // group_size has no order to keep.
     plain = _act_order(32, seed=5, order_seed=None)
     assert plain.perm is None
     layer = _load(RowParallelLinear(IN, 32, False, TPGroup(rank=1, size=2)), [(plain, None)])
+    assert isinstance(layer.packed, Int4Weight)
     x = torch.randn(2, IN // 2)
     ref_w = plain.dequantize()[:, IN // 2:]
     assert ((layer.matmul(x, None) - x @ ref_w.T).abs() <= _bound(x, ref_w)).all()

@@ -10,9 +10,15 @@ GPTQ act-order (desc_act) checkpoints put input column i in group g_idx[i], so a
 adjacent columns. They are held with their columns sorted by group, which makes the groups runs again, and
 `perm`: column j of q is checkpoint column perm[j], so the layer feeds its
 kernel x[..., perm] (as vLLM's exllama and marlin kernels do).
+
+A tensor-parallel rank of a row-parallel layer owns a slice of checkpoint columns, which holds a few columns
+of every group. Its slice keeps each group's columns as a run, padded to whole kernel groups of
+gcd(group_size, 32) columns (the group's scale repeated) whose padding columns read a zero input, perm entry
+`inputs`; the total is padded to a multiple of 128, as the CUDA int4 kernel needs.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +32,7 @@ class GroupQuantWeight:
     bits: int
     group_size: int
     perm: torch.Tensor | None = None   # int64 [in]: column j of q is checkpoint column perm[j] (act-order)
+    inputs: int | None = None          # x's width where perm has padding (entries == inputs read zero)
 
     def __post_init__(self) -> None:
         out, cols = self.q.shape
@@ -47,21 +54,41 @@ class GroupQuantWeight:
         """Rows (dim 0) or whole groups of columns (dim 1) of the weight: a view, as Tensor.narrow."""
         if dim == 0:
             return GroupQuantWeight(self.q.narrow(0, start, length), self.scale.narrow(0, start, length),
-                                    self.offset.narrow(0, start, length), self.bits, self.group_size, self.perm)
+                                    self.offset.narrow(0, start, length), self.bits, self.group_size, self.perm,
+                                    self.inputs)
         if self.perm is not None:
-            if (start, length) == (0, self.q.shape[1]):
+            if (start, length) == (0, self.q.shape[1]) and self.inputs is None:
                 return self
-            # A rank's slice of checkpoint columns holds a few columns of every group, not whole groups, which
-            # the int4 kernel cannot take; re-splitting by group would need the producer's columns reordered.
-            raise ValueError("a gptq act-order (desc_act true) weight cannot have its input columns split "
-                             "across tensor-parallel ranks (a row-parallel layer such as o_proj or down_proj): "
-                             "use tensor_parallel_size 1, or a checkpoint quantized with desc_act false")
+            return self._act_order_columns(start, length)
         g = self.group_size
         if start % g or length % g:
             raise ValueError(f"cannot split a weight quantized in groups of {g} columns at column {start} "
                              f"(+{length}): the tensor-parallel split must fall on group boundaries")
         return GroupQuantWeight(self.q.narrow(1, start, length), self.scale.narrow(1, start // g, length // g),
                                 self.offset.narrow(1, start // g, length // g), self.bits, g)
+
+    def _act_order_columns(self, start: int, length: int) -> GroupQuantWeight:
+        """Checkpoint columns start..start+length of an act-order weight (see the module docstring)."""
+        if self.inputs is not None:
+            raise ValueError("an act-order weight's columns can be split once, not again")
+        g, kg = self.group_size, math.gcd(self.group_size, 32)
+        perm = self.perm
+        kept = ((perm >= start) & (perm < start + length)).nonzero().squeeze(1)   # still in group order
+        group = kept // g
+        counts = torch.bincount(group, minlength=self.scale.shape[1])
+        padded = (counts + kg - 1) // kg * kg
+        first_kept = torch.cumsum(counts, 0) - counts
+        dest = (torch.cumsum(padded, 0) - padded)[group] + torch.arange(len(kept), device=perm.device) - first_kept[group]
+        total = int(padded.sum())
+        width = (total + 127) // 128 * 128
+        owner = torch.repeat_interleave(torch.arange(len(counts), device=perm.device), padded // kg)   # each kernel group's group
+        q = self.q.new_full((self.q.shape[0], width), 8)
+        q[:, dest] = self.q[:, kept]
+        new_perm = perm.new_full((width,), length)
+        new_perm[dest] = perm[kept] - start
+        tail = self.scale.new_zeros(self.scale.shape[0], (width - total) // kg)    # padding groups: w = 0
+        scale, offset = (torch.cat((t[:, owner], tail), 1) for t in (self.scale, self.offset))
+        return GroupQuantWeight(q, scale, offset, self.bits, kg, new_perm, length)
 
     def copy_(self, src: GroupQuantWeight) -> None:
         if src.perm is not None:
@@ -78,7 +105,9 @@ class GroupQuantWeight:
         g = self.group_size
         w = self.q.float() * self.scale.repeat_interleave(g, 1) + self.offset.repeat_interleave(g, 1)
         if self.perm is not None:
-            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+            inputs = w.shape[1] if self.inputs is None else self.inputs
+            # Padding columns all land in the extra last column, which is dropped.
+            w = w.new_zeros(w.shape[0], inputs + 1).index_copy_(1, self.perm, w)[:, :inputs]
         return w.to(dtype)
 
     @staticmethod

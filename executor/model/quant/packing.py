@@ -30,9 +30,11 @@ Packed = Union[Int4Weight, Int8Weight, torch.Tensor, "PermutedInput"]
 
 @dataclass
 class PermutedInput:
-    """A kernel form whose input columns are in act-order: it computes inner(x[..., perm])."""
+    """A kernel form whose input columns are in act-order: it computes inner(x[..., perm]); with
+    zero_input, perm entries equal to x's width read a zero (a tensor-parallel slice's padding)."""
     inner: Int4Weight
-    perm: torch.Tensor       # int64 [in]
+    perm: torch.Tensor       # int64 [kernel in]
+    zero_input: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -40,6 +42,8 @@ class PermutedInput:
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from pagedserve.kernels.weight_only import int4_linear
+        if self.zero_input:
+            x = torch.nn.functional.pad(x, (0, 1))
         return int4_linear(x.index_select(-1, self.perm), self.inner, bias)
 
 
@@ -78,7 +82,7 @@ def _int4(parts: list[GroupQuantWeight], rows: int, device: torch.device) -> Int
     # Our form is w = scale * q + offset; the kernel's is (q - 8) * scale + zero.
     packed = pack_int4(q, scale, offset + 8 * scale, parts[0].group_size, device)
     perm = parts[0].perm
-    return packed if perm is None else PermutedInput(packed, perm.to(device))
+    return packed if perm is None else PermutedInput(packed, perm.to(device), parts[0].inputs is not None)
 
 
 def int4_fits(parts: Sequence, device: torch.device) -> bool:
