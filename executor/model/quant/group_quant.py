@@ -75,13 +75,14 @@ class GroupQuantWeight:
         perm = self.perm
         kept = ((perm >= start) & (perm < start + length)).nonzero().squeeze(1)   # still in group order
         group = kept // g
-        counts = torch.bincount(group, minlength=self.scale.shape[1])
+        counts = torch.bincount(group, minlength=self.scale.shape[1])           # kept columns per group
         padded = (counts + kg - 1) // kg * kg
-        first_kept = torch.cumsum(counts, 0) - counts
-        dest = (torch.cumsum(padded, 0) - padded)[group] + torch.arange(len(kept), device=perm.device) - first_kept[group]
+        rank_in_group = torch.arange(len(kept), device=perm.device) - (torch.cumsum(counts, 0) - counts)[group]
+        dest = (torch.cumsum(padded, 0) - padded)[group] + rank_in_group
         total = int(padded.sum())
         width = (total + 127) // 128 * 128
-        owner = torch.repeat_interleave(torch.arange(len(counts), device=perm.device), padded // kg)   # each kernel group's group
+        groups = torch.arange(len(counts), device=perm.device)
+        owner = torch.repeat_interleave(groups, padded // kg)                  # each kernel group's group
         q = self.q.new_full((self.q.shape[0], width), 8)
         q[:, dest] = self.q[:, kept]
         new_perm = perm.new_full((width,), length)
