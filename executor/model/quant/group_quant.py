@@ -51,7 +51,8 @@ class GroupQuantWeight:
         return 2
 
     def narrow(self, dim: int, start: int, length: int) -> GroupQuantWeight:
-        """Rows (dim 0) or whole groups of columns (dim 1) of the weight: a view, as Tensor.narrow."""
+        """Rows (dim 0) or whole groups of columns (dim 1) of the weight: a view, as Tensor.narrow (a regrouped
+        copy for a slice of an act-order weight's columns)."""
         if dim == 0:
             return GroupQuantWeight(self.q.narrow(0, start, length), self.scale.narrow(0, start, length),
                                     self.offset.narrow(0, start, length), self.bits, self.group_size, self.perm,
