@@ -75,11 +75,48 @@ def test_gptq_v1_and_v2_zero_conventions_differ():
     torch.testing.assert_close(wrong.offset, -quant.scale * (quant.zero.float() + 1))
 
 
-def test_gptq_act_order_refused():
+@pytest.mark.parametrize("bits,fmt,sym", [(4, "gptq", False), (4, "gptq_v2", True), (8, "gptq_v2", False)])
+def test_gptq_act_order_unpacks_the_packer(bits, fmt, sym):
+    """Act-order: columns come out sorted by group (groups contiguous), with perm naming their checkpoint
+    columns; the codes are the packer's, and the weight in checkpoint order is the packer's weight."""
+    out, cols, g = 16, 64, 16
+    w = _weight(out, cols, seed=7)
+    tensors, quant = pack_gptq(w, bits, g, sym=sym, checkpoint_format=fmt, act_order_seed=3)
+    g_idx = tensors["g_idx"].long()
+    assert not torch.equal(g_idx, torch.arange(cols) // g)          # really permuted
+    got = gptq_to_group_quant(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"],
+                              bits, g, fmt)
+    assert got.perm is not None and torch.equal(got.perm.sort().values, torch.arange(cols))
+    assert torch.equal(g_idx[got.perm], torch.arange(cols) // g)    # sorted columns: groups are runs
+    assert torch.equal(got.q.long(), quant.codes[:, got.perm])
+    assert torch.equal(got.scale, quant.scale) and torch.equal(got.offset, -quant.scale * quant.zero.float())
+    torch.testing.assert_close(got.dequantize(), quant.dequantize(), rtol=0, atol=1e-6)
+    # Decoding with the groups read as i // g (ignoring g_idx) gives another weight: g_idx matters.
+    ignored = gptq_to_group_quant(tensors["qweight"], tensors["qzeros"], tensors["scales"], None, bits, g, fmt)
+    assert (ignored.dequantize() - quant.dequantize()).abs().max() > 1e-3
+    err = (got.dequantize() - w).abs() / quant.scale[:, g_idx]
+    assert err.max() <= 1.0 + 1e-3 and err.mean() <= 0.3
+
+
+def test_gptq_trivial_g_idx_has_no_perm():
     tensors, _ = pack_gptq(_weight(8, 64, seed=4), 4, 16)
-    shuffled = tensors["g_idx"][torch.randperm(64, generator=torch.Generator().manual_seed(0))]
-    with pytest.raises(ValueError, match="desc_act"):
-        gptq_to_group_quant(tensors["qweight"], tensors["qzeros"], tensors["scales"], shuffled, 4, 16)
+    got = gptq_to_group_quant(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"], 4, 16)
+    assert got.perm is None
+    # One group per row (-1): any visiting order is the same single group, so no permutation either.
+    tensors, _ = pack_gptq(_weight(8, 64, seed=4), 4, -1, act_order_seed=1)
+    got = gptq_to_group_quant(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"], 4, -1)
+    assert got.perm is None
+
+
+@pytest.mark.parametrize("g_idx,match", [
+    (torch.tensor([0] * 20 + [1] * 12 + [2] * 16 + [3] * 16), "20 columns in group 0"),   # not 16 each
+    (torch.arange(64) // 16 + 1, "outside 0..3"),
+    (torch.zeros(32, dtype=torch.int64), r"shape \(32,\)"),
+])
+def test_gptq_bad_g_idx(g_idx, match):
+    tensors, _ = pack_gptq(_weight(8, 64, seed=4), 4, 16)
+    with pytest.raises(ValueError, match=match):
+        gptq_to_group_quant(tensors["qweight"], tensors["qzeros"], tensors["scales"], g_idx.int(), 4, 16)
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -161,12 +198,19 @@ def test_combine_gptq_without_g_idx_and_late_g_idx_checked():
 
 def test_combine_desc_act_waits_for_g_idx():
     spec = QuantSpec("gptq", group_size=16, desc_act=True)
-    items, _ = _checkpoint(lambda w: pack_gptq(w, 4, 16), spec)
+    items, expected = _checkpoint(lambda w: pack_gptq(w, 4, 16, act_order_seed=5), spec)
     no_g_idx = [(n, t) for n, t in items if not n.endswith("g_idx")]
     with pytest.raises(ValueError, match=r"lacks model.layers.0.mlp.up_proj.g_idx, model.layers.0.self_attn"):
         list(combine_quantized_tensors(iter(no_g_idx), spec))
-    quantized, _ = _split(combine_quantized_tensors(iter(items), spec))   # trivial g_idx: accepted
-    assert len(quantized) == 2
+    random.Random(0).shuffle(items)
+    quantized, _ = _split(combine_quantized_tensors(iter(items), spec))
+    assert set(quantized) == set(expected)
+    for name, quant in expected.items():
+        assert quantized[name].perm is not None
+        torch.testing.assert_close(quantized[name].dequantize(), quant.dequantize(), rtol=0, atol=1e-6)
+    trivial, _ = _checkpoint(lambda w: pack_gptq(w, 4, 16), spec)
+    quantized, _ = _split(combine_quantized_tensors(iter(trivial), spec))
+    assert len(quantized) == 2 and all(q.perm is None for q in quantized.values())
 
 
 def test_combine_missing_and_duplicate_parts():
@@ -221,8 +265,8 @@ def test_checkpoint_folder_round_trip(tmp_path, method):
                                reference["model.layers.1.mlp.down_proj.weight"])
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_quantized_checkpoint_runs_like_its_dequantized_twin(tmp_path, method):
+@pytest.mark.parametrize("method,desc_act", [("awq", False), ("gptq", False), ("gptq", True)])
+def test_quantized_checkpoint_runs_like_its_dequantized_twin(tmp_path, method, desc_act):
     """The whole path: an AWQ/GPTQ folder, its quantization_config, the stream, our layers packed for the
     int4 kernel, against HF transformers on the dequantized twin (float32).
 
@@ -236,13 +280,14 @@ def test_quantized_checkpoint_runs_like_its_dequantized_twin(tmp_path, method):
     from pagedserve.executor.model.models import get_model_class
     from pagedserve.executor.model.parallel_state import TPGroup
     from pagedserve.executor.model.quant.loading import begin_packed, finish_packed
+    from pagedserve.executor.model.quant.packing import PermutedInput
     from pagedserve.kernels.weight_only import Int4Weight
     from pagedserve.tests.helpers.quant_checkpoints import write_quantized_checkpoint
     from pagedserve.tests.helpers.tiny_models import make_tiny_model, prefill_logits
     float_dir = make_tiny_model(str(tmp_path / "float"), tokenizer="synthetic", hidden_size=128,
                                 intermediate_size=256)
     quant_dir, dequant_dir = str(tmp_path / method), str(tmp_path / "dequant")
-    write_quantized_checkpoint(float_dir, quant_dir, dequant_dir, method, group_size=32)
+    write_quantized_checkpoint(float_dir, quant_dir, dequant_dir, method, group_size=32, desc_act=desc_act)
 
     config = AutoConfig.from_pretrained(quant_dir)
     spec = resolve_quantization(None, checkpoint_quant_spec(config), is_gguf=False)
@@ -252,7 +297,12 @@ def test_quantized_checkpoint_runs_like_its_dequantized_twin(tmp_path, method):
     assert model.expected_weights() <= loaded
     finish_packed(model, spec.method, torch.device("cpu"), torch.float32)
     packed = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
-    assert len(packed) == 2 * 4 and all(isinstance(p, Int4Weight) for p in packed)   # qkv, o, gate_up, down
+    assert len(packed) == 2 * 4                                                      # qkv, o, gate_up, down
+    if desc_act:        # every layer keeps the int4 kernel behind its own input gather
+        assert all(isinstance(p, PermutedInput) and isinstance(p.inner, Int4Weight) for p in packed)
+        assert len({tuple(p.perm.tolist()) for p in packed}) == len(packed)
+    else:
+        assert all(isinstance(p, Int4Weight) for p in packed)
 
     ids = list(range(10, 60))
     ours = prefill_logits(model, ids)

@@ -62,11 +62,14 @@ def test_int4_error_is_far_below_a_code_step():
     # The int4 path keeps the codes: its error is bf16 rounding, much smaller than moving one code.
     w = _gguf_weight(T.Q4_1)
     packed = pack_linear([(0, w)], ROWS, "gguf", CPU, torch.float32, "test")
-    x = torch.randn(4, COLS)
-    err = (apply_linear(x, packed).float() - x @ w.dequantize().T).abs().max()
+    # Mean errors over 64 rows: with the max over 4 rows, as before, the ratio passed 0.1 for 13% of
+    # random x (so the test hung on the RNG state earlier tests left); this form stays under 0.055 over
+    # 200 draws.
+    x = torch.randn(64, COLS, generator=torch.Generator().manual_seed(0))
+    err = (apply_linear(x, packed).float() - x @ w.dequantize().T).abs().mean()
     shifted = GroupQuantWeight(w.q.clone(), w.scale, w.offset, 4, 32)
     shifted.q[:, :32] = (shifted.q[:, :32] + 1).clamp(max=15)
-    moved = (x @ shifted.dequantize().T - x @ w.dequantize().T).abs().max()
+    moved = (x @ shifted.dequantize().T - x @ w.dequantize().T).abs().mean()
     assert err < 0.1 * moved
 
 

@@ -15,15 +15,23 @@ import torch
 from pagedserve.tests.helpers.quant_packers import pack_awq, pack_gptq
 
 # The linears AutoAWQ / AutoGPTQ quantize in Llama/Qwen/Mistral decoder layers (not embeddings, lm_head).
-_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+_LINEAR = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# Linears reading the same input: GPTQ's act-order comes from that input's Hessian, so they share one order.
+_SAME_INPUT = {"self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0, "self_attn.o_proj": 1,
+               "mlp.gate_proj": 2, "mlp.up_proj": 2, "mlp.down_proj": 3}
 
 
-def _quantization_config(method: str, bits: int, group_size: int, sym: bool, checkpoint_format: str) -> dict:
+def _act_order_seed(match: re.Match) -> int:
+    return 4 * int(match.group(1)) + _SAME_INPUT[match.group(2)]
+
+
+def _quantization_config(method: str, bits: int, group_size: int, sym: bool, checkpoint_format: str,
+                         desc_act: bool) -> dict:
     if method == "awq":
         return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True,
                 "version": "gemm", "modules_to_not_convert": None}
     if method == "gptq":
-        return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": False, "sym": sym,
+        return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
                 "checkpoint_format": checkpoint_format, "damp_percent": 0.01, "true_sequential": True}
     raise ValueError(f"method must be 'awq' or 'gptq', got {method!r}")
 
@@ -73,21 +81,25 @@ def _save_two_shards(tensors: dict[str, torch.Tensor], folder: str) -> None:
 
 
 def write_quantized_checkpoint(float_dir: str, quant_dir: str, dequant_dir: str, method: str, bits: int = 4,
-                               group_size: int = 32, sym: bool = False, checkpoint_format: str = "gptq") -> None:
+                               group_size: int = 32, sym: bool = False, checkpoint_format: str = "gptq",
+                               desc_act: bool = False) -> None:
     """Write `quant_dir` (method's tensors + quantization_config, two shards) and `dequant_dir` (the same
-    weights dequantized, in the float folder's dtype) from the float folder `float_dir`."""
+    weights dequantized, in the float folder's dtype) from the float folder `float_dir`. desc_act (gptq):
+    act-order, one random column order per input shared by the linears that read it."""
     from safetensors.torch import save_file
     tensors = _read_float_folder(float_dir)
     quantized: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        if not _LINEAR.match(name):
+        match = _LINEAR.match(name)
+        if not match:
             quantized[name] = dequantized[name] = tensor
             continue
         if method == "awq":
             parts, quant = pack_awq(tensor.float(), group_size)
         else:
-            parts, quant = pack_gptq(tensor.float(), bits, group_size, sym, checkpoint_format)
+            seed = _act_order_seed(match) if desc_act else None
+            parts, quant = pack_gptq(tensor.float(), bits, group_size, sym, checkpoint_format, seed)
         prefix = name.removesuffix(".weight")
         quantized.update({f"{prefix}.{part}": value for part, value in parts.items()})
         dequantized[name] = quant.dequantize().to(tensor.dtype)
@@ -95,7 +107,7 @@ def write_quantized_checkpoint(float_dir: str, quant_dir: str, dequant_dir: str,
         _copy_side_files(float_dir, folder)
     _save_two_shards(quantized, quant_dir)
     _write_config(quant_dir, {"quantization_config": _quantization_config(method, bits, group_size, sym,
-                                                                            checkpoint_format)})
+                                                                            checkpoint_format, desc_act)})
     save_file({n: t.contiguous() for n, t in dequantized.items()}, os.path.join(dequant_dir, "model.safetensors"),
               metadata={"format": "pt"})
     _write_config(dequant_dir, {})

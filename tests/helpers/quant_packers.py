@@ -5,6 +5,10 @@ packer rather than against themselves.
 Quantization is round-to-nearest per group of input columns, asymmetric with a zero point (as AutoAWQ and
 GPTQ's asymmetric mode) or GPTQ's symmetric mode (zero fixed at the middle code). Scales are rounded to
 fp16 first, as checkpoints store them, and the codes are computed against the stored scales.
+
+GPTQ act-order (desc_act) is written as GPTQ writes it: the columns are visited in an order (GPTQ's comes
+from the Hessian diagonal, here a seeded random permutation), consecutive runs of group_size visited
+columns form the groups, g_idx[column] names its group, and qweight keeps the checkpoint's column order.
 """
 from __future__ import annotations
 
@@ -22,10 +26,16 @@ class Quantized:
     scale: torch.Tensor     # float32 [out, groups] (fp16-representable)
     zero: torch.Tensor      # int64 [out, groups]
     group_size: int
+    g_idx: torch.Tensor | None = None    # int64 [in]: each column's group; None: column // group_size
+
+    def groups_of_columns(self) -> torch.Tensor:
+        if self.g_idx is not None:
+            return self.g_idx
+        return torch.arange(self.codes.shape[1]) // self.group_size
 
     def dequantize(self) -> torch.Tensor:
-        g = self.group_size
-        return (self.codes - self.zero.repeat_interleave(g, 1)).float() * self.scale.repeat_interleave(g, 1)
+        idx = self.groups_of_columns()
+        return (self.codes - self.zero[:, idx]).float() * self.scale[:, idx]
 
 
 def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool = False) -> Quantized:
@@ -69,11 +79,27 @@ def pack_awq(w: torch.Tensor, group_size: int) -> tuple[dict[str, torch.Tensor],
             "scales": quant.scale.t().contiguous().half()}, quant
 
 
-def pack_gptq(w: torch.Tensor, bits: int, group_size: int, sym: bool = False,
-              checkpoint_format: str = "gptq") -> tuple[dict[str, torch.Tensor], Quantized]:
+def _act_order_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool, seed: int) -> Quantized:
+    """Quantize the columns in a random visiting order, groups being runs of that order; codes returned in
+    the checkpoint's column order with g_idx."""
+    order = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(seed))
+    visited = quantize_rtn(w[:, order], bits, group_size, sym)
+    codes = torch.empty_like(visited.codes)
+    codes[:, order] = visited.codes
+    g_idx = torch.empty(w.shape[1], dtype=torch.int64)
+    g_idx[order] = torch.arange(w.shape[1]) // visited.group_size
+    return Quantized(codes, visited.scale, visited.zero, visited.group_size, g_idx)
+
+
+def pack_gptq(w: torch.Tensor, bits: int, group_size: int, sym: bool = False, checkpoint_format: str = "gptq",
+              act_order_seed: int | None = None) -> tuple[dict[str, torch.Tensor], Quantized]:
     """GPTQ tensors (qweight [in/p, out], qzeros [groups, out/p], scales fp16 [groups, out], g_idx [in]),
-    p = 32 / bits, for w [out, in]; format "gptq" stores zero - 1, "gptq_v2" the zero."""
-    quant = quantize_rtn(w, bits, group_size, sym)
+    p = 32 / bits, for w [out, in]; format "gptq" stores zero - 1, "gptq_v2" the zero. With an
+    act_order_seed: act-order (desc_act), the visiting order a permutation drawn from that seed."""
+    if act_order_seed is None:
+        quant = quantize_rtn(w, bits, group_size, sym)
+    else:
+        quant = _act_order_quantize(w, bits, group_size, sym, act_order_seed)
     per_word = 32 // bits
     codes = quant.codes.t().numpy()                        # [in, out]: packed down the rows
     qweight = np.zeros((codes.shape[0] // per_word, codes.shape[1]), dtype=np.uint64)
@@ -87,7 +113,6 @@ def pack_gptq(w: torch.Tensor, bits: int, group_size: int, sym: bool = False,
             raise ValueError("gptq v1 cannot store a zero point of 0")
         zeros = zeros - 1
     qzeros = _pack_along_cols(zeros, bits, tuple(range(per_word)))
-    in_features = codes.shape[0]
-    g_idx = (torch.arange(in_features) // quant.group_size).to(torch.int32)
+    g_idx = quant.groups_of_columns().to(torch.int32)
     return {"qweight": _to_int32(qweight), "qzeros": _to_int32(qzeros),
             "scales": quant.scale.t().contiguous().half(), "g_idx": g_idx}, quant

@@ -7,7 +7,8 @@ AWQ GEMM, for a linear of in_features x out_features in groups of g input column
 GPTQ (AutoGPTQ / GPTQModel), b bits, p = 32 // b codes per word, packed in plain order:
     qweight int32 [in/p, out]: word r holds input rows p*r .. p*r+p-1, row p*r+k in bits b*k..
     qzeros  int32 [groups, out/p]: packed along out, same order   scales fp16 [groups, out]   g_idx int32 [in]
-    format "gptq" (v1) stores zero - 1, "gptq_v2" stores the zero.
+    format "gptq" (v1) stores zero - 1, "gptq_v2" stores the zero. Input row i is in group g_idx[i]: i // g
+    normally; with act-order (desc_act) a permutation of that, group_size rows per group.
 Both decode as w[o, i] = scale * (q - zero), i.e. offset = -scale * zero.
 """
 from __future__ import annotations
@@ -66,8 +67,8 @@ def gptq_to_group_quant(qweight: torch.Tensor, qzeros: torch.Tensor, scales: tor
                         checkpoint_format: str = "gptq") -> GroupQuantWeight:
     """A GPTQ linear (4 or 8 bits) as GroupQuantWeight [out, in].
 
-    Act-order checkpoints (desc_act, a g_idx other than i // group_size) are refused: their groups are not
-    runs of adjacent columns, which GroupQuantWeight (and the kernels behind it) need.
+    Act-order checkpoints (desc_act, a g_idx other than i // group_size) come out with their columns sorted
+    by group, so each group is a run of adjacent columns as the kernels need, and the sorting as `perm`.
     """
     if bits not in (4, 8):
         raise ValueError(f"gptq bits must be 4 or 8, got {bits}")
@@ -79,23 +80,45 @@ def gptq_to_group_quant(qweight: torch.Tensor, qzeros: torch.Tensor, scales: tor
     groups = in_features // g
     _check_shape("gptq qzeros", qzeros, (groups, out_features // pack))
     _check_shape("gptq scales", scales, (groups, out_features))
-    if g_idx is not None:
-        check_trivial_g_idx(g_idx, in_features, g)
+    perm = None if g_idx is None else act_order_perm(g_idx, in_features, g)
     # qweight packs along `in`: unpack each column of words, i.e. unpack the transpose.
     q = _unpack_cols(qweight.t(), bits)                    # [out, in]
+    if perm is not None:
+        q = q[:, perm]
     zeros = _unpack_cols(qzeros, bits).float()             # [groups, out]
     if checkpoint_format == "gptq":
         # v1 stores zero - 1; add it back without masking, as vLLM's and exllama's kernels do.
         zeros = zeros + 1
     scale = scales.float()
-    return GroupQuantWeight(q.contiguous(), scale.t().contiguous(), (-scale * zeros).t().contiguous(), bits, g)
+    return GroupQuantWeight(q.contiguous(), scale.t().contiguous(), (-scale * zeros).t().contiguous(), bits, g,
+                            perm)
+
+
+def act_order_perm(g_idx: torch.Tensor, in_features: int, group_size: int) -> torch.Tensor | None:
+    """The column order that sorts g_idx (None where it is already i // group_size), after checking that
+    every group has exactly group_size columns, as GPTQ's act-order writes them."""
+    if tuple(g_idx.shape) != (in_features,):
+        raise ValueError(f"gptq g_idx has shape {tuple(g_idx.shape)}, expected ({in_features},)")
+    g_idx = g_idx.to(torch.int64)
+    groups = in_features // group_size
+    if g_idx.min() < 0 or g_idx.max() >= groups:
+        raise ValueError(f"gptq g_idx has a group outside 0..{groups - 1}")
+    counts = torch.bincount(g_idx, minlength=groups)
+    if not bool((counts == group_size).all()):
+        bad = int((counts != group_size).nonzero()[0])
+        raise ValueError(f"gptq g_idx puts {int(counts[bad])} columns in group {bad}, expected group_size "
+                         f"{group_size} in every group")
+    perm = torch.sort(g_idx, stable=True).indices
+    if torch.equal(perm, torch.arange(in_features, device=perm.device)):
+        return None
+    return perm
 
 
 def check_trivial_g_idx(g_idx: torch.Tensor, in_features: int, group_size: int) -> None:
-    trivial = torch.arange(in_features, device=g_idx.device) // group_size
-    if tuple(g_idx.shape) != (in_features,) or not torch.equal(g_idx.to(trivial.dtype), trivial):
-        raise ValueError("gptq act-order (desc_act true, a g_idx that permutes the groups) is not supported "
-                         "yet: quantize with desc_act false")
+    """A g_idx that arrives after its weight was decoded without it must not have been needed."""
+    if act_order_perm(g_idx, in_features, group_size) is not None:
+        raise ValueError("gptq g_idx permutes the groups (act-order) but quantization_config has desc_act "
+                         "false, and the weight was already decoded without it: set desc_act true")
 
 
 _AWQ_PARTS = ("qweight", "qzeros", "scales")

@@ -7,10 +7,15 @@ picks its kernel once all are in:
 - any other quantized piece (5, 6 or 8 bits): int8 per output channel, requantized from the decoded
   values (|error| <= half a step of max|w| / 127 per row, on top of the format's own);
 - dense pieces: int8 or fp8 when the method asks for it, else a plain tensor in the model's dtype.
+GPTQ act-order pieces hold their columns sorted by group (see group_quant.py): int4 keeps that order and
+wraps the kernel form in PermutedInput, which gathers x's columns to match. Pieces of one merged layer share
+one input, and GPTQ derives the order from that input's statistics, so their orders agree in real
+checkpoints; where they do not, the pieces take the int8 route in checkpoint order, which any order allows.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Union
 
 import torch
@@ -20,7 +25,26 @@ from pagedserve.kernels.weight_only import (INT4_GROUP_SIZES, Int4Weight, Int8We
                                             quantize_int8)
 
 Piece = tuple[int, Union[torch.Tensor, GroupQuantWeight]]     # (first output row, rows)
-Packed = Union[Int4Weight, Int8Weight, torch.Tensor]
+Packed = Union[Int4Weight, Int8Weight, torch.Tensor, "PermutedInput"]
+
+
+@dataclass
+class PermutedInput:
+    """A kernel form whose input columns are in act-order: it computes inner(x[..., perm]); with
+    zero_input, perm entries equal to x's width read a zero (a tensor-parallel slice's padding)."""
+    inner: Int4Weight
+    perm: torch.Tensor       # int64 [kernel in]
+    zero_input: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes + self.perm.numel() * self.perm.element_size()
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from pagedserve.kernels.weight_only import int4_linear
+        if self.zero_input:
+            x = torch.nn.functional.pad(x, (0, 1))
+        return int4_linear(x.index_select(-1, self.perm), self.inner, bias)
 
 
 def _check_rows(pieces: Sequence[Piece], rows: int, what: str) -> None:
@@ -47,7 +71,7 @@ def _dense(parts: list, rows: int, dtype: torch.dtype) -> torch.Tensor:
     return w.to(dtype)
 
 
-def _int4(parts: list[GroupQuantWeight], rows: int, device: torch.device) -> Int4Weight:
+def _int4(parts: list[GroupQuantWeight], rows: int, device: torch.device) -> Int4Weight | PermutedInput:
     q = torch.cat([p.q for p in parts], 0)
     scale = torch.cat([p.scale for p in parts], 0)
     offset = torch.cat([p.offset for p in parts], 0)
@@ -56,7 +80,9 @@ def _int4(parts: list[GroupQuantWeight], rows: int, device: torch.device) -> Int
         q = torch.cat((q, q.new_full((pad, q.shape[1]), 8)), 0)
         scale, offset = (torch.cat((t, t.new_zeros(pad, t.shape[1])), 0) for t in (scale, offset))
     # Our form is w = scale * q + offset; the kernel's is (q - 8) * scale + zero.
-    return pack_int4(q, scale, offset + 8 * scale, parts[0].group_size, device)
+    packed = pack_int4(q, scale, offset + 8 * scale, parts[0].group_size, device)
+    perm = parts[0].perm
+    return packed if perm is None else PermutedInput(packed, perm.to(device), parts[0].inputs is not None)
 
 
 def int4_fits(parts: Sequence, device: torch.device) -> bool:
@@ -65,6 +91,10 @@ def int4_fits(parts: Sequence, device: torch.device) -> bool:
     group = parts[0].group_size
     if any(p.group_size != group for p in parts) or group not in INT4_GROUP_SIZES:
         return False
+    perm = parts[0].perm
+    if any((p.perm is None) != (perm is None) or (perm is not None and not torch.equal(p.perm, perm))
+           for p in parts):
+        return False          # act-order pieces in different column orders: one gather cannot serve all
     return device.type == "cpu" or parts[0].shape[1] % 128 == 0
 
 
@@ -87,8 +117,8 @@ def pack_linear(pieces: Sequence[Piece], rows: int, method: str, device: torch.d
 
 def _symmetric_int8(parts: list, rows: int) -> Int8Weight | None:
     """8-bit symmetric groups (Q8_0) as they are: the codes, minus 128, with each group's own scale."""
-    if not all(isinstance(p, GroupQuantWeight) and p.bits == 8 and torch.equal(p.offset, -128 * p.scale)
-               for p in parts) or len({p.group_size for p in parts}) != 1:
+    if not all(isinstance(p, GroupQuantWeight) and p.bits == 8 and p.perm is None
+               and torch.equal(p.offset, -128 * p.scale) for p in parts) or len({p.group_size for p in parts}) != 1:
         return None
     g = parts[0].group_size
     q = torch.cat([p.q for p in parts], 0).view(torch.int8) ^ -128        # q - 128, wrapping as int8
