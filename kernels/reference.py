@@ -10,31 +10,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.kv_quant import dequantize_kv, quantize_kv
 from pagedserve.kernels.metadata import AttentionMetadata
 
 DECODE_GROUP = 16
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter key/value [T, Hkv, D] into the caches at slot_mapping (block * block_size + offset; -1 skipped)."""
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> None:
+    """Scatter key/value [T, Hkv, D] into the caches at slot_mapping (block * block_size + offset; -1 skipped).
+    An fp8 cache stores key / k_scale and value / v_scale (kernels/kv_quant.py)."""
     block_size = k_cache.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping
     if not bool(valid.all()):
         slots, key, value = slot_mapping[valid], key[valid], value[valid]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = key.to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
+    k_cache[blocks, :, offsets] = quantize_kv(key, k_scale, k_cache.dtype)
+    v_cache[blocks, :, offsets] = quantize_kv(value, v_scale, v_cache.dtype)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each sequence's paged context; returns [T, Hq, D].
 
     window: a query at position p sees only keys at positions > p - window (None: all earlier keys).
     softcap: scores become tanh(scores / softcap) * softcap before the softmax (Gemma 2).
+    k_scale / v_scale: an fp8 cache's scales; its gathered rows are dequantized to float32 before attending.
     """
     out = torch.empty_like(query)
     # Decodes in groups: each group gathers its context padded only to its own longest member
@@ -43,18 +47,20 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         hi = min(lo + DECODE_GROUP, meta.num_decodes)
         out[lo:hi] = _decode_attention(query[lo:hi], k_cache, v_cache, meta.block_tables[lo:hi],
                                        meta.seq_lens[lo:hi], max(meta.seq_lens_cpu[lo:hi]), scale,
-                                       window, softcap)
+                                       window, softcap, k_scale, v_scale)
     starts = meta.query_start_loc_cpu
     for i in range(meta.num_decodes, meta.num_seqs):
         lo, hi = starts[i], starts[i + 1]
         if hi > lo:
             out[lo:hi] = _prefill_attention(query[lo:hi], k_cache, v_cache, meta.block_tables[i:i + 1],
-                                            meta.seq_lens_cpu[i], scale, window, softcap)
+                                            meta.seq_lens_cpu[i], scale, window, softcap, k_scale, v_scale)
     return out
 
 
-def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached positions of each sequence: [Hkv, S, length, D] (block_tables [S, n])."""
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int,
+                   scale: float = 1.0) -> torch.Tensor:
+    """The first `length` cached positions of each sequence: [Hkv, S, length, D] (block_tables [S, n]);
+    an fp8 cache's rows come back as float32 values (codes * scale)."""
     num_blocks, num_kv_heads, block_size, head_dim = cache.shape
     nblocks = -(-length // block_size)
     ids = block_tables[:, :nblocks].reshape(-1).long()
@@ -63,17 +69,18 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int)
     rows = cache.view(num_blocks, num_kv_heads, block_size * head_dim)
     for h in range(num_kv_heads):
         torch.index_select(rows[:, h], 0, ids, out=out[h])
-    return out.view(num_kv_heads, seqs, nblocks * block_size, head_dim)[:, :, :length]
+    return dequantize_kv(out.view(num_kv_heads, seqs, nblocks * block_size, head_dim)[:, :, :length], scale)
 
 
 def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-                      scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                      scale: float, window: int | None = None, softcap: float | None = None,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    keys = gather_context(k_cache, block_tables, max_len).transpose(0, 1)      # [B, Hkv, L, D]
-    values = gather_context(v_cache, block_tables, max_len).transpose(0, 1)
+    keys = gather_context(k_cache, block_tables, max_len, k_scale).transpose(0, 1)      # [B, Hkv, L, D]
+    values = gather_context(v_cache, block_tables, max_len, v_scale).transpose(0, 1)
     # GQA without repeating K/V: the query heads of one KV head become that head's query rows.
     q = query.view(batch, num_kv_heads, group, head_dim).to(keys.dtype)
     key_pos = torch.arange(max_len, device=query.device)[None, :]
@@ -86,12 +93,12 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_table: torch.Tensor, seq_len: int, scale: float, window: int | None = None,
-                       softcap: float | None = None) -> torch.Tensor:
+                       softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     qlen, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    keys = gather_context(k_cache, block_table, seq_len)[:, 0]               # [Hkv, L, D]
-    values = gather_context(v_cache, block_table, seq_len)[:, 0]
+    keys = gather_context(k_cache, block_table, seq_len, k_scale)[:, 0]               # [Hkv, L, D]
+    values = gather_context(v_cache, block_table, seq_len, v_scale)[:, 0]
     q = query.view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)   # [Hkv, G, q, D]
     q = q.reshape(num_kv_heads, group * qlen, head_dim).to(keys.dtype)
     # Query row i sits at absolute position seq_len - qlen + i and sees keys up to it.
