@@ -221,7 +221,8 @@ def test_fp8_kv_cache_end_to_end(tiny_llama_dir):
         got = _prompt_logprobs(llm, PROMPTS)
     with LLM(tiny_llama_dir, dtype="bfloat16", max_model_len=256, kv_cache_memory=0.01) as llm:
         bf16_blocks = llm.engine.num_blocks
-    assert fp8_blocks == 2 * bf16_blocks          # 1 byte per element against 2, same memory
+    # 1 byte per element against 2 in the same memory (each count is floored: budget // bytes per block)
+    assert 2 * bf16_blocks <= fp8_blocks <= 2 * bf16_blocks + 1
     _assert_close_logprobs(got, ref)
 
 
@@ -262,3 +263,47 @@ def test_checkpoint_kv_scales_reach_the_layers(tiny_llama_dir, tmp_path):
         assert _prompt_logprobs(llm, PROMPTS) == ref
     # Small scales put the codes higher in e4m3's range (|K| / 0.05 stays below 448 here): same precision.
     _assert_close_logprobs(got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compute capability 8.9+)")
+def test_fp8_kv_cache_on_gpu_graphs_equal_eager(tmp_path):
+    """Triton write and attention on an e4m3 cache inside CUDA graphs and eagerly: the same greedy tokens and
+    logprobs, and close to a bf16 cache. Not run here (no GPU for this task)."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    path = make_tiny_model(str(tmp_path / "llama"), arch="llama", tokenizer="synthetic", hidden_size=256,
+                           num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    runs = {}
+    for name, kw in {"auto": {}, "fp8": dict(kv_cache_dtype="fp8"),
+                     "fp8_eager": dict(kv_cache_dtype="fp8", enforce_eager=True)}.items():
+        with LLM(path, dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.3, **kw) as llm:
+            if name == "fp8":
+                assert llm.engine.executor.worker.runner.kv_caches[0].dtype == FP8_KV_DTYPE
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs[name] = ([o.outputs[0].token_ids for o in outs], _prompt_logprobs(llm, PROMPTS))
+    assert runs["fp8"][0] == runs["fp8_eager"][0]
+    torch.testing.assert_close(runs["fp8"][1], runs["fp8_eager"][1], rtol=0, atol=1e-2)
+    _assert_close_logprobs(runs["fp8"][1], runs["auto"][1])
+
+
+@pytest.mark.slow
+def test_fp8_kv_cache_on_the_embedded_model(smollm2_path):
+    """The issue's text criterion on a real model: the mean per-token logprob of a fixed English text within
+    0.02 nats of the default cache (measured: 0.0036; greedy chat tokens over 32 steps stayed equal on 5 of
+    8 prompts, the near-ties that bfloat16 activations also flip, see test_quantized_model.py)."""
+    from pagedserve import LLM, SamplingParams
+    from test_quantized_model import TEXT
+
+    def text_logprob(**kw) -> tuple[float, int]:
+        with LLM(smollm2_path, max_model_len=512, kv_cache_memory=0.05, **kw) as llm:
+            out = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+            lps = [next(iter(e.values())).logprob for e in out.prompt_logprobs[1:]]
+            return sum(lps) / len(lps), llm.engine.num_blocks
+    ref, ref_blocks = text_logprob()
+    got, blocks = text_logprob(kv_cache_dtype="fp8")
+    assert abs(got - ref) < 0.02, (got, ref)
+    # dtype auto is float32 here (int4/int8 weights): 4 bytes per element -> 1, counts floored
+    assert 4 * ref_blocks <= blocks <= 4 * ref_blocks + 3

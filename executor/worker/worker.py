@@ -116,8 +116,9 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
         if self.device.type == "cuda" and not self.config.model.enforce_eager:
             self.runner.capture_cuda_graphs()
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB) on rank %d", num_blocks,
-                    self.config.cache.block_size, num_blocks * self.kv_bytes_per_block() / (1 << 30), self.rank)
+        logger.info("KV cache: %d blocks of %d tokens (%s, %.2f GiB) on rank %d", num_blocks,
+                    self.config.cache.block_size, str(self.kv_dtype).removeprefix("torch."),
+                    num_blocks * self.kv_bytes_per_block() / (1 << 30), self.rank)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None
