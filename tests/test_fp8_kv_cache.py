@@ -159,6 +159,21 @@ def test_triton_attention_fp8_cache_equals_reference(num_splits, k_scale, v_scal
     assert rel_err(out, reference.paged_attention(q, k32, v32, meta, scale)) < E4M3_REL
 
 
+def test_triton_attention_fp8_cache_with_a_half_precision_query():
+    """fp16 queries: the e4m3 tiles are converted to fp16 (exact) for the dot products. (bf16 dots are wrong
+    under the interpreter, see test_kernels.py; the GPU test covers bf16.)"""
+    pytest.importorskip("triton")
+    from pagedserve.kernels import triton_attention
+    from test_kernels import to_device
+    _, _, k8, v8, meta, gen = _fp8_batch(SEQS, 16, 2, 32, 6, 0.05, 0.1)
+    q = (torch.randn(meta.query_start_loc_cpu[-1], 4, 32, generator=gen) / 1.5).half()
+    ref = reference.paged_attention(q.float(), k8, v8, meta, 32 ** -0.5, k_scale=0.05, v_scale=0.1)
+    out = triton_attention.paged_attention(q.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE), to_device(meta),
+                                           32 ** -0.5, k_scale=0.05, v_scale=0.1)
+    assert out.dtype == torch.float16
+    assert rel_err(out.float().cpu(), ref) < 2e-2        # the fp16 bound of test_attention_half_precision
+
+
 def test_triton_attention_ignores_scales_for_a_float_cache():
     pytest.importorskip("triton")
     from pagedserve.kernels import triton_attention
