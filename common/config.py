@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 # The allowed values of EngineArgs fields: the flags' choices and `_validate` both use these.
 DTYPES = DTYPE_CHOICES
 DEVICES = ("auto", "cpu", "cuda")
+# auto: the KV cache in the model dtype; fp8 (vLLM also spells it fp8_e4m3): e4m3 with per-layer scales.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # "uni" (in-process) | "mp" (one process per rank) | "torchrun" (ranks started by torchrun)
 EXECUTOR_BACKENDS = ("uni", "mp", "torchrun")
@@ -85,6 +87,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_blocks_override: int | None = None
+    cache_dtype: str = "auto"       # "auto" (the model dtype) | "fp8" (e4m3, fp8_e4m3 normalised to it)
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,11 @@ class EngineArgs:
     max_model_len: int | None = setting(
         None, help="longest sequence (prompt + output) in tokens (unset: the model's max_position_embeddings)")
     block_size: int = setting(16, help="tokens per KV-cache block")
+    kv_cache_dtype: str = setting(
+        "auto", choices=KV_CACHE_DTYPES,
+        help="KV-cache element type: auto (the model dtype) or fp8 / fp8_e4m3 (e4m3, 1 byte per element: twice "
+             "the blocks of a 16-bit cache in the same memory; per-layer k_scale/v_scale from the checkpoint, "
+             "else 1.0; on CUDA needs compute capability 8.9+)")
     kv_cache_memory: float | None = setting(
         None, help=f"KV-cache size in GiB on CPU (unset: {DEFAULT_CPU_KV_CACHE_GIB:g} GiB)")
     gpu_memory_utilization: float = setting(
@@ -234,7 +242,8 @@ class EngineArgs:
             block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
-            num_blocks_override=self.num_gpu_blocks_override)
+            num_blocks_override=self.num_gpu_blocks_override,
+            cache_dtype="fp8" if self.kv_cache_dtype.startswith("fp8") else "auto")
         unset_batched = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill else max_len
         batched = self.max_num_batched_tokens or unset_batched
         if not self.enable_chunked_prefill and batched < max_len:
@@ -290,6 +299,7 @@ class EngineArgs:
         _timeout("engine_heartbeat_timeout", self.engine_heartbeat_timeout, 2 * CORE_HEARTBEAT_INTERVAL_S)
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("device", self.device, DEVICES)
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _one_of("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if self.distributed_executor_backend is not None:
             _one_of("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)

@@ -47,23 +47,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> None:
+    """k_scale / v_scale: what an fp8 cache divides by before storing (other caches ignore them)."""
     if use_triton(key):
         from pagedserve.kernels import triton_cache
-        triton_cache.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        triton_cache.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
-    """window: keys at positions > query position - window only (None: global); softcap: tanh capping."""
+                    softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """window: keys at positions > query position - window only (None: global); softcap: tanh capping;
+    k_scale / v_scale: an fp8 cache's scales (codes * scale are the values)."""
     if use_triton(query):
         from pagedserve.kernels import triton_attention
         return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale, window=window,
-                                                softcap=softcap)
-    return reference.paged_attention(query, k_cache, v_cache, meta, scale, window, softcap)
+                                                softcap=softcap, k_scale=k_scale, v_scale=v_scale)
+    return reference.paged_attention(query, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

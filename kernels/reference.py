@@ -1,7 +1,9 @@
 """PyTorch ops: the CPU path and the oracle for the Triton kernels (paged attention, cache write,
-RMSNorm, SiLU*mul, q/k norm + rotary). Paged attention and the cache write live in cpu_attention.
+RMSNorm, SiLU*mul, q/k norm + rotary).
 
-Cache layout: [num_blocks, num_kv_heads, block_size, head_dim] per K and V.
+Cache layout: [num_blocks, num_kv_heads, block_size, head_dim] per K and V. Head-major blocks let one
+KV head's context be gathered as whole contiguous rows (index_select, i.e. memcpy) straight into the
+[kv_heads, seqs, len, head_dim] layout attention wants, with no strided copy.
 """
 from __future__ import annotations
 
@@ -10,26 +12,40 @@ import torch.nn.functional as F
 
 from pagedserve.kernels import cpu_attention
 from pagedserve.kernels.cpu_attention import DECODE_GROUP
+from pagedserve.kernels.kv_quant import dequantize_kv, quantize_kv
 from pagedserve.kernels.metadata import AttentionMetadata
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter key/value [T, Hkv, D] into the caches at slot_mapping (block * block_size + offset; -1 skipped)."""
-    cpu_attention.write_kv_cache(key, value, k_cache, v_cache, cpu_attention.write_plan(slot_mapping, k_cache))
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> None:
+    """Scatter key/value [T, Hkv, D] into the caches at slot_mapping (block * block_size + offset; -1 skipped).
+    An fp8 cache stores key / k_scale and value / v_scale (kernels/kv_quant.py)."""
+    if k_cache.dtype.itemsize > 1:       # a float cache: the in-place path of cpu_attention
+        cpu_attention.write_kv_cache(key, value, k_cache, v_cache, cpu_attention.write_plan(slot_mapping, k_cache))
+        return
+    block_size = k_cache.shape[2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping
+    if not bool(valid.all()):
+        slots, key, value = slot_mapping[valid], key[valid], value[valid]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, :, offsets] = quantize_kv(key, k_scale, k_cache.dtype)
+    v_cache[blocks, :, offsets] = quantize_kv(value, v_scale, v_cache.dtype)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each sequence's paged context; returns [T, Hq, D].
 
     window: a query at position p sees only keys at positions > p - window (None: all earlier keys).
     softcap: scores become tanh(scores / softcap) * softcap before the softmax (Gemma 2).
-    Without either, the in-place path of cpu_attention runs (blocks read in place, plans shared by layers);
-    windowed or capped layers take the straightforward gather-and-mask path below.
+    k_scale / v_scale: an fp8 cache's scales; its gathered rows are dequantized to float32 before attending.
+    A float cache without window or cap takes the in-place path of cpu_attention (blocks read in place, plans
+    shared by layers); the rest take the straightforward gather-and-mask path below.
     """
-    if window is None and softcap is None:
+    if window is None and softcap is None and k_cache.dtype.itemsize > 1:
         kv_rows = cpu_attention.stacked_rows(k_cache, v_cache)
         plan = cpu_attention.step_plan(meta, k_cache, query.shape[1], kv_rows is not None)
         return cpu_attention.paged_attention(query, k_cache, v_cache, kv_rows, plan, scale)
@@ -40,18 +56,20 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         hi = min(lo + DECODE_GROUP, meta.num_decodes)
         out[lo:hi] = _decode_attention(query[lo:hi], k_cache, v_cache, meta.block_tables[lo:hi],
                                        meta.seq_lens[lo:hi], max(meta.seq_lens_cpu[lo:hi]), scale,
-                                       window, softcap)
+                                       window, softcap, k_scale, v_scale)
     starts = meta.query_start_loc_cpu
     for i in range(meta.num_decodes, meta.num_seqs):
         lo, hi = starts[i], starts[i + 1]
         if hi > lo:
             out[lo:hi] = _prefill_attention(query[lo:hi], k_cache, v_cache, meta.block_tables[i:i + 1],
-                                            meta.seq_lens_cpu[i], scale, window, softcap)
+                                            meta.seq_lens_cpu[i], scale, window, softcap, k_scale, v_scale)
     return out
 
 
-def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached positions of each sequence: [Hkv, S, length, D] (block_tables [S, n])."""
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int,
+                   scale: float = 1.0) -> torch.Tensor:
+    """The first `length` cached positions of each sequence: [Hkv, S, length, D] (block_tables [S, n]);
+    an fp8 cache's rows come back as float32 values (codes * scale)."""
     num_blocks, num_kv_heads, block_size, head_dim = cache.shape
     nblocks = -(-length // block_size)
     ids = block_tables[:, :nblocks].reshape(-1).long()
@@ -60,17 +78,18 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int)
     rows = cache.view(num_blocks, num_kv_heads, block_size * head_dim)
     for h in range(num_kv_heads):
         torch.index_select(rows[:, h], 0, ids, out=out[h])
-    return out.view(num_kv_heads, seqs, nblocks * block_size, head_dim)[:, :, :length]
+    return dequantize_kv(out.view(num_kv_heads, seqs, nblocks * block_size, head_dim)[:, :, :length], scale)
 
 
 def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-                      scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                      scale: float, window: int | None = None, softcap: float | None = None,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    keys = gather_context(k_cache, block_tables, max_len).transpose(0, 1)      # [B, Hkv, L, D]
-    values = gather_context(v_cache, block_tables, max_len).transpose(0, 1)
+    keys = gather_context(k_cache, block_tables, max_len, k_scale).transpose(0, 1)      # [B, Hkv, L, D]
+    values = gather_context(v_cache, block_tables, max_len, v_scale).transpose(0, 1)
     # GQA without repeating K/V: the query heads of one KV head become that head's query rows.
     q = query.view(batch, num_kv_heads, group, head_dim).to(keys.dtype)
     key_pos = torch.arange(max_len, device=query.device)[None, :]
@@ -83,12 +102,12 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_table: torch.Tensor, seq_len: int, scale: float, window: int | None = None,
-                       softcap: float | None = None) -> torch.Tensor:
+                       softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     qlen, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    keys = gather_context(k_cache, block_table, seq_len)[:, 0]               # [Hkv, L, D]
-    values = gather_context(v_cache, block_table, seq_len)[:, 0]
+    keys = gather_context(k_cache, block_table, seq_len, k_scale)[:, 0]               # [Hkv, L, D]
+    values = gather_context(v_cache, block_table, seq_len, v_scale)[:, 0]
     q = query.view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)   # [Hkv, G, q, D]
     q = q.reshape(num_kv_heads, group * qlen, head_dim).to(keys.dtype)
     # Query row i sits at absolute position seq_len - qlen + i and sees keys up to it.
@@ -135,28 +154,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :half]) * x[..., half:]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 signed_sin: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, H, D] (any strides) rotated, neox layout; cos/sin [T, 1, D] in x's dtype. Returns a new tensor.
-
-    signed_sin (sin with its first half negated, see `signed_sin`) saves the negation: rotate_half(x) * sin
-    is then roll(x, D/2) * signed_sin, the same products bit for bit, in two ops instead of four."""
-    if signed_sin is None:
-        signed_sin = _negate_first_half(sin)
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
-
-
-_signed_sins = cpu_attention.LastStep()
-
-
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """cat(-sin[..., :D/2], sin[..., D/2:]), made once per forward pass: every layer passes the same sin."""
-    return _signed_sins.get(sin, (cpu_attention.version(sin),), (), _negate_first_half)
-
-
-def _negate_first_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] (any strides) rotated, neox layout; cos/sin [T, 1, D] in x's dtype. Returns a new tensor."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., :half], x[..., half:]), dim=-1)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
@@ -166,5 +168,4 @@ def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_h
     if q_weight is not None:
         qk = torch.cat((_rms_norm(qk[:, :num_q_heads], q_weight, eps),
                         _rms_norm(qk[:, num_q_heads:], k_weight, eps)), dim=1)
-    sin_signed = signed_sin(sin).view(sin.shape[0], 1, -1)
-    return apply_rotary(qk, cos.view(cos.shape[0], 1, -1), sin.view(sin.shape[0], 1, -1), sin_signed)
+    return apply_rotary(qk, cos.view(cos.shape[0], 1, -1), sin.view(sin.shape[0], 1, -1))

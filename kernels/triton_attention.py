@@ -10,6 +10,10 @@ Sliding window (WINDOW > 0): a row at position p sees keys > p - WINDOW only, an
 first tile its earliest row can see, so a long context costs only the window. SOFTCAP > 0 caps the scaled
 scores as tanh(s / SOFTCAP) * SOFTCAP (Gemma 2).
 
+fp8 cache: K and V tiles are loaded as e4m3 codes and converted to the query's dtype (exact: e4m3 fits in
+fp16/bf16); k_scale is folded into the softmax scale on the host and v_scale multiplies the accumulator once
+at the end, so dequantizing costs no per-element multiply.
+
 Split-KV (flash-decoding): with NUM_SPLITS > 1 every program covers one slice of the context and
 writes an unnormalised partial result; a second kernel merges the slices. Small decode batches use
 it so that long contexts still occupy every multiprocessor.
@@ -41,7 +45,7 @@ def _find_seq(query_start_loc, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        part_out, part_max, part_sum, scale, num_seqs, window,
+        part_out, part_max, part_sum, scale, v_scale, num_seqs, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt,
         NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
@@ -90,6 +94,8 @@ def _paged_attention_kernel(
         slot = block * stride_cb + kv_head * stride_ch + (pos % BLOCK_SIZE) * stride_cs
         k = tl.load(k_cache + slot[None, :] + dims[:, None], mask=pos_ok[None, :] & dim_ok[:, None], other=0.0)
         v = tl.load(v_cache + slot[:, None] + dims[None, :], mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)
+        k = k.to(q.dtype)       # no-op unless the cache is fp8
+        v = v.to(q.dtype)
         if IEEE:
             scores = tl.dot(q, k, input_precision="ieee")
         else:
@@ -112,6 +118,7 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    acc = acc * v_scale
     store_mask = row_ok[:, None] & dim_ok[None, :]
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -159,11 +166,15 @@ def _num_splits(meta: AttentionMetadata, num_kv_heads: int) -> int:
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, num_splits: int | None = None,
-                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    window: int | None = None, softcap: float | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """query [T, Hq, D] (any row stride, unit dim stride); caches [blocks, Hkv, block_size, D].
 
     window: keys at positions > query position - window only (None: global); softcap: tanh score capping.
+    k_scale / v_scale: an fp8 cache's scales (a float cache ignores them, as the reference does).
     """
+    if k_cache.dtype != torch.float8_e4m3fn:
+        k_scale = v_scale = 1.0
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -183,7 +194,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         part_out = part_max = part_sum = out      # unused
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        part_out, part_max, part_sum, scale, meta.num_seqs, window or 0,
+        part_out, part_max, part_sum, scale * k_scale, float(v_scale), meta.num_seqs, window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         NUM_HEADS=num_heads, G=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,

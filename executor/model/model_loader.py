@@ -31,6 +31,7 @@ from pagedserve.executor.model.models import get_model_class
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.executor.model.quant.awq_gptq import combine_quantized_tensors
 from pagedserve.executor.model.quant.gguf_blocks import GGUF_QUANT_TYPES, decode_gguf_tensor, reverse_permute_rows
+from pagedserve.executor.model.quant.kv_scales import apply_kv_scales, take_kv_scales
 from pagedserve.executor.model.quant.loading import PACKED_METHODS, begin_packed, finish_packed, num_weights, weight_bytes
 
 logger = logging.getLogger(__name__)
@@ -64,11 +65,13 @@ def load_model(model_config: ModelConfig, tp: TPGroup) -> nn.Module:
     method = model_config.quantization.method if model_config.quantization else None
     if method in PACKED_METHODS:
         begin_packed(model)
-    weights, count = open_weights(model_config)
+    kv_scales: dict[int, dict[str, float]] = {}
+    weights, count = open_weights(model_config, kv_scales)
     progress = tqdm(weights, total=count or None, desc="Loading weights", unit="tensor",
                     disable=tp.rank != 0, leave=False)
     loaded = model.load_weights(progress)
     _check_complete(model.expected_weights() - loaded, model_config.source.path)
+    apply_kv_scales(model.attention_layers(), kv_scales)
     if method in PACKED_METHODS:
         finish_packed(model, method, torch.device(model_config.device), dtype)
     nbytes, count = weight_bytes(model), num_weights(model)
@@ -86,13 +89,19 @@ def _check_complete(missing: set[str], path: str) -> None:
     raise ValueError(f"checkpoint {path} lacks weights: {', '.join(names[:10])}{more}")
 
 
-def open_weights(model_config: ModelConfig) -> tuple[Weights, int]:
-    """(iterator of (HF name, tensor), number of tensors or 0 if unknown) for the model's source."""
+def open_weights(model_config: ModelConfig,
+                 kv_scales: dict[int, dict[str, float]] | None = None) -> tuple[Weights, int]:
+    """(iterator of (HF name, tensor), number of tensors or 0 if unknown) for the model's source.
+
+    kv_scales: collects an HF checkpoint's per-layer KV-cache scales, taken out of the stream before the
+    quantized weights are combined (quant/kv_scales.py)."""
     source = model_config.source
     if source.format == "gguf":
         keep = model_config.quantization is not None and model_config.quantization.method == "gguf"
         return gguf_weights(source.path, model_config.hf_config, keep_quantized=keep)
     weights, count = hf_weights(source.path)
+    if kv_scales is not None:
+        weights = take_kv_scales(weights, kv_scales)
     return combine_quantized_tensors(weights, model_config.quantization), count
 
 

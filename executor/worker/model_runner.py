@@ -16,6 +16,7 @@ from pagedserve.executor.worker.sampler import Sampler
 from pagedserve.executor.worker.sampling_inputs import build_sampling_metadata
 from pagedserve.executor.worker.step_buffers import PreparedBatch, StepBuffers
 from pagedserve.ipc.messages import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from pagedserve.kernels.kv_quant import kv_cache_torch_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_cache_torch_dtype(config.cache.cache_dtype, dtype)
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
         self.eos_token_ids = config.model.eos_token_ids
@@ -43,7 +45,7 @@ class ModelRunner:
         self.kv_caches = []        # let a previous (profiling) cache go before the new one is allocated
         # Zeros, not empty: attention reads whole blocks and masks the tail, and a masked NaN in V
         # still poisons the output (0 * NaN).
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in layers]
         for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache
 

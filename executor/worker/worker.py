@@ -12,6 +12,7 @@ from pagedserve.common.config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
 from pagedserve.executor.worker.model_runner import ModelRunner
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
+from pagedserve.kernels.kv_quant import check_fp8_kv_device, kv_cache_torch_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.device = torch.device(config.model.device)
         self.dtype = _DTYPES[config.model.dtype]
+        self.kv_dtype = kv_cache_torch_dtype(config.cache.cache_dtype, self.dtype)
         self.runner: ModelRunner | None = None
 
     def init_device(self) -> None:
@@ -36,6 +38,8 @@ class Worker:
             local_rank = int(os.environ.get("LOCAL_RANK", self.rank))   # set by torchrun on every node
             self.device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
             torch.cuda.set_device(self.device)
+        if self.config.cache.cache_dtype == "fp8":
+            check_fp8_kv_device(self.device)
         if self.tp.size > 1 and not torch.distributed.is_initialized():
             import torch.distributed as dist
             backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -72,7 +76,7 @@ class Worker:
     def kv_bytes_per_block(self) -> int:
         m = self.config.model
         kv_heads = max(1, m.num_kv_heads // self.tp.size)
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()      # fp8: 1 byte
         return 2 * m.num_layers * self.config.cache.block_size * kv_heads * m.head_dim * elem
 
     def determine_num_blocks(self) -> int:
@@ -118,8 +122,9 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
         if self.device.type == "cuda" and not self.config.model.enforce_eager:
             self.runner.capture_cuda_graphs()
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB) on rank %d", num_blocks,
-                    self.config.cache.block_size, num_blocks * self.kv_bytes_per_block() / (1 << 30), self.rank)
+        logger.info("KV cache: %d blocks of %d tokens (%s, %.2f GiB) on rank %d", num_blocks,
+                    self.config.cache.block_size, str(self.kv_dtype).removeprefix("torch."),
+                    num_blocks * self.kv_bytes_per_block() / (1 << 30), self.rank)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None

@@ -16,6 +16,9 @@ class PagedAttention(nn.Module):
     cache keeps every block of a sequence, also those that fell out of every layer's window, so a block is
     the same whichever layer reads it and prefix caching stays correct (simplest; costs memory on long
     sequences). logit_softcap: Gemma 2's tanh capping of the attention scores.
+
+    k_scale / v_scale: an fp8 cache stores K / k_scale and V / v_scale (1.0 unless the checkpoint brings
+    calibrated scales; the loader sets them). Python floats: fixed after load, so CUDA graphs bake them in.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -28,6 +31,8 @@ class PagedAttention(nn.Module):
             raise ValueError(f"attn_logit_softcapping: must be > 0, got {logit_softcap}")
         self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
         self.kv_cache: torch.Tensor | None = None
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -38,7 +43,7 @@ class PagedAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
-        ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window,
-                                  self.logit_softcap)
+                                  self.logit_softcap, self.k_scale, self.v_scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
