@@ -94,7 +94,9 @@ def engine_args_overrides(name: str, options: dict[str, str]) -> dict:
             typed[key] = value.lower() in ("true", "1")
             continue
         try:
-            typed[key] = None if value.lower() == "none" else action.type(value)
+            # "none" unsets an optional field, unless "none" is itself one of the field's choices.
+            unset = value.lower() == "none" and not (action.choices and value in action.choices)
+            typed[key] = None if unset else action.type(value)
         except ValueError as exc:
             raise ValueError(f"engine {name!r}: {key}={value!r} is not a {action.type.__name__}") from exc
         if action.choices and typed[key] not in action.choices:
