@@ -12,7 +12,8 @@ from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.models.gemma import FULL, SLIDING, gemma3_ropes, layer_types
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model, prefill_logits, random_prompts
-from pagedserve.tests.test_model import _tp_worker, free_port, hf_model, model_config
+from pagedserve.tests.helpers.tp_ranks import run_ranks
+from pagedserve.tests.test_model import _tp_worker, hf_model, model_config
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
@@ -138,17 +139,6 @@ def test_tp2_logits_equal_tp1(tmp_path):
     prompt = random_prompts(3, [30], 509, low=3)[0]
     expected = [prefill_logits(load_model(model_config(p), TPGroup()), prompt) for p in paths]
     out = str(tmp_path / "tp2_logits.pt")
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [mp.get_context("spawn").Process(target=_tp_worker, args=(r, 2, init, paths, prompt, out))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    assert [p.exitcode for p in procs] == [0, 0], "a TP worker failed or timed out"
+    run_ranks(_tp_worker, (paths, prompt, out))
     for want, got in zip(expected, torch.load(out)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -20,6 +20,7 @@ from pagedserve.executor.model.quant.group_quant import GroupQuantWeight
 from pagedserve.executor.model.quant.packing import PermutedInput, apply_linear
 from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
 from pagedserve.tests.helpers.quant_packers import pack_gptq
+from pagedserve.tests.helpers.tp_ranks import run_ranks
 
 CPU = torch.device("cpu")
 IN, G = 256, 32
@@ -128,7 +129,6 @@ def test_row_parallel_plain_g_idx_splits_by_group():
 
 # ------------------------------------------------------------------- two real ranks over gloo
 
-TP_TIMEOUT_S = 180
 
 
 def _act_order_config(path: str):
@@ -169,11 +169,9 @@ def test_act_order_checkpoint_runs_on_two_ranks(tmp_path):
     in tests/test_awq_gptq.py: no further off than HF's own bfloat16 run of the same weights. (Two ranks
     against one differ by about as much without act-order: each rank's int4 output is rounded to bfloat16
     before the all-reduce.)"""
-    import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
     from pagedserve.tests.helpers.quant_checkpoints import write_quantized_checkpoint
-    from pagedserve.tests.helpers.server import free_port
     from pagedserve.tests.helpers.tiny_models import make_tiny_model
     float_dir = make_tiny_model(str(tmp_path / "float"), tokenizer="synthetic", hidden_size=128,
                                 intermediate_size=256)
@@ -181,18 +179,7 @@ def test_act_order_checkpoint_runs_on_two_ranks(tmp_path):
     write_quantized_checkpoint(float_dir, quant_dir, dequant_dir, "gptq", group_size=32, desc_act=True)
     prompt = list(range(10, 50))
     out = str(tmp_path / "tp2_logits.pt")
-    ctx = mp.get_context("spawn")
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_tp_worker, args=(r, 2, init, quant_dir, prompt, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TP_TIMEOUT_S)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    assert [p.exitcode for p in procs] == [0, 0], "a TP worker failed or timed out"
+    run_ranks(_tp_worker, (quant_dir, prompt, out))
     ours = torch.load(out)
     with torch.inference_mode():
         ref = AutoModelForCausalLM.from_pretrained(dequant_dir, dtype=torch.float32).eval()(torch.tensor([prompt]))

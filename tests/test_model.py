@@ -12,8 +12,8 @@ from pagedserve.common.model_files import load_hf_config, resolve_model
 from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.models import get_model_class
 from pagedserve.executor.model.parallel_state import TPGroup
-from pagedserve.tests.helpers.server import free_port
 from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model, prefill_logits, random_prompts
+from pagedserve.tests.helpers.tp_ranks import run_ranks
 
 PROMPT_LEN = 40
 NEW_TOKENS = 16
@@ -143,9 +143,6 @@ TP_CASES: dict[str, tuple[str, dict]] = {
                                      "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
                                                       "long_factor": [1.0 + i for i in range(8)]}}),
 }
-TP_TIMEOUT_S = 180
-
-
 def _tp_worker(rank: int, world: int, init_method: str, paths: list[str], prompt: list[int], out: str) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)          # two ranks on two cores
@@ -162,23 +159,11 @@ def _tp_worker(rank: int, world: int, init_method: str, paths: list[str], prompt
 
 
 def test_tp2_logits_equal_tp1(tmp_path):
-    import torch.multiprocessing as mp
     paths = [make_tiny_model(str(tmp_path / name), arch=arch, **kw) for name, (arch, kw) in TP_CASES.items()]
     prompt = random_prompts(3, [PROMPT_LEN], 509, low=3)[0]
     expected = [prefill_logits(load_model(model_config(p), TPGroup()), prompt) for p in paths]
     out = str(tmp_path / "tp2_logits.pt")
-    ctx = mp.get_context("spawn")
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_tp_worker, args=(r, 2, init, paths, prompt, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TP_TIMEOUT_S)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    assert [p.exitcode for p in procs] == [0, 0], "a TP worker failed or timed out"
+    run_ranks(_tp_worker, (paths, prompt, out))
     for name, want, got in zip(TP_CASES, expected, torch.load(out)):
         assert got.shape == want.shape, name
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=lambda m, n=name: f"{n}: {m}")

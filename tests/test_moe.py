@@ -13,6 +13,7 @@ from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.kernels import moe_reference
 from pagedserve.tests.helpers.tiny_models import make_tiny_model, prefill_logits, random_prompts
+from pagedserve.tests.helpers.tp_ranks import run_ranks
 from pagedserve.tests.test_model import hf_model, model_config
 from pagedserve.tests.test_phi3 import check_engine, shared_prefix
 
@@ -159,24 +160,11 @@ def test_quantized_moe_is_refused_with_one_clear_error(tmp_path):
 
 def test_moe_tp2_logits_equal_tp1(tmp_path):
     """Every expert's intermediate dim split over 2 CPU ranks (gloo), one all-reduce per block."""
-    import torch.multiprocessing as mp
-    from pagedserve.tests.helpers.server import free_port
-    from pagedserve.tests.test_model import TP_TIMEOUT_S, _tp_worker
+    from pagedserve.tests.test_model import _tp_worker
     paths = [_make(tmp_path / arch, arch) for arch in ("qwen2_moe", "mixtral")]
     prompt = random_prompts(3, [40], 509, low=3)[0]
     expected = [prefill_logits(load_model(model_config(p), TPGroup()), prompt) for p in paths]
     out = str(tmp_path / "tp2_logits.pt")
-    ctx = mp.get_context("spawn")
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_tp_worker, args=(r, 2, init, paths, prompt, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TP_TIMEOUT_S)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    assert [p.exitcode for p in procs] == [0, 0], "a TP worker failed or timed out"
+    run_ranks(_tp_worker, (paths, prompt, out))
     for path, want, got in zip(paths, expected, torch.load(out)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=lambda m, n=path: f"{n}: {m}")
