@@ -27,12 +27,18 @@ logger = logging.getLogger(__name__)
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 # Compiled grammars kept for reuse: clients that send a fresh schema per request must not grow the core.
 MAX_CACHED_GRAMMARS = 256
+# Compile threads. A compile past its timeout cannot be interrupted and keeps its thread until it ends, so
+# there are spare threads for the requests behind it; and a request's timeout counts from the moment its
+# compile starts, not while it queues behind such a compile (that failed good requests with a 400).
+COMPILE_THREADS = 4
+# How many compile timeouts a request may wait in the queue before it gets its 400.
+QUEUE_TIMEOUT_FACTOR = 3
 
 
 class StructuredOutputManager:
     def __init__(self, tokenizer_dir: Callable[[], str], vocab_size: int, stop_token_ids: list[int],
                  reasoning_parser: Optional[str] = None, compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
-                 max_workers: int = 2) -> None:
+                 max_workers: int = COMPILE_THREADS) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
@@ -58,7 +64,8 @@ class StructuredOutputManager:
                 logger.info("structured outputs: tokenizer loaded in %.1f s", time.perf_counter() - start)
             return self._backend
 
-    def _compile(self, params: StructuredOutputsParams) -> Any:
+    def _compile(self, params: StructuredOutputsParams, started: list[float]) -> Any:
+        started.append(time.monotonic())
         backend = self._load_backend()
         start = time.perf_counter()
         with self._lock:
@@ -72,7 +79,9 @@ class StructuredOutputManager:
         key = params.cache_key()
         future = self._cache.pop(key, None)
         if future is None:
-            future = self._pool.submit(self._compile, params)
+            started: list[float] = []          # filled by the pool thread when the compile begins
+            future = self._pool.submit(self._compile, params, started)
+            future.started = started
             self._evict()
         self._cache[key] = future          # (re)inserted last: the dict's order is least recently used first
         return StructuredOutputRequest(params, future)
@@ -89,9 +98,14 @@ class StructuredOutputManager:
         """(ready, error) for a request waiting for its grammar; starts its matcher once ready."""
         future = state.compiled
         if not future.done():
-            if time.monotonic() - state.submitted > self.compile_timeout_s:
+            started, now = future.started, time.monotonic()
+            if started and now - max(started[0], state.submitted) > self.compile_timeout_s:
                 return False, (f"structured_outputs.{state.params.kind}: the grammar did not compile within "
                                f"{self.compile_timeout_s:g} s (--structured-outputs-compile-timeout)")
+            # Still queued: every compile thread is held by slow grammars. Bounded so a request never hangs.
+            if not started and now - state.submitted > QUEUE_TIMEOUT_FACTOR * self.compile_timeout_s:
+                return False, (f"structured_outputs.{state.params.kind}: every grammar compile thread stayed "
+                               f"busy for {QUEUE_TIMEOUT_FACTOR * self.compile_timeout_s:g} s; try again")
             return False, None
         exc = future.exception()
         if exc is not None:
