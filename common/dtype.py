@@ -1,6 +1,7 @@
 """What `--dtype` means: vLLM's choices and, for `auto`, vLLM's rule on CUDA (the checkpoint's own dtype)."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 # vLLM's --dtype choices; "half" and "float" are its spellings of float16 and float32.
@@ -40,13 +41,14 @@ def resolve_dtype(requested: str, device: str, config_dtype: str | None,
         # bfloat16 on 4 (tests/test_quantized_model.py), and batch-1 speed was the same.
         return "float32"
     if cpu_native_bf16 is None:
-        cpu_native_bf16 = _cpu_has_native_bf16()
+        cpu_native_bf16 = cpu_has_native_bf16()
     # Without AMX or AVX512-BF16 torch emulates bf16: measured on such a CPU, bf16 matmuls ran at
     # ~40 GFLOP/s against ~140 for float32 (benchmarks/throughput_cpu.md).
     return "bfloat16" if cpu_native_bf16 else "float32"
 
 
-def _cpu_has_native_bf16() -> bool:
+@functools.lru_cache(maxsize=1)     # read once: the weight-only kernels ask on every call
+def cpu_has_native_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "").split()

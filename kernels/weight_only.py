@@ -6,6 +6,12 @@ takes one scale per channel, so each chunk is its own call (a whole row is one c
 `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` (AVX512/AVX2), on CUDA `_weight_int4pack_mm` (tinygemm).
 Those kernels only run fast with bfloat16 activations (measured here at batch 1: 15 µs in bfloat16 against
 332 µs in float32 for a 576x576 int4 GEMM), so other activations are cast to bfloat16 around the call.
+
+They are GEMV kernels at heart: their cost grows with the input rows at a fraction of a dense GEMM's speed.
+On a CPU with native bfloat16, from DENSE_MIN_ROWS rows on, the weight is widened once per call by
+kernels/cpu_dequant.c into a transient bfloat16 matrix and multiplied by oneDNN instead: per shape, batch-1
+decode keeps the packed kernels and prefill chunks and large decode batches take the dense path
+(benchmarks/cpu_dequant.md has the crossovers).
 """
 from __future__ import annotations
 
@@ -13,8 +19,18 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.common.dtype import cpu_has_native_bf16
+from pagedserve.kernels import cpu_dequant
+
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 _INNER_K_TILES = 8          # CUDA tinygemm packing; K must be a multiple of 16 * this
+# Input rows from which the widen-then-dense path wins on CPU (benchmarks/cpu_dequant.md): int4 breaks
+# even near 48 rows; torch's int8 kernel re-reads the weight for every row, so int8 pays from 16.
+INT4_DENSE_MIN_ROWS = 64
+INT8_DENSE_MIN_ROWS = 16
+# Output rows of an int8 weight widened at a time: 4096 x 576 bfloat16 is 4.7 MB, transient, so a tied
+# 49152-row head never exists in bfloat16 (the 56 MB it would take is more than the quantized model).
+INT8_DENSE_BLOCK_ROWS = 4096
 
 
 @dataclass
@@ -66,11 +82,21 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
     return Int4Weight(packed, sz, group_size, out, cols)
 
 
-def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def dense_path(x2: torch.Tensor, min_rows: int) -> bool:
+    """Whether this CPU call widens the weight and runs a dense bfloat16 GEMM (see the module's docstring)."""
+    return (x2.shape[0] >= min_rows and x2.device.type == "cpu" and cpu_has_native_bf16()
+            and cpu_dequant.library() is not None)
+
+
+def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None,
+                dense_min_rows: int = INT4_DENSE_MIN_ROWS) -> torch.Tensor:
     shape, dtype = x.shape, x.dtype
     x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
     if x2.is_cuda:
         y = torch._weight_int4pack_mm(x2.contiguous(), w.packed, w.group_size, w.scales_and_zeros)
+    elif w.out_features % 64 == 0 and dense_path(x2, dense_min_rows):
+        y = torch.mm(x2, cpu_dequant.int4_to_bf16_t(w.packed, w.scales_and_zeros, w.out_features,
+                                                    w.in_features, w.group_size))
     else:
         y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), w.packed, w.group_size, w.scales_and_zeros)
     y = y.to(dtype).reshape(*shape[:-1], w.out_features)
@@ -89,11 +115,28 @@ def quantize_int8(w: torch.Tensor, chunk: int | None = None) -> Int8Weight:
     return Int8Weight(q, scale.to(torch.bfloat16))
 
 
-def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _int8_dense(x2: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    rows = w.out_features
+    step = min(rows, INT8_DENSE_BLOCK_ROWS)
+    scratch = torch.empty(step, x2.shape[1], dtype=torch.bfloat16)
+    if step == rows:
+        return torch.mm(x2, cpu_dequant.int8_rows_to_bf16(w.q, w.scale, 0, rows, scratch).t())
+    y = torch.empty(x2.shape[0], rows, dtype=torch.bfloat16)
+    for first in range(0, rows, step):
+        last = min(first + step, rows)
+        block = cpu_dequant.int8_rows_to_bf16(w.q, w.scale, first, last, scratch[:last - first])
+        y[:, first:last] = torch.mm(x2, block.t())
+    return y
+
+
+def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None,
+                dense_min_rows: int = INT8_DENSE_MIN_ROWS) -> torch.Tensor:
     shape, dtype = x.shape, x.dtype
     chunks, _, chunk = w.q.shape
     x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-    if chunks == 1:
+    if dense_path(x2, dense_min_rows):
+        y = _int8_dense(x2.contiguous(), w)
+    elif chunks == 1:
         y = torch._weight_int8pack_mm(x2.contiguous(), w.q[0], w.scale[0])
     else:
         y = torch._weight_int8pack_mm(x2[:, :chunk].contiguous(), w.q[0], w.scale[0]).float()

@@ -1,0 +1,143 @@
+/* Widening of packed int4 / int8 weights to bfloat16, for CPU steps with many rows.
+
+torch's weight-only CPU kernels re-widen every weight for each block of input rows, so their cost grows with
+the rows as fast as a dense GEMM's while running at a fraction of its speed (benchmarks/cpu_dequant.md).
+For a prefill chunk or a large decode batch it is cheaper to widen a layer's weights once into a scratch
+bfloat16 matrix and hand that to oneDNN's bfloat16 GEMM. This file does only the widening; it reads torch's
+own packed layouts, so the weights are stored once. Built at first use by kernels/cpu_dequant.py. */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch's cast does */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+typedef struct {
+    const uint8_t *packed;    /* torch's CPU int4 pack: [n / 64, k, 32] bytes, low nibble row j, high row j + 32 */
+    const uint16_t *sz;       /* bfloat16 [k / group, n, 2]: scale, zero; w = (q - 8) * scale + zero */
+    uint16_t *out;            /* bfloat16 [k, n]: the transposed weight, rows k0..k1 written by this job */
+    int64_t n, k, group, k0, k1;
+} Int4Job;
+
+static void *int4_job(void *arg) {
+    const Int4Job *j = (const Int4Job *)arg;
+    float *scale = malloc(sizeof(float) * 2 * j->n);
+    if (!scale) return (void *)1;
+    float *zero = scale + j->n;
+    int64_t loaded = -1;
+    for (int64_t kk = j->k0; kk < j->k1; ++kk) {
+        int64_t g = kk / j->group;
+        if (g != loaded) {    /* one group's scales serve `group` rows: widen them once */
+            const uint16_t *row = j->sz + g * j->n * 2;
+            for (int64_t c = 0; c < j->n; ++c) {
+                scale[c] = bf16_to_f32(row[2 * c]);
+                zero[c] = bf16_to_f32(row[2 * c + 1]) - 8.0f * scale[c];
+            }
+            loaded = g;
+        }
+        uint16_t *o = j->out + kk * j->n;
+        for (int64_t nb = 0; nb < j->n / 64; ++nb) {
+            const uint8_t *p = j->packed + (nb * j->k + kk) * 32;
+            const float *s = scale + nb * 64, *z = zero + nb * 64;
+            uint16_t *ob = o + nb * 64;
+            for (int i = 0; i < 32; ++i) {
+                ob[i] = f32_to_bf16((float)(p[i] & 15) * s[i] + z[i]);
+                ob[i + 32] = f32_to_bf16((float)(p[i] >> 4) * s[i + 32] + z[i + 32]);
+            }
+        }
+    }
+    free(scale);
+    return NULL;
+}
+
+typedef struct {
+    const int8_t *q;          /* [chunks, rows, chunk] */
+    const uint16_t *scale;    /* bfloat16 [chunks, rows]; w = q * scale */
+    uint16_t *out;            /* bfloat16 [r1 - r0, chunks * chunk] for the caller's row range */
+    int64_t chunks, rows, chunk, r0, r1, first;
+} Int8Job;
+
+static void *int8_job(void *arg) {
+    const Int8Job *j = (const Int8Job *)arg;
+    int64_t width = j->chunks * j->chunk;
+    /* Blocks of rows, chunk by chunk: each chunk's codes are read in runs of ROW_BLOCK rows, not one
+       chunk-sized piece per row from every chunk's plane (measured 2x slower for a Q8_0 head). */
+    enum { ROW_BLOCK = 64 };
+    for (int64_t r0 = j->r0; r0 < j->r1; r0 += ROW_BLOCK) {
+        int64_t r1 = r0 + ROW_BLOCK < j->r1 ? r0 + ROW_BLOCK : j->r1;
+        for (int64_t c = 0; c < j->chunks; ++c) {
+            for (int64_t r = r0; r < r1; ++r) {
+                float s = bf16_to_f32(j->scale[c * j->rows + r]);
+                const int8_t *src = j->q + (c * j->rows + r) * j->chunk;
+                uint16_t *dst = j->out + (r - j->first) * width + c * j->chunk;
+                for (int64_t i = 0; i < j->chunk; ++i) dst[i] = f32_to_bf16((float)src[i] * s);
+            }
+        }
+    }
+    return NULL;
+}
+
+#define MAX_THREADS 64
+
+/* Splits [0, total) into `threads` ranges and runs job(i) on each; the caller's thread takes the last. */
+static int run_split(int threads, int64_t total, void *jobs, size_t job_size, void *(*fn)(void *),
+                     void (*set_range)(void *, int64_t, int64_t)) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > total) threads = (int)(total > 0 ? total : 1);
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    int64_t step = (total + threads - 1) / threads;
+    for (int t = 0; t < threads; ++t) {
+        int64_t a = t * step, b = a + step < total ? a + step : total;
+        set_range((char *)jobs + t * job_size, a, b);
+    }
+    int failed = 0;
+    for (int t = 0; t < threads - 1; ++t)
+        started[t] = pthread_create(&tid[t], NULL, fn, (char *)jobs + t * job_size) == 0;
+    for (int t = 0; t < threads - 1; ++t)   /* a thread that could not start runs here instead */
+        if (!started[t]) failed |= fn((char *)jobs + t * job_size) != NULL;
+    failed |= fn((char *)jobs + (threads - 1) * job_size) != NULL;
+    for (int t = 0; t < threads - 1; ++t) {
+        void *ret = NULL;
+        if (started[t]) { pthread_join(tid[t], &ret); failed |= ret != NULL; }
+    }
+    return failed;
+}
+
+static void int4_range(void *job, int64_t a, int64_t b) { ((Int4Job *)job)->k0 = a; ((Int4Job *)job)->k1 = b; }
+static void int8_range(void *job, int64_t a, int64_t b) {
+    Int8Job *j = (Int8Job *)job;
+    j->r0 = j->first + a;
+    j->r1 = j->first + b;
+}
+
+/* Returns 0 on success. n must be a multiple of 64 (the pack's block of output channels). */
+int ps_dequant_int4_t(const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t n, int64_t k,
+                      int64_t group, int threads) {
+    if (n % 64 || group <= 0 || k % group) return 2;
+    Int4Job jobs[MAX_THREADS];
+    for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (Int4Job){packed, sz, out, n, k, group, 0, 0};
+    return run_split(threads, k, jobs, sizeof(Int4Job), int4_job, int4_range);
+}
+
+/* Rows first..last-1 of an int8 weight, widened into out [last - first, chunks * chunk]. */
+int ps_dequant_int8_rows(const int8_t *q, const uint16_t *scale, uint16_t *out, int64_t chunks, int64_t rows,
+                         int64_t chunk, int64_t first, int64_t last, int threads) {
+    if (first < 0 || last > rows || first > last) return 2;
+    Int8Job jobs[MAX_THREADS];
+    for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (Int8Job){q, scale, out, chunks, rows, chunk, 0, 0, first};
+    return run_split(threads, last - first, jobs, sizeof(Int8Job), int8_job, int8_range);
+}
