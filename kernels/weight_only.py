@@ -9,7 +9,7 @@ Those kernels only run fast with bfloat16 activations (measured here at batch 1:
 
 They are GEMV kernels at heart: their cost grows with the input rows at a fraction of a dense GEMM's speed.
 On a CPU with native bfloat16, from DENSE_MIN_ROWS rows on, the weight is widened once per call by
-kernels/cpu_dequant.c into a transient bfloat16 matrix and multiplied by oneDNN instead: per shape, batch-1
+kernels/csrc/dequant.c into a transient bfloat16 matrix and multiplied by oneDNN instead: per shape, batch-1
 decode keeps the packed kernels and prefill chunks and large decode batches take the dense path
 (benchmarks/cpu_dequant.md has the crossovers).
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.common.dtype import cpu_has_native_bf16
-from pagedserve.kernels import cpu_dequant
+from pagedserve.kernels import cpu_dequant, cpu_native
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 _INNER_K_TILES = 8          # CUDA tinygemm packing; K must be a multiple of 16 * this
@@ -85,7 +85,7 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
 def dense_path(x2: torch.Tensor, min_rows: int) -> bool:
     """Whether this CPU call widens the weight and runs a dense bfloat16 GEMM (see the module's docstring)."""
     return (x2.shape[0] >= min_rows and x2.device.type == "cpu" and cpu_has_native_bf16()
-            and cpu_dequant.library() is not None)
+            and cpu_native.library() is not None)
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None,

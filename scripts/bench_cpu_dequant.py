@@ -18,7 +18,7 @@ import torch
 
 from bench_report import emit                 # scripts/ is on sys.path when a script runs
 from pagedserve.common.dtype import cpu_has_native_bf16
-from pagedserve.kernels import cpu_dequant
+from pagedserve.kernels import cpu_dequant, cpu_native
 from pagedserve.kernels.weight_only import int4_linear, int8_linear, pack_int4, quantize_int8
 
 NEVER, ALWAYS = 10 ** 9, 1
@@ -82,7 +82,7 @@ def main() -> None:
     p.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated input row counts")
     p.add_argument("--out", default=None, help="append the markdown table to this file")
     args = p.parse_args()
-    if cpu_dequant.library() is None:
+    if cpu_native.library() is None:
         raise SystemExit("no C compiler: the dense path is unavailable here")
     rows = tuple(int(r) for r in args.rows.split(","))
     emit(report(run(args.repeats, rows), args.repeats), args.out)

@@ -1,5 +1,7 @@
 """The in-place CPU paged attention (kernels/cpu_attention.py) against the plain formulas: stacked and
-separate K/V caches, GQA, block boundaries, masks, slot -1, and the per-step plans reused across layers."""
+separate K/V caches, GQA, block boundaries, masks, slot -1, and the per-step plans reused across layers.
+Decodes run through the C kernel (kernels/csrc/decode_attention.c) where it builds, and through SDPA
+(`native=False`: the path without it) in the same cases."""
 from __future__ import annotations
 
 import math
@@ -7,9 +9,20 @@ import math
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_attention, reference
+from pagedserve.kernels import cpu_attention, cpu_native, reference
 from pagedserve.tests.helpers.attention_cases import make_batch
 from pagedserve.tests.test_attention_ref import dense_attention, gather
+
+
+needs_native = pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler on this machine")
+
+
+def _attention(q, k_cache, v_cache, meta, scale, native: bool):
+    if native:
+        return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    kv_rows = cpu_attention.stacked_rows(k_cache, v_cache)
+    plan = cpu_attention.step_plan(meta, k_cache, q.shape[1], kv_rows is not None)
+    return cpu_attention.paged_attention(q, k_cache, v_cache, kv_rows, plan, scale)
 
 
 def _check(out, q, k_cache, v_cache, tables, meta, seqs, scale, **tol):
@@ -32,10 +45,11 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3)])
 @pytest.mark.parametrize("stacked", [True, False])
-def test_paged_attention_matches_dense(case, hq, hkv, stacked):
+def test_paged_attention_matches_dense(case, hq, hkv, stacked, native):
     seqs = sorted(CASES[case], key=lambda s: s[1] != 1)      # decodes first, as the runner orders them
     gen = torch.Generator().manual_seed(1)
     d, block_size = 16, 16
@@ -48,18 +62,35 @@ def test_paged_attention_matches_dense(case, hq, hkv, stacked):
         assert cpu_attention.stacked_rows(k_cache, v_cache) is None
     q = torch.randn(meta.query_start_loc_cpu[-1], hq, d, generator=gen)
     scale = 1 / math.sqrt(d)
-    out = reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    out = _attention(q, k_cache, v_cache, meta, scale, native)
     _check(out, q, k_cache, v_cache, tables, meta, seqs, scale, rtol=1e-4, atol=1e-5)
 
 
-def test_bf16_batch1_decode_matches_dense():
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("seqs", [[(130, 1)], [(130, 1), (7, 1), (64, 1)]])
+def test_bf16_decode_matches_dense(seqs, native):
     gen = torch.Generator().manual_seed(2)
-    seqs = [(130, 1)]
     k_cache, v_cache, tables, meta = make_batch(seqs, 16, 3, 64, gen, dtype=torch.bfloat16)
     kv = torch.stack((k_cache, v_cache))
-    q = torch.randn(1, 9, 64, generator=gen).to(torch.bfloat16)
-    out = reference.paged_attention(q, kv[0], kv[1], meta, 0.125)
+    q = torch.randn(len(seqs), 9, 64, generator=gen).to(torch.bfloat16)
+    out = _attention(q, kv[0], kv[1], meta, 0.125, native)
     _check(out, q, kv[0], kv[1], tables, meta, seqs, 0.125, rtol=2e-2, atol=2e-2)
+
+
+@needs_native
+def test_decodes_take_the_c_kernel_within_its_limits():
+    gen = torch.Generator().manual_seed(4)
+    seqs = [(300, 1), (5, 1), (40, 3)]                  # two decodes, one prefill: the kernel takes the decodes
+    for block_size, hq, hkv, d, taken in [(16, 9, 3, 64, True), (256, 4, 2, 16, False),   # block past 128
+                                          (16, 34, 2, 16, False), (16, 4, 1, 512, False)]:  # group, head dim
+        k_cache, v_cache, tables, meta = make_batch(seqs, block_size, hkv, d, gen)
+        q = torch.randn(meta.query_start_loc_cpu[-1], hq, d, generator=gen)
+        decoded = cpu_attention.decode_native(q, k_cache, v_cache, meta, 0.1)
+        assert (decoded is not None) == taken
+        out = reference.paged_attention(q, k_cache, v_cache, meta, 0.1)
+        if taken:
+            assert torch.equal(out[:2], decoded)
+        _check(out, q, k_cache, v_cache, tables, meta, seqs, 0.1, rtol=1e-4, atol=1e-5)
 
 
 def test_plan_follows_each_step_not_a_stale_one():

@@ -1,4 +1,4 @@
-"""The CPU widen-then-dense path for many-row steps (kernels/cpu_dequant.c, kernels/weight_only.py).
+"""The CPU widen-then-dense path for many-row steps (kernels/csrc/dequant.c, kernels/weight_only.py).
 
 Widening must reproduce the packed kernels' own weights bit for bit (the int4 kernel's weight read back
 through an identity input; int8 codes times their bfloat16 scale), and a layer that takes the dense path
@@ -17,14 +17,14 @@ from gguf.quants import quantize
 from pagedserve.common.dtype import cpu_has_native_bf16
 from pagedserve.executor.model.quant.gguf_blocks import decode_gguf_tensor
 from pagedserve.executor.model.quant.packing import apply_linear, pack_linear
-from pagedserve.kernels import cpu_dequant
+from pagedserve.kernels import cpu_dequant, cpu_native
 from pagedserve.kernels.weight_only import (INT4_DENSE_MIN_ROWS, INT8_DENSE_BLOCK_ROWS, INT8_DENSE_MIN_ROWS,
                                             Int4Weight, Int8Weight, dense_path, int4_linear, int8_linear,
                                             pack_int4, quantize_int8)
 
 CPU = torch.device("cpu")
-needs_kernels = pytest.mark.skipif(cpu_dequant.library() is None, reason="no C compiler on this machine")
-needs_dense = pytest.mark.skipif(cpu_dequant.library() is None or not cpu_has_native_bf16(),
+needs_kernels = pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler on this machine")
+needs_dense = pytest.mark.skipif(cpu_native.library() is None or not cpu_has_native_bf16(),
                                  reason="the dense path runs on CPUs with native bfloat16 and a C compiler")
 
 

@@ -4,25 +4,10 @@ torch's weight-only CPU kernels re-widen every weight for each block of input ro
 the rows as fast as a dense GEMM's while running at a fraction of its speed (benchmarks/cpu_dequant.md).
 For a prefill chunk or a large decode batch it is cheaper to widen a layer's weights once into a scratch
 bfloat16 matrix and hand that to oneDNN's bfloat16 GEMM. This file does only the widening; it reads torch's
-own packed layouts, so the weights are stored once. Built at first use by kernels/cpu_dequant.py. */
-#include <pthread.h>
-#include <stdint.h>
+own packed layouts, so the weights are stored once. Built at first use by kernels/cpu_native.py. */
 #include <stdlib.h>
-#include <string.h>
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch's cast does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "common.h"
 
 typedef struct {
     const uint8_t *packed;    /* torch's CPU int4 pack: [n / 64, k, 32] bytes, low nibble row j, high row j + 32 */
@@ -89,34 +74,6 @@ static void *int8_job(void *arg) {
     return NULL;
 }
 
-#define MAX_THREADS 64
-
-/* Splits [0, total) into `threads` ranges and runs job(i) on each; the caller's thread takes the last. */
-static int run_split(int threads, int64_t total, void *jobs, size_t job_size, void *(*fn)(void *),
-                     void (*set_range)(void *, int64_t, int64_t)) {
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > total) threads = (int)(total > 0 ? total : 1);
-    pthread_t tid[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    int64_t step = (total + threads - 1) / threads;
-    for (int t = 0; t < threads; ++t) {
-        int64_t a = t * step, b = a + step < total ? a + step : total;
-        set_range((char *)jobs + t * job_size, a, b);
-    }
-    int failed = 0;
-    for (int t = 0; t < threads - 1; ++t)
-        started[t] = pthread_create(&tid[t], NULL, fn, (char *)jobs + t * job_size) == 0;
-    for (int t = 0; t < threads - 1; ++t)   /* a thread that could not start runs here instead */
-        if (!started[t]) failed |= fn((char *)jobs + t * job_size) != NULL;
-    failed |= fn((char *)jobs + (threads - 1) * job_size) != NULL;
-    for (int t = 0; t < threads - 1; ++t) {
-        void *ret = NULL;
-        if (started[t]) { pthread_join(tid[t], &ret); failed |= ret != NULL; }
-    }
-    return failed;
-}
-
 static void int4_range(void *job, int64_t a, int64_t b) { ((Int4Job *)job)->k0 = a; ((Int4Job *)job)->k1 = b; }
 static void int8_range(void *job, int64_t a, int64_t b) {
     Int8Job *j = (Int8Job *)job;
@@ -130,7 +87,7 @@ int ps_dequant_int4_t(const uint8_t *packed, const uint16_t *sz, uint16_t *out, 
     if (n % 64 || group <= 0 || k % group) return 2;
     Int4Job jobs[MAX_THREADS];
     for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (Int4Job){packed, sz, out, n, k, group, 0, 0};
-    return run_split(threads, k, jobs, sizeof(Int4Job), int4_job, int4_range);
+    return ps_run_split(threads, k, jobs, sizeof(Int4Job), int4_job, int4_range);
 }
 
 /* Rows first..last-1 of an int8 weight, widened into out [last - first, chunks * chunk]. */
@@ -139,5 +96,5 @@ int ps_dequant_int8_rows(const int8_t *q, const uint16_t *scale, uint16_t *out, 
     if (first < 0 || last > rows || first > last) return 2;
     Int8Job jobs[MAX_THREADS];
     for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (Int8Job){q, scale, out, chunks, rows, chunk, 0, 0, first};
-    return run_split(threads, last - first, jobs, sizeof(Int8Job), int8_job, int8_range);
+    return ps_run_split(threads, last - first, jobs, sizeof(Int8Job), int8_job, int8_range);
 }

@@ -1,0 +1,95 @@
+"""The CPU kernels of our own (kernels/csrc/*.c): built with the system C compiler, loaded with ctypes.
+
+Compiled at first use (`cc -O3 -march=native -ffast-math`, about a second) into the pagedserve cache folder,
+keyed by the sources, the flags and the CPU's feature flags, so a cache folder shared by different machines
+never serves one a library built for another. No torch headers, so no minute-long extension build. Without
+a working compiler `library()` is None, and every caller keeps its PyTorch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+from pagedserve.common.model_files import cache_root
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+# -ffast-math: vectorized expf and float reductions in the attention kernel (written for it, see there).
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC", "-pthread")
+I64, PTR = ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {
+    "ps_dequant_int4_t": [PTR, PTR, PTR, I64, I64, I64, ctypes.c_int],
+    "ps_dequant_int8_rows": [PTR, PTR, PTR, I64, I64, I64, I64, I64, ctypes.c_int],
+    "ps_paged_decode": [PTR, PTR, PTR, ctypes.c_int, PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, ctypes.c_float,
+                        ctypes.c_int],
+}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build(compiler: str, sources: list[str], target: str) -> None:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, *sources, "-o", tmp, "-lm"], check=True, capture_output=True,
+                       timeout=120)
+        os.replace(tmp, target)      # atomic: processes that build at the same time never load a half file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built once per source and machine; None where no C compiler works."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or platform.system() != "Linux":
+        logger.info("cpu kernels: no C compiler; the PyTorch paths serve every shape")
+        return None
+    sources = sorted(glob.glob(os.path.join(_SOURCES, "*.c")))
+    digest = hashlib.sha256(" ".join((compiler, *_FLAGS, _cpu_flags())).encode())
+    for path in sorted(glob.glob(os.path.join(_SOURCES, "*"))):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    target = os.path.join(cache_root(), "kernels", f"pagedserve_cpu-{digest.hexdigest()[:16]}.so")
+    try:
+        if not os.path.exists(target):
+            _build(compiler, sources, target)
+        lib = ctypes.CDLL(target)
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        logger.warning("cpu kernels unavailable (%s %s); the PyTorch paths serve every shape",
+                       e, detail.decode(errors="replace")[-500:])
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+    return lib
+
+
+def threads_for(work: int, min_work_per_thread: int) -> int:
+    """Threads worth waking for `work` units: each extra thread costs ~30 us to wake (kernels/csrc/pool.c),
+    so small calls run on the caller's thread alone."""
+    return max(1, min(torch.get_num_threads(), work // min_work_per_thread))
+
+
+def check(code: int, what: str) -> None:
+    if code:
+        raise RuntimeError(f"{what}: the C kernel failed with code {code}")
