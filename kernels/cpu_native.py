@@ -1,6 +1,6 @@
 """The CPU kernels of our own (kernels/csrc/*.c): built with the system C compiler, loaded with ctypes.
 
-Compiled at first use (`cc -O3 -march=native -ffast-math`, about a second) into the pagedserve cache folder,
+Compiled at first use (`cc -O3 -march=native -ffast-math`, linked without it; about a second) into the pagedserve cache folder,
 keyed by the sources, the flags and the CPU's feature flags, so a cache folder shared by different machines
 never serves one a library built for another. No torch headers, so no minute-long extension build. Without
 a working compiler `library()` is None, and every caller keeps its PyTorch path.
@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # -ffast-math: vectorized expf and float reductions in the attention kernel (written for it, see there).
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC", "-pthread")
+_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-pthread")
+_LINK_FLAGS = ("-shared", "-pthread")
 I64, PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "ps_dequant_int4_t": [PTR, PTR, PTR, I64, I64, I64, ctypes.c_int],
@@ -46,15 +47,18 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str, sources: list[str], target: str) -> None:
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *_FLAGS, *sources, "-o", tmp, "-lm"], check=True, capture_output=True,
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as work:
+        objects = []
+        for source in sources:
+            objects.append(os.path.join(work, os.path.basename(source) + ".o"))
+            subprocess.run([compiler, *_COMPILE_FLAGS, "-c", source, "-o", objects[-1]], check=True,
+                           capture_output=True, timeout=120)
+        # Linked without -ffast-math: with it, gcc adds crtfastmath.o, whose constructor turns on flush-to-zero
+        # for the whole process when the library loads (subnormals vanish from every float op after that).
+        tmp = os.path.join(work, "lib.so")
+        subprocess.run([compiler, *_LINK_FLAGS, *objects, "-o", tmp, "-lm"], check=True, capture_output=True,
                        timeout=120)
         os.replace(tmp, target)      # atomic: processes that build at the same time never load a half file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 @functools.lru_cache(maxsize=1)
@@ -65,7 +69,7 @@ def library() -> ctypes.CDLL | None:
         logger.info("cpu kernels: no C compiler; the PyTorch paths serve every shape")
         return None
     sources = sorted(glob.glob(os.path.join(_SOURCES, "*.c")))
-    digest = hashlib.sha256(" ".join((compiler, *_FLAGS, _cpu_flags())).encode())
+    digest = hashlib.sha256(" ".join((compiler, *_COMPILE_FLAGS, *_LINK_FLAGS, _cpu_flags())).encode())
     for path in sorted(glob.glob(os.path.join(_SOURCES, "*"))):
         with open(path, "rb") as f:
             digest.update(f.read())

@@ -69,9 +69,10 @@ def test_reference_attention_over_fp8_cache(k_scale, v_scale):
     q = torch.randn(meta.query_start_loc_cpu[-1], 6, 32, generator=gen) / (30 * k_scale)
     scale = 32 ** -0.5
     out = reference.paged_attention(q, k8, v8, meta, scale, k_scale=k_scale, v_scale=v_scale)
-    # Exactly attention over the dequantized values (the fp8 path only dequantizes after gathering) ...
+    # Attention over the dequantized values (the fp8 path only dequantizes after gathering), up to float32
+    # rounding: a float32 cache's decodes run the C kernel, whose sums run in another order than SDPA's ...
     deq = reference.paged_attention(q, dequantize_kv(k8, k_scale), dequantize_kv(v8, v_scale), meta, scale)
-    torch.testing.assert_close(out, deq, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, deq, rtol=1e-4, atol=1e-5)
     # ... and close to attention over the unrounded float32 cache.
     exact = reference.paged_attention(q, k32, v32, meta, scale)
     assert rel_err(out, exact) < E4M3_REL
