@@ -101,10 +101,12 @@ def stacked_rows(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor |
     return k_cache.as_strided((2 * num_blocks * num_kv_heads, block_size * head_dim), (block_size * head_dim, 1))
 
 
-def step_plan(meta: AttentionMetadata, k_cache: torch.Tensor, num_heads: int, stacked: bool) -> StepPlan:
+def step_plan(meta: AttentionMetadata, k_cache: torch.Tensor, num_heads: int, stacked: bool,
+              decodes: bool = True) -> StepPlan:
+    """decodes=False: the decodes are attended elsewhere (decode_native), so no groups are built for them."""
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     versions = (id(meta.block_tables), version(meta.block_tables), id(meta.seq_lens), version(meta.seq_lens))
-    key = (num_blocks, num_kv_heads, block_size, num_heads // num_kv_heads, stacked, k_cache.device)
+    key = (num_blocks, num_kv_heads, block_size, num_heads // num_kv_heads, stacked, k_cache.device, decodes)
     return _step_plans.get(meta, versions, key, _build_plan)
 
 
@@ -125,7 +127,7 @@ def _build_write_plan(slots: torch.Tensor, num_kv_heads: int, block_size: int) -
 
 
 def _build_plan(meta: AttentionMetadata, num_blocks: int, num_kv_heads: int, block_size: int, group: int,
-                stacked: bool, device: torch.device) -> StepPlan:
+                stacked: bool, device: torch.device, with_decodes: bool) -> StepPlan:
     heads = torch.arange(num_kv_heads, device=device)
 
     def rows(tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -136,7 +138,7 @@ def _build_plan(meta: AttentionMetadata, num_blocks: int, num_kv_heads: int, blo
 
     decodes = []
     lens = meta.seq_lens_cpu
-    for lo in range(0, meta.num_decodes, DECODE_GROUP):
+    for lo in range(0, meta.num_decodes if with_decodes else 0, DECODE_GROUP):
         hi = min(lo + DECODE_GROUP, meta.num_decodes)
         length = max(lens[lo:hi])
         mask = None
@@ -227,18 +229,18 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     kv_rows: torch.Tensor | None, plan: StepPlan, scale: float,
                     decoded: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each sequence's paged context; returns [T, Hq, D].
-    decoded: the decodes' attention already computed (decode_native), so only prefills remain."""
+    decoded: the decodes' attention already computed (decode_native; the plan then has no decode groups)."""
     if decoded is not None and decoded.shape[0] == query.shape[0]:
         return decoded
     # One group or one prefill covering the whole step (batch-1 decode, a lone prompt): no copy out.
-    if decoded is None and len(plan.decodes) == 1 and not plan.prefills and plan.decodes[0].hi == query.shape[0]:
+    if len(plan.decodes) == 1 and not plan.prefills and plan.decodes[0].hi == query.shape[0]:
         return _decode(query, k_cache, v_cache, kv_rows, plan.decodes[0], scale)
     if len(plan.prefills) == 1 and not plan.decodes and plan.prefills[0].hi - plan.prefills[0].lo == query.shape[0]:
         return _prefill(query, k_cache, v_cache, kv_rows, plan.prefills[0], scale)
     out = torch.empty_like(query)
     if decoded is not None:
         out[:decoded.shape[0]] = decoded
-    for g in () if decoded is not None else plan.decodes:
+    for g in plan.decodes:
         out[g.lo:g.hi] = _decode(query[g.lo:g.hi], k_cache, v_cache, kv_rows, g, scale)
     for p in plan.prefills:
         out[p.lo:p.hi] = _prefill(query[p.lo:p.hi], k_cache, v_cache, kv_rows, p, scale)

@@ -12,13 +12,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from pagedserve.kernels import moe_reference, triton_moe  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(out).any()
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+from pagedserve.tests.test_kernels import DEVICE, rel_err  # noqa: E402
 
 
 def moe_case(tokens: int, hidden: int, inter: int, experts: int, top_k: int, seed: int, skewed: bool = False):
