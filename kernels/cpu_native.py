@@ -32,6 +32,11 @@ I64, PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "ps_dequant_int4_t": [PTR, PTR, PTR, I64, I64, I64, ctypes.c_int],
     "ps_dequant_int8_rows": [PTR, PTR, PTR, I64, I64, I64, I64, I64, ctypes.c_int],
+    "ps_gemv_int4": [PTR, PTR, I64, I64, I64, PTR, I64, PTR, ctypes.c_int],
+    "ps_gemv_int8": [PTR, PTR, I64, I64, I64, PTR, I64, PTR, ctypes.c_int],
+    "ps_gemv_vectorized": [],
+    "ps_decode_step_scratch": [PTR, I64],
+    "ps_decode_step": [PTR, PTR, I64, PTR, PTR, PTR, PTR, I64, PTR, PTR, ctypes.c_int],
     "ps_paged_decode": [PTR, PTR, PTR, ctypes.c_int, PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, ctypes.c_float,
                         ctypes.c_int],
 }
@@ -45,13 +50,13 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _build(compiler: str, sources: list[str], target: str) -> None:
+def _build(compiler: str, sources: list[str], target: str, flags: tuple[str, ...] = _COMPILE_FLAGS) -> None:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as work:
         objects = []
         for source in sources:
             objects.append(os.path.join(work, os.path.basename(source) + ".o"))
-            subprocess.run([compiler, *_COMPILE_FLAGS, "-c", source, "-o", objects[-1]], check=True,
+            subprocess.run([compiler, *flags, "-c", source, "-o", objects[-1]], check=True,
                            capture_output=True, timeout=120)
         # Linked without -ffast-math: with it, gcc adds crtfastmath.o, whose constructor turns on flush-to-zero
         # for the whole process when the library loads (subnormals vanish from every float op after that).
@@ -77,14 +82,21 @@ def library() -> ctypes.CDLL | None:
     try:
         if not os.path.exists(target):
             _build(compiler, sources, target)
-        lib = ctypes.CDLL(target)
+        lib = load(target)
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         logger.warning("cpu kernels unavailable (%s %s); the PyTorch paths serve every shape",
                        e, detail.decode(errors="replace")[-500:])
         return None
+    return lib
+
+
+def load(path: str) -> ctypes.CDLL:
+    """A built library, its functions typed (also for builds with other flags, in the tests)."""
+    lib = ctypes.CDLL(path)
     for name, argtypes in _SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
+    lib.ps_decode_step_scratch.restype = I64
     return lib
 
 

@@ -31,6 +31,9 @@ INT8_DENSE_MIN_ROWS = 16
 # Output rows of an int8 weight widened at a time: 4096 x 576 bfloat16 is 4.7 MB, transient, so a tied
 # 49152-row head never exists in bfloat16 (the 56 MB it would take is more than the quantized model).
 INT8_DENSE_BLOCK_ROWS = 4096
+GEMV_MAX_ROWS = 8                          # kernels/csrc/gemv.h
+# Below this many weights a C GEMV runs on the caller's thread alone (waking a pool thread costs ~30 us).
+GEMV_MIN_WEIGHTS_PER_THREAD = 1 << 20
 
 
 @dataclass
@@ -88,9 +91,41 @@ def dense_path(x2: torch.Tensor, min_rows: int) -> bool:
             and cpu_native.library() is not None)
 
 
+def _gemv_path(x2: torch.Tensor) -> bool:
+    """A CPU call of a few rows that the AVX-512 GEMV of kernels/csrc/gemv.c takes (float32, weight read once
+    for all rows; torch's int8 kernel reads it once per row and wants bfloat16 activations)."""
+    if x2.device.type != "cpu" or x2.shape[0] > GEMV_MAX_ROWS:
+        return False
+    lib = cpu_native.library()
+    return lib is not None and bool(lib.ps_gemv_vectorized())
+
+
+def _int4_gemv(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    x2 = x2.to(torch.float32).contiguous()
+    y = torch.empty(x2.shape[0], w.out_features, dtype=torch.float32)
+    cpu_native.check(cpu_native.library().ps_gemv_int4(
+        w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), w.out_features, w.in_features, w.group_size,
+        x2.data_ptr(), x2.shape[0], y.data_ptr(),
+        cpu_native.threads_for(w.packed.numel() * 2, GEMV_MIN_WEIGHTS_PER_THREAD)), "int4 GEMV")
+    return y
+
+
+def _int8_gemv(x2: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    chunks, rows, chunk = w.q.shape
+    x2 = x2.to(torch.float32).contiguous()
+    y = torch.empty(x2.shape[0], rows, dtype=torch.float32)
+    cpu_native.check(cpu_native.library().ps_gemv_int8(
+        w.q.data_ptr(), w.scale.data_ptr(), chunks, rows, chunk, x2.data_ptr(), x2.shape[0], y.data_ptr(),
+        cpu_native.threads_for(w.q.numel(), GEMV_MIN_WEIGHTS_PER_THREAD)), "int8 GEMV")
+    return y
+
+
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None,
                 dense_min_rows: int = INT4_DENSE_MIN_ROWS) -> torch.Tensor:
     shape, dtype = x.shape, x.dtype
+    if w.out_features % 64 == 0 and _gemv_path(x.reshape(-1, shape[-1])):
+        y = _int4_gemv(x.reshape(-1, shape[-1]), w).to(dtype).reshape(*shape[:-1], w.out_features)
+        return y if bias is None else y + bias
     x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
     if x2.is_cuda:
         y = torch._weight_int4pack_mm(x2.contiguous(), w.packed, w.group_size, w.scales_and_zeros)
@@ -133,6 +168,9 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None
                 dense_min_rows: int = INT8_DENSE_MIN_ROWS) -> torch.Tensor:
     shape, dtype = x.shape, x.dtype
     chunks, _, chunk = w.q.shape
+    if _gemv_path(x.reshape(-1, shape[-1])) and w.q.is_contiguous() and w.scale.is_contiguous():
+        y = _int8_gemv(x.reshape(-1, shape[-1]), w).to(dtype).reshape(*shape[:-1], w.out_features)
+        return y if bias is None else y + bias
     x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
     if dense_path(x2, dense_min_rows):
         y = _int8_dense(x2.contiguous(), w)

@@ -28,4 +28,8 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
 int ps_run_split(int threads, int64_t total, void *jobs, size_t job_size, void *(*fn)(void *),
                  void (*set_range)(void *, int64_t, int64_t));
 
+/* Starts workers so that `threads` can run one call, and returns how many can (fewer if a thread could not
+   be created): a call whose jobs must all run at once (a team with barriers) asks for no more. */
+int ps_pool_reserve(int threads);
+
 #endif

@@ -8,23 +8,11 @@ query heads (GQA) share each key and value row as it is read, so the cache is re
 written but the output. Float32 math whatever the cache holds (float32 or bfloat16). */
 #include <math.h>
 
-#include "common.h"
+#include "decode_attention.h"
 
-enum { MAX_GROUP = 16, MAX_HEAD_DIM = 256, MAX_BLOCK = 128 };
 /* Built with -ffast-math (vectorized expf and dot products), which assumes no infinities: "no score yet"
    is a very negative finite number instead. */
 #define NO_SCORE (-1e30f)
-
-typedef struct {
-    const float *q;              /* [n, hq, d] */
-    const void *k, *v;           /* [num_blocks, hkv, block_size, d], float32 or bfloat16 */
-    const int32_t *tables;       /* [n, table_stride] block ids */
-    const int32_t *lens;         /* [n] context lengths, this step's token included */
-    float *out;                  /* [n, hq, d] */
-    int64_t hq, hkv, block_size, d, table_stride, t0, t1;
-    float scale;
-    int bf16;
-} DecodeJob;
 
 /* The rows first..first+n-1 of a cache as float32: in place for a float32 cache, else widened into buf. */
 static inline const float *rows_f32(const DecodeJob *j, const void *base, int64_t first, int64_t n, float *buf) {
@@ -61,7 +49,7 @@ static inline void scores(const float *q, const float *keys, int64_t n, int64_t 
     }
 }
 
-static void attend_one(const DecodeJob *j, int64_t seq, int64_t head) {
+void ps_decode_task(const DecodeJob *j, int64_t seq, int64_t head) {
     const int64_t group = j->hq / j->hkv, d = j->d, len = j->lens[seq];
     float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
     float s[MAX_GROUP][MAX_BLOCK], buf[MAX_BLOCK * MAX_HEAD_DIM];
@@ -107,7 +95,7 @@ static void attend_one(const DecodeJob *j, int64_t seq, int64_t head) {
 
 static void *decode_job(void *arg) {
     const DecodeJob *j = (const DecodeJob *)arg;
-    for (int64_t task = j->t0; task < j->t1; ++task) attend_one(j, task / j->hkv, task % j->hkv);
+    for (int64_t task = j->t0; task < j->t1; ++task) ps_decode_task(j, task / j->hkv, task % j->hkv);
     return NULL;
 }
 

@@ -54,6 +54,15 @@ static int start_workers(int wanted) {              /* called with mu held; retu
     return workers;
 }
 
+int ps_pool_reserve(int threads) {
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads <= 1) return 1;
+    pthread_mutex_lock(&mu);
+    int running = start_workers(threads - 1);
+    pthread_mutex_unlock(&mu);
+    return threads < running + 1 ? threads : running + 1;
+}
+
 int ps_run_split(int threads, int64_t total, void *jobs, size_t job_size, void *(*fn)(void *),
                  void (*set_range)(void *, int64_t, int64_t)) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;

@@ -15,6 +15,7 @@ from pagedserve.executor.model.layers.layernorm import RMSNorm
 from pagedserve.executor.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                                copy_weight)
 from pagedserve.executor.model.layers.rotary import get_rope
+from pagedserve.executor.model.models.llama_cpu_step import CpuStepCache
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.kernels import ops
 from pagedserve.kernels.metadata import AttentionMetadata
@@ -106,9 +107,13 @@ class LlamaModel(nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = get_rope(cfg, _head_dim(cfg))     # shared by all layers
+        self.cpu_step = CpuStepCache()      # quantized CPU decode steps of a few sequences, in one C call
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        done = self.cpu_step.run(self, h, positions, meta)
+        if done is not None:
+            return done
         rope = self.rotary_emb.cos_sin(positions, h.dtype)
         residual = None
         for layer in self.layers:

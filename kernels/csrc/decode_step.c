@@ -1,0 +1,238 @@
+/* A whole decode step of a Llama-family model with weight-only int4/int8 linears, for a few sequences, in C.
+
+At batch 1 the weights take ~6 ms of a ~16 ms CPU step; the rest was ~150 PyTorch ops per layer, the casts
+around torch's bfloat16-only weight-only kernels and the Python between them (benchmarks/cpu_decode_step.md).
+Here the caller's thread and the pool's workers run the whole step as one team: each GEMV and the attention
+are split between them, the small ops run on one thread, and a spin barrier separates the phases, so no
+thread is woken more than once per step. Math as the PyTorch path does it: float32 activations, RMSNorm in
+float32, neox rotary, the same paged cache (written here, then read in place by decode_attention.c). */
+#include <math.h>
+#include <sched.h>
+#include <stdlib.h>
+
+#include "decode_attention.h"
+#include "gemv.h"
+
+enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2 };
+
+typedef struct {
+    int64_t kind, n, k, group, chunks;     /* group: int4 group size or int8 chunk width */
+    const void *w;                          /* int4 pack or int8 codes (kernels/weight_only.py) */
+    const uint16_t *scales;                 /* int4 scales_and_zeros or int8 scales, bfloat16 */
+    const float *bias;                      /* [n] or NULL */
+} LinearDesc;
+
+typedef struct {
+    const float *in_norm, *post_norm, *q_norm, *k_norm;     /* q/k norms: Qwen3, else NULL */
+    void *k_cache, *v_cache;                                /* [num_blocks, hkv, block_size, d] */
+    LinearDesc qkv, o, gate_up, down;
+} LayerDesc;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, block_size, cache_bf16;
+    float eps, scale;
+    const float *final_norm;
+    const LayerDesc *layers;
+} ModelDesc;
+
+typedef struct {
+    volatile int count, sense;
+} Barrier;
+
+typedef struct {
+    const ModelDesc *m;
+    float *hidden;                /* [rows, hidden]: the embeddings in, the final-normed states out */
+    int64_t rows, table_stride;
+    const float *cos, *sin;       /* [rows, head_dim] */
+    const int64_t *slots;         /* [rows] cache slots (block * block_size + offset) */
+    const int32_t *tables, *lens;
+    float *scratch;
+    Barrier *barrier;
+    int threads, tid;
+} StepJob;
+
+/* Past this many spins a waiting thread yields its core: on a busy machine the thread it waits for may be
+   descheduled, and spinning would only keep it off the core longer. */
+enum { SPINS_BEFORE_YIELD = 1 << 14 };
+
+static void barrier_wait(Barrier *b, int threads, int *sense) {
+    if (threads == 1) return;
+    const int mine = *sense = !*sense;
+    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == threads) {
+        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->sense, mine, __ATOMIC_RELEASE);
+        return;
+    }
+    for (int spins = 0; __atomic_load_n(&b->sense, __ATOMIC_ACQUIRE) != mine; ++spins) {
+        if (spins > SPINS_BEFORE_YIELD) sched_yield();
+#if defined(__x86_64__)
+        else __builtin_ia32_pause();
+#endif
+    }
+}
+
+static void split(int64_t total, int tid, int threads, int64_t *a, int64_t *b) {
+    const int64_t step = (total + threads - 1) / threads;
+    *a = tid * step < total ? tid * step : total;
+    *b = *a + step < total ? *a + step : total;
+}
+
+/* This thread's share of y [rows, n] = x [rows, k] @ W^T + bias. */
+static void linear_part(const LinearDesc *l, const float *x, int64_t rows, float *y, int tid, int threads) {
+    int64_t a, b;
+    if (l->kind == LINEAR_INT4) {
+        const GemvInt4 w = {(const uint8_t *)l->w, l->scales, l->n, l->k, l->group};
+        split(l->n / 64, tid, threads, &a, &b);
+        ps_gemv_int4_blocks(&w, x, rows, y, a, b);
+        a *= 64;
+        b *= 64;
+    } else {
+        const GemvInt8 w = {(const int8_t *)l->w, l->scales, l->chunks, l->n, l->group};
+        split(l->n, tid, threads, &a, &b);
+        ps_gemv_int8_rows(&w, x, rows, y, a, b);
+    }
+    if (l->bias)
+        for (int64_t t = 0; t < rows; ++t)
+            for (int64_t c = a; c < b; ++c) y[t * l->n + c] += l->bias[c];
+}
+
+static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {
+    float sq = 0.0f;
+    for (int64_t i = 0; i < n; ++i) sq += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(sq / (float)n + eps);
+    for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
+}
+
+/* Optional per-head norm, then neox rotary, of one token's head in place. */
+static void norm_rope(float *x, const float *norm, float eps, const float *cos, const float *sin, int64_t d) {
+    if (norm) rms_norm(x, norm, d, eps, x);
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; ++i) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+static void write_row(void *cache, int bf16, int64_t row, const float *src, int64_t d) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)cache + row * d;
+        for (int64_t i = 0; i < d; ++i) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)cache + row * d, src, sizeof(float) * d);
+    }
+}
+
+/* Rotary on q and k, then k and v into the cache: one thread, the whole step's rows. */
+static void rope_and_write(const StepJob *j, const LayerDesc *layer, float *qkv) {
+    const ModelDesc *m = j->m;
+    const int64_t d = m->head_dim, hq = m->num_heads, hkv = m->num_kv_heads, width = (hq + 2 * hkv) * d;
+    for (int64_t t = 0; t < j->rows; ++t) {
+        float *row = qkv + t * width;
+        const float *cos = j->cos + t * d, *sin = j->sin + t * d;
+        for (int64_t h = 0; h < hq; ++h) norm_rope(row + h * d, layer->q_norm, m->eps, cos, sin, d);
+        for (int64_t h = 0; h < hkv; ++h) norm_rope(row + (hq + h) * d, layer->k_norm, m->eps, cos, sin, d);
+        const int64_t block = j->slots[t] / m->block_size, offset = j->slots[t] % m->block_size;
+        for (int64_t h = 0; h < hkv; ++h) {
+            const int64_t cache_row = (block * hkv + h) * m->block_size + offset;
+            write_row(layer->k_cache, (int)m->cache_bf16, cache_row, row + (hq + h) * d, d);
+            write_row(layer->v_cache, (int)m->cache_bf16, cache_row, row + (hq + hkv + h) * d, d);
+        }
+    }
+}
+
+/* The attention reads q from the qkv rows in place: decode_attention.c takes q [rows, hq, d] densely, so
+   the q heads are first copied out (hq * d floats a row, nothing next to the GEMVs). */
+static void attention_part(const StepJob *j, const LayerDesc *layer, const float *q, float *out) {
+    const ModelDesc *m = j->m;
+    DecodeJob dj = {q, layer->k_cache, layer->v_cache, j->tables, j->lens, out, m->num_heads, m->num_kv_heads,
+                    m->block_size, m->head_dim, j->table_stride, 0, 0, m->scale, (int)m->cache_bf16};
+    int64_t a, b;
+    split(j->rows * m->num_kv_heads, j->tid, j->threads, &a, &b);
+    for (int64_t task = a; task < b; ++task) ps_decode_task(&dj, task / m->num_kv_heads, task % m->num_kv_heads);
+}
+
+static void *step_job(void *arg) {
+    const StepJob *j = (const StepJob *)arg;
+    const ModelDesc *m = j->m;
+    const int64_t rows = j->rows, hd = m->hidden, qd = m->num_heads * m->head_dim;
+    const int64_t width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+    float *residual = j->scratch, *h = residual + rows * hd, *qkv = h + rows * hd, *q = qkv + rows * width;
+    float *attn = q + rows * qd, *gate_up = attn + rows * qd, *act = gate_up + rows * 2 * m->inter;
+    float *out = act + rows * m->inter;      /* each layer's output (o_proj, then down_proj) */
+    int sense = 0, tid = j->tid, threads = j->threads;
+    for (int64_t li = 0; li < m->num_layers; ++li) {
+        const LayerDesc *layer = m->layers + li;
+        if (tid == 0)
+            for (int64_t t = 0; t < rows; ++t) {
+                float *res = residual + t * hd;
+                const float *add = li == 0 ? j->hidden + t * hd : out + t * hd;
+                if (li == 0) memcpy(res, add, sizeof(float) * hd);
+                else for (int64_t i = 0; i < hd; ++i) res[i] += add[i];
+                rms_norm(res, layer->in_norm, hd, m->eps, h + t * hd);
+            }
+        barrier_wait(j->barrier, threads, &sense);
+        linear_part(&layer->qkv, h, rows, qkv, tid, threads);
+        barrier_wait(j->barrier, threads, &sense);
+        if (tid == 0) {
+            rope_and_write(j, layer, qkv);
+            for (int64_t t = 0; t < rows; ++t) memcpy(q + t * qd, qkv + t * width, sizeof(float) * qd);
+        }
+        barrier_wait(j->barrier, threads, &sense);
+        attention_part(j, layer, q, attn);
+        barrier_wait(j->barrier, threads, &sense);
+        linear_part(&layer->o, attn, rows, out, tid, threads);
+        barrier_wait(j->barrier, threads, &sense);
+        if (tid == 0)
+            for (int64_t t = 0; t < rows; ++t) {
+                float *res = residual + t * hd;
+                for (int64_t i = 0; i < hd; ++i) res[i] += out[t * hd + i];
+                rms_norm(res, layer->post_norm, hd, m->eps, h + t * hd);
+            }
+        barrier_wait(j->barrier, threads, &sense);
+        linear_part(&layer->gate_up, h, rows, gate_up, tid, threads);
+        barrier_wait(j->barrier, threads, &sense);
+        int64_t a, b;
+        split(rows * m->inter, tid, threads, &a, &b);
+        for (int64_t i = a; i < b; ++i) {
+            const int64_t t = i / m->inter, c = i % m->inter;
+            const float g = gate_up[t * 2 * m->inter + c];
+            act[i] = g / (1.0f + expf(-g)) * gate_up[t * 2 * m->inter + m->inter + c];
+        }
+        barrier_wait(j->barrier, threads, &sense);
+        linear_part(&layer->down, act, rows, out, tid, threads);
+        barrier_wait(j->barrier, threads, &sense);
+    }
+    if (tid == 0)
+        for (int64_t t = 0; t < rows; ++t) {
+            float *res = residual + t * hd;
+            for (int64_t i = 0; i < hd; ++i) res[i] += out[t * hd + i];
+            rms_norm(res, m->final_norm, hd, m->eps, j->hidden + t * hd);
+        }
+    return NULL;
+}
+
+/* Floats of scratch a step of `rows` sequences needs. */
+int64_t ps_decode_step_scratch(const ModelDesc *m, int64_t rows) {
+    const int64_t qd = m->num_heads * m->head_dim, width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+    return rows * (3 * m->hidden + width + 2 * qd + 3 * m->inter);
+}
+
+static void step_range(void *job, int64_t a, int64_t b) { (void)b; ((StepJob *)job)->tid = (int)a; }
+
+/* One decode step: hidden [rows, hidden] holds the embeddings and receives the final-normed states.
+   Returns 0 on success, 2 for shapes this path does not take (the caller checks them first). */
+int ps_decode_step(const ModelDesc *m, float *hidden, int64_t rows, const float *cos, const float *sin,
+                   const int64_t *slots, const int32_t *tables, int64_t table_stride, const int32_t *lens,
+                   float *scratch, int threads) {
+    if (rows < 1 || rows > GEMV_MAX_ROWS || m->head_dim > MAX_HEAD_DIM || m->block_size > MAX_BLOCK
+        || m->num_kv_heads <= 0 || m->num_heads % m->num_kv_heads || m->num_heads / m->num_kv_heads > MAX_GROUP)
+        return 2;
+    threads = ps_pool_reserve(threads);     /* every job must run at once: they meet at barriers */
+    Barrier barrier = {0, 0};
+    StepJob jobs[MAX_THREADS];
+    for (int t = 0; t < threads; ++t)
+        jobs[t] = (StepJob){m, hidden, rows, table_stride, cos, sin, slots, tables, lens, scratch, &barrier,
+                            threads, t};
+    return ps_run_split(threads, threads, jobs, sizeof(StepJob), step_job, step_range);
+}

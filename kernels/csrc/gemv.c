@@ -1,0 +1,225 @@
+/* Weight-only GEMV for a few input rows, straight from the packed weights, float32 in and out.
+
+At batch 1 torch's weight-only CPU kernels want bfloat16 activations, so every linear costs two casts
+around it, and each call is one more trip through the dispatcher. These read the same packed layouts
+(kernels/weight_only.py) with float32 activations and float32 sums; the decode step of kernels/csrc/
+decode_step.c calls them with no Python in between. Each weight byte is read once for all the rows. */
+#include "gemv.h"
+
+#include <stdlib.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* 16 channels' (scale, zero) bfloat16 pairs as two float vectors; zero gets the -8 * scale of the codes. */
+static inline void load_sz16(const uint16_t *sz, __m512 *scale, __m512 *zero) {
+    __m512i pairs = _mm512_loadu_si512(sz);
+    *scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    *zero = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), *scale,
+                            _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u))));
+}
+
+/* Codes to floats through a 16-entry table: vpermps reads only the low 4 bits of each lane, so a byte
+   widened to 32 bits indexes its low nibble as it is and its high nibble after one shift. Up to four input
+   rows share each widened code (R is a constant at each call: no work for rows that are not there; four
+   rows' sums are 16 of the 32 vector registers). */
+static inline __attribute__((always_inline)) void int4_rows_avx512(const GemvInt4 *w, const float *x, float *y,
+                                                                   int64_t nb, const int R) {
+    const int64_t k = w->k, n = w->n, group = w->group;
+    const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 tot[4][4];
+    for (int r = 0; r < R; ++r) for (int j = 0; j < 4; ++j) tot[r][j] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+        __m512 acc[4][4];
+        float sum[4] = {0};
+        for (int r = 0; r < R; ++r) for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+        const uint8_t *p = w->packed + (nb * k + g0) * 32;
+        for (int64_t kk = g0; kk < g0 + group; ++kk, p += 32) {
+            __m512i d0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+            __m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)));
+            __m512 q[4] = {_mm512_permutexvar_ps(d0, lut), _mm512_permutexvar_ps(d1, lut),
+                           _mm512_permutexvar_ps(_mm512_srli_epi32(d0, 4), lut),
+                           _mm512_permutexvar_ps(_mm512_srli_epi32(d1, 4), lut)};
+            for (int r = 0; r < R; ++r) {
+                const float xv = x[r * k + kk];
+                const __m512 xb = _mm512_set1_ps(xv);
+                sum[r] += xv;
+                for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(q[j], xb, acc[r][j]);
+            }
+        }
+        const uint16_t *sz = w->sz + ((g0 / group) * n + nb * 64) * 2;
+        for (int j = 0; j < 4; ++j) {
+            __m512 scale, zero;
+            load_sz16(sz + 32 * j, &scale, &zero);
+            for (int r = 0; r < R; ++r)
+                tot[r][j] = _mm512_fmadd_ps(acc[r][j], scale, _mm512_fmadd_ps(zero, _mm512_set1_ps(sum[r]), tot[r][j]));
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(y + r * n + nb * 64 + 16 * j, tot[r][j]);
+}
+
+static void int4_block_avx512(const GemvInt4 *w, const float *x, int64_t rows, float *y, int64_t nb) {
+    const int64_t k = w->k, n = w->n;
+    for (int64_t t = 0; t < rows; t += 4) {
+        const float *xt = x + t * k;
+        float *yt = y + t * n;
+        switch (rows - t < 4 ? rows - t : 4) {
+            case 1: int4_rows_avx512(w, xt, yt, nb, 1); break;
+            case 2: int4_rows_avx512(w, xt, yt, nb, 2); break;
+            case 3: int4_rows_avx512(w, xt, yt, nb, 3); break;
+            default: int4_rows_avx512(w, xt, yt, nb, 4); break;
+        }
+    }
+}
+#endif
+
+/* torch's CPU int4 pack: blocks of 64 output channels; in a block, input column kk's 64 codes are 32 bytes,
+   channel i in the low nibble of byte i and channel i + 32 in the high one. w = (q - 8) * scale + zero per
+   group of input columns, so y = sum_g scale * (sum_k q x) + (zero - 8 scale) * (sum_k x). */
+void ps_gemv_int4_blocks(const GemvInt4 *w, const float *x, int64_t rows, float *y, int64_t nb0, int64_t nb1) {
+#ifdef __AVX512F__
+    for (int64_t nb = nb0; nb < nb1; ++nb) int4_block_avx512(w, x, rows, y, nb);
+#else
+    const int64_t k = w->k, n = w->n, group = w->group;
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+        float total[GEMV_MAX_ROWS][64] = {{0}};
+        for (int64_t g0 = 0; g0 < k; g0 += group) {
+            float acc[GEMV_MAX_ROWS][64] = {{0}}, xsum[GEMV_MAX_ROWS] = {0};
+            const uint8_t *p = w->packed + (nb * k + g0) * 32;
+            for (int64_t kk = g0; kk < g0 + group; ++kk, p += 32) {
+                for (int64_t t = 0; t < rows; ++t) {
+                    const float xv = x[t * k + kk];
+                    xsum[t] += xv;
+                    for (int i = 0; i < 32; ++i) {
+                        acc[t][i] += (float)(p[i] & 15) * xv;
+                        acc[t][i + 32] += (float)(p[i] >> 4) * xv;
+                    }
+                }
+            }
+            const uint16_t *sz = w->sz + ((g0 / group) * n + nb * 64) * 2;
+            for (int i = 0; i < 64; ++i) {
+                const float scale = bf16_to_f32(sz[2 * i]), zero = bf16_to_f32(sz[2 * i + 1]) - 8.0f * scale;
+                for (int64_t t = 0; t < rows; ++t) total[t][i] += acc[t][i] * scale + zero * xsum[t];
+            }
+        }
+        for (int64_t t = 0; t < rows; ++t) memcpy(y + t * n + nb * 64, total[t], sizeof total[t]);
+    }
+#endif
+}
+
+/* int8 in chunks of input columns, one scale per (chunk, output channel): q [chunks, n, chunk] with each
+   chunk's codes contiguous per channel (a whole row is one chunk for plain int8). The scale is folded into
+   the codes before the multiply, so each channel needs one horizontal sum, not one per chunk. */
+#ifdef __AVX512F__
+/* Sixteen output channels r0.. for one input row. Chunk by chunk, the sixteen channels' codes are one
+   contiguous run of the chunk's plane (16 * chunk bytes), which the prefetchers follow; channel by channel,
+   one row would hop between all the planes (measured half the speed on a Q8_0 head). The sixteen block's
+   codes stay in L1 for the next input row. */
+static void int8_block16_avx512(const GemvInt8 *w, const float *x, float *y, int64_t r0) {
+    const int64_t chunks = w->chunks, n = w->n, chunk = w->chunk;
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int8_t *q = w->q + (c * n + r0) * chunk;
+        const float *xc = x + c * chunk;
+        const uint16_t *sc = w->scale + c * n + r0;
+        for (int64_t i = 0; i < chunk; i += 16) {
+            __mmask16 m = chunk - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (chunk - i)) - 1);
+            const __m512 xv = _mm512_maskz_loadu_ps(m, xc + i);
+            for (int r = 0; r < 16; ++r) {
+                __m512 qv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, q + r * chunk + i)));
+                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(qv, _mm512_set1_ps(bf16_to_f32(sc[r]))), xv, acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < 16; ++r) y[r0 + r] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
+void ps_gemv_int8_rows(const GemvInt8 *w, const float *x, int64_t rows, float *y, int64_t r0, int64_t r1) {
+    const int64_t chunks = w->chunks, n = w->n, chunk = w->chunk, k = chunks * chunk;
+    int64_t r = r0;
+#ifdef __AVX512F__
+    for (; r + 16 <= r1; r += 16)
+        for (int64_t t = 0; t < rows; ++t) int8_block16_avx512(w, x + t * k, y + t * n, r);
+#endif
+    for (; r < r1; ++r) {
+        for (int64_t t = 0; t < rows; ++t) {
+            float total = 0.0f;
+            for (int64_t c = 0; c < chunks; ++c) {
+                const int8_t *q = w->q + (c * n + r) * chunk;
+                const float *xc = x + t * k + c * chunk;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t i = 0; i < chunk; ++i) s += (float)q[i] * xc[i];
+                total += s * bf16_to_f32(w->scale[c * n + r]);
+            }
+            y[t * n + r] = total;
+        }
+    }
+}
+
+/* A dense float32 weight [n, k] (layers the loader kept unquantized). */
+void ps_gemv_f32_rows(const float *w, int64_t k, int64_t n, const float *x, int64_t rows, float *y, int64_t r0,
+                      int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+        const float *wr = w + r * k;
+        for (int64_t t = 0; t < rows; ++t) {
+            const float *xr = x + t * k;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t i = 0; i < k; ++i) s += wr[i] * xr[i];
+            y[t * n + r] = s;
+        }
+    }
+}
+
+typedef struct {
+    const GemvInt4 *i4;
+    const GemvInt8 *i8;
+    const float *x;
+    float *y;
+    int64_t rows, a, b;
+} GemvJob;
+
+static void *gemv_job(void *arg) {
+    const GemvJob *j = (const GemvJob *)arg;
+    if (j->i4) ps_gemv_int4_blocks(j->i4, j->x, j->rows, j->y, j->a, j->b);
+    else ps_gemv_int8_rows(j->i8, j->x, j->rows, j->y, j->a, j->b);
+    return NULL;
+}
+
+static void gemv_range(void *job, int64_t a, int64_t b) { ((GemvJob *)job)->a = a; ((GemvJob *)job)->b = b; }
+
+static int run_gemv(const GemvInt4 *i4, const GemvInt8 *i8, const float *x, int64_t rows, float *y, int64_t units,
+                    int threads) {
+    if (rows < 1 || rows > GEMV_MAX_ROWS) return 2;
+    GemvJob jobs[MAX_THREADS];
+    for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (GemvJob){i4, i8, x, y, rows, 0, 0};
+    return ps_run_split(threads, units, jobs, sizeof(GemvJob), gemv_job, gemv_range);
+}
+
+/* y [rows, n] = x [rows, k] @ w^T; 0 on success, 2 for shapes these kernels do not take. */
+int ps_gemv_int4(const uint8_t *packed, const uint16_t *sz, int64_t n, int64_t k, int64_t group, const float *x,
+                 int64_t rows, float *y, int threads) {
+    if (n % 64 || group <= 0 || k % group) return 2;
+    GemvInt4 w = {packed, sz, n, k, group};
+    return run_gemv(&w, NULL, x, rows, y, n / 64, threads);
+}
+
+int ps_gemv_int8(const int8_t *q, const uint16_t *scale, int64_t chunks, int64_t n, int64_t chunk, const float *x,
+                 int64_t rows, float *y, int threads) {
+    GemvInt8 w = {q, scale, chunks, n, chunk};
+    return run_gemv(NULL, &w, x, rows, y, n, threads);
+}
+
+/* 1 where the GEMVs above were built with their AVX-512 paths (the portable loops are slower than torch's
+   own kernels, so callers only choose these where this says 1). */
+int ps_gemv_vectorized(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,159 @@
+"""The C GEMVs (kernels/csrc/gemv.c) and the one-call decode step (kernels/csrc/decode_step.c).
+
+GEMVs: against a float64 matmul of the exact weights the packed forms hold, for every row count they take,
+through the AVX-512 build (where the CPU has it) and a portable build of the same sources.
+Decode step: against the PyTorch path on the same int8 weights (PAGEDSERVE_CPU_DECODE_STEP=0): the same
+greedy tokens and logprobs up to float32 summation order, for Llama (GQA), Qwen2 (q/k/v biases) and Qwen3
+(q/k norms), alone, a few at once, and in batches that move between the two paths. The embedded model's
+int4 run through it is tests/test_quantized_model.py.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import platform
+import shutil
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.executor.model.models.llama_cpu_step import ENV_SWITCH
+from pagedserve.kernels import cpu_decode_step, cpu_native, weight_only
+from pagedserve.tests.helpers.tiny_models import make_tiny_model, random_prompts
+
+LIB = cpu_native.library()
+VECTORIZED = LIB is not None and bool(LIB.ps_gemv_vectorized())
+needs_c_step = pytest.mark.skipif(not VECTORIZED, reason="the C step needs the AVX-512 build of the CPU kernels")
+
+
+def _int4_case(out: int, cols: int, group: int, seed: int) -> tuple[weight_only.Int4Weight, torch.Tensor]:
+    """A packed int4 weight and the float64 weight it holds ((q - 8) * scale + zero, scales in bfloat16)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out, cols), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(out, cols // group, generator=gen) * 0.1
+    zero = torch.randn(out, cols // group, generator=gen) * 0.1
+    w = weight_only.pack_int4(q, scale, zero, group, "cpu")
+    s64, z64 = (t.to(torch.bfloat16).double().repeat_interleave(group, 1) for t in (scale, zero))
+    return w, (q.double() - 8) * s64 + z64
+
+
+def _int8_case(out: int, cols: int, chunk: int | None, seed: int) -> tuple[weight_only.Int8Weight, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w = weight_only.quantize_int8(torch.randn(out, cols, generator=gen), chunk)
+    chunks, rows, width = w.q.shape
+    dense = (w.q.double() * w.scale.double().unsqueeze(-1)).transpose(0, 1).reshape(rows, chunks * width)
+    return w, dense
+
+
+def _close(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
+    # float32 sums of float32 products: the error is a few ulps of sum |x * w| per output.
+    bound = (x.double().abs() @ dense.abs().t()) * 1e-5 + 1e-6
+    assert ((y.double() - x.double() @ dense.t()).abs() <= bound).all()
+
+
+@needs_c_step
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("out,cols,group", [(64, 64, 32), (192, 576, 32), (128, 256, 128)])
+def test_int4_gemv_matches_the_weights(rows, out, cols, group):
+    w, dense = _int4_case(out, cols, group, seed=rows + out)
+    x = torch.randn(rows, cols)
+    _close(weight_only.int4_linear(x, w), x, dense)
+
+
+@needs_c_step
+@pytest.mark.parametrize("rows", [1, 3, 4, 8])
+@pytest.mark.parametrize("out,cols,chunk", [(80, 64, 32), (37, 200, None), (1000, 96, 32)])
+def test_int8_gemv_matches_the_weights(rows, out, cols, chunk):
+    """Chunked (a Q8_0 head) and whole-row int8; channel counts with a tail past the blocks of 16."""
+    w, dense = _int8_case(out, cols, chunk, seed=rows + out)
+    x = torch.randn(rows, cols)
+    _close(weight_only.int8_linear(x, w), x, dense)
+
+
+@pytest.mark.skipif(LIB is None or platform.machine() != "x86_64" or shutil.which("cc") is None,
+                    reason="needs the C compiler on x86-64")
+def test_portable_build_gemvs(tmp_path):
+    """The same sources built for AVX2 only: the portable loops give the same results (and say so)."""
+    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in cpu_native._COMPILE_FLAGS)
+    target = str(tmp_path / "portable.so")
+    cpu_native._build(shutil.which("cc"), sorted(glob.glob(os.path.join(cpu_native._SOURCES, "*.c"))), target, flags)
+    lib = cpu_native.load(target)
+    assert lib.ps_gemv_vectorized() == 0
+    w4, dense4 = _int4_case(128, 96, 32, seed=1)
+    w8, dense8 = _int8_case(40, 96, 32, seed=2)
+    for rows in (1, 3):
+        x = torch.randn(rows, 96)
+        y4, y8 = torch.empty(rows, 128), torch.empty(rows, 40)
+        assert lib.ps_gemv_int4(w4.packed.data_ptr(), w4.scales_and_zeros.data_ptr(), 128, 96, 32, x.data_ptr(),
+                                rows, y4.data_ptr(), 2) == 0
+        assert lib.ps_gemv_int8(w8.q.data_ptr(), w8.scale.data_ptr(), 3, 40, 32, x.data_ptr(), rows,
+                                y8.data_ptr(), 2) == 0
+        _close(y4, x, dense4)
+        _close(y8, x, dense8)
+
+
+def _randomize_norms_and_biases(folder: str) -> None:
+    """transformers initialises norm weights to ones and biases to zeros: random values make a norm or a
+    bias applied wrongly show."""
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(0)
+    for name, w in tensors.items():
+        if w.dim() == 1:
+            tensors[name] = (0.0 if name.endswith(".bias") else 1.0) + 0.2 * torch.randn(w.shape, generator=gen)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny_model(request, tmp_path_factory) -> str:
+    folder = str(tmp_path_factory.mktemp(f"step_{request.param}"))
+    make_tiny_model(folder, request.param, tie_word_embeddings=True)
+    _randomize_norms_and_biases(folder)
+    return folder
+
+
+def _run(folder: str, prompts: list[list[int]], max_tokens: list[int], c_step: bool, monkeypatch) -> list:
+    monkeypatch.setenv(ENV_SWITCH, "1" if c_step else "0")
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=0) for m in max_tokens]
+    with LLM(folder, dtype="float32", quantization="int8", max_model_len=256) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+@needs_c_step
+def test_c_step_matches_the_pytorch_path(tiny_model, monkeypatch):
+    """Same int8 weights, float32 activations both ways (small-row linears run the same C GEMVs): the C
+    step's norms, rotary, biases, cache writes and attention against PyTorch's, up to summation order."""
+    calls = []
+    real_call = cpu_decode_step.CpuDecodeStep.__call__
+    monkeypatch.setattr(cpu_decode_step.CpuDecodeStep, "__call__",
+                        lambda self, hidden, *a: calls.append(hidden.shape[0]) or real_call(self, hidden, *a))
+    prompts = random_prompts(3, [5, 17, 33, 9, 12, 40, 3, 21, 28, 7, 15], vocab=512)
+    cases = [(prompts[:1], [24]), (prompts[:3], [20, 14, 24]), (prompts, [4 + 2 * i for i in range(11)])]
+    for batch, max_tokens in cases:
+        calls.clear()
+        got = _run(tiny_model, batch, max_tokens, True, monkeypatch)
+        assert calls and max(calls) == min(len(batch), 8)      # the C step ran, and bigger steps did not
+        want = _run(tiny_model, batch, max_tokens, False, monkeypatch)
+        for g, w in zip(got, want):
+            assert g.token_ids == w.token_ids
+            diffs = [abs(next(iter(a.values())).logprob - next(iter(b.values())).logprob)
+                     for a, b in zip(g.logprobs, w.logprobs)]
+            assert max(diffs) < 1e-4, diffs
+
+
+@needs_c_step
+def test_c_step_refuses_bad_inputs_by_name(tiny_model):
+    with LLM(tiny_model, dtype="float32", quantization="int8", max_model_len=256) as llm:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3), use_tqdm=False)
+        step = llm.engine.executor.worker.runner.model.model.cpu_step._step
+    assert step is not None
+    hidden, cos = torch.zeros(1, 64), torch.zeros(1, 16)
+    ok = dict(slots=torch.zeros(1, dtype=torch.int64), tables=torch.zeros(1, 4, dtype=torch.int32),
+              lens=torch.ones(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="slots"):
+        step(hidden, cos, cos, **{**ok, "slots": torch.zeros(1, dtype=torch.int32)})
+    with pytest.raises(ValueError, match="rows"):
+        step(torch.zeros(9, 64), cos, cos, **ok)
