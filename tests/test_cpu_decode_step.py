@@ -46,9 +46,12 @@ def _int8_case(out: int, cols: int, chunk: int | None, seed: int) -> tuple[weigh
     return w, dense
 
 
-def _close(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
-    # float32 sums of float32 products: the error is a few ulps of sum |x * w| per output.
+def _close(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, int16_inputs: bool = False) -> None:
+    # float32 sums of float32 products: the error is a few ulps of sum |x * w| per output. The int8 kernel
+    # rounds x to int16 steps of max|x| / 32767 first: each input moves by at most half a step.
     bound = (x.double().abs() @ dense.abs().t()) * 1e-5 + 1e-6
+    if int16_inputs:
+        bound += x.double().abs().amax(1, keepdim=True) / 65534 * dense.abs().sum(1)
     assert ((y.double() - x.double() @ dense.t()).abs() <= bound).all()
 
 
@@ -68,7 +71,7 @@ def test_int8_gemv_matches_the_weights(rows, out, cols, chunk):
     """Chunked (a Q8_0 head) and whole-row int8; channel counts with a tail past the blocks of 16."""
     w, dense = _int8_case(out, cols, chunk, seed=rows + out)
     x = torch.randn(rows, cols)
-    _close(weight_only.int8_linear(x, w), x, dense)
+    _close(weight_only.int8_linear(x, w), x, dense, int16_inputs=True)
 
 
 @pytest.mark.skipif(LIB is None or platform.machine() != "x86_64" or shutil.which("cc") is None,
@@ -90,7 +93,7 @@ def test_portable_build_gemvs(tmp_path):
         assert lib.ps_gemv_int8(w8.q.data_ptr(), w8.scale.data_ptr(), 3, 40, 32, x.data_ptr(), rows,
                                 y8.data_ptr(), 2) == 0
         _close(y4, x, dense4)
-        _close(y8, x, dense8)
+        _close(y8, x, dense8, int16_inputs=True)
 
 
 def _randomize_norms_and_biases(folder: str) -> None:
@@ -124,8 +127,8 @@ def _run(folder: str, prompts: list[list[int]], max_tokens: list[int], c_step: b
 
 @needs_c_step
 def test_c_step_matches_the_pytorch_path(tiny_model, monkeypatch):
-    """Same int8 weights, float32 activations both ways (small-row linears run the same C GEMVs): the C
-    step's norms, rotary, biases, cache writes and attention against PyTorch's, up to summation order."""
+    """Same int8 weights, same C GEMVs for small-row linears both ways: the C step's norms, rotary, biases,
+    cache writes and attention against PyTorch's, up to summation order."""
     calls = []
     real_call = cpu_decode_step.CpuDecodeStep.__call__
     monkeypatch.setattr(cpu_decode_step.CpuDecodeStep, "__call__",
@@ -141,7 +144,10 @@ def test_c_step_matches_the_pytorch_path(tiny_model, monkeypatch):
             assert g.token_ids == w.token_ids
             diffs = [abs(next(iter(a.values())).logprob - next(iter(b.values())).logprob)
                      for a, b in zip(g.logprobs, w.logprobs)]
-            assert max(diffs) < 1e-4, diffs
+            # The int8 GEMVs round their inputs to int16 steps (max|x| / 32767): a last-bit difference between
+            # the paths can move an input by a step, ~3e-5 relative, and that carries through the layers.
+            # A wrong norm, bias, rotary or cache slot moves logprobs by 0.1 or more.
+            assert max(diffs) < 2e-3, diffs
 
 
 @needs_c_step

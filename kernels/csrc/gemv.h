@@ -22,7 +22,5 @@ typedef struct {
    x [rows, k] and y [rows, n] are float32, row-major. */
 void ps_gemv_int4_blocks(const GemvInt4 *w, const float *x, int64_t rows, float *y, int64_t nb0, int64_t nb1);
 void ps_gemv_int8_rows(const GemvInt8 *w, const float *x, int64_t rows, float *y, int64_t r0, int64_t r1);
-void ps_gemv_f32_rows(const float *w, int64_t k, int64_t n, const float *x, int64_t rows, float *y, int64_t r0,
-                      int64_t r1);
 
 #endif
