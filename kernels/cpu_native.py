@@ -26,8 +26,9 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # -ffast-math: vectorized expf and float reductions in the attention kernel (written for it, see there).
-_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-pthread")
-_LINK_FLAGS = ("-shared", "-pthread")
+# -fopenmp: our threads are torch's OpenMP threads (kernels/csrc/parallel.c says why).
+_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+_LINK_FLAGS = ("-shared", "-fopenmp")
 I64, PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "ps_dequant_int4_t": [PTR, PTR, PTR, I64, I64, I64, ctypes.c_int],
@@ -101,8 +102,7 @@ def load(path: str) -> ctypes.CDLL:
 
 
 def threads_for(work: int, min_work_per_thread: int) -> int:
-    """Threads worth waking for `work` units: each extra thread costs ~30 us to wake (kernels/csrc/pool.c),
-    so small calls run on the caller's thread alone."""
+    """Threads worth a parallel region for `work` units: small calls run on the caller's thread alone."""
     return max(1, min(torch.get_num_threads(), work // min_work_per_thread))
 
 

@@ -1,8 +1,7 @@
-/* What the CPU kernels share: bfloat16 conversions and a split of a loop over a few pthreads. */
+/* What the CPU kernels share: bfloat16 conversions and a split of a loop over a few threads. */
 #ifndef PAGEDSERVE_COMMON_H
 #define PAGEDSERVE_COMMON_H
 
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -23,13 +22,8 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
 #define MAX_THREADS 64
 
 /* Splits [0, total) into at most `threads` ranges (set_range fills job i's) and runs fn on every job, on
-   a pool of threads that lives as long as the process (pool.c): creating threads per call cost ~0.1 ms
-   here, as much as a whole widening. One call at a time; returns nonzero if any job did. */
+   OpenMP threads (parallel.c). Returns nonzero if any job did. */
 int ps_run_split(int threads, int64_t total, void *jobs, size_t job_size, void *(*fn)(void *),
                  void (*set_range)(void *, int64_t, int64_t));
-
-/* Starts workers so that `threads` can run one call, and returns how many can (fewer if a thread could not
-   be created): a call whose jobs must all run at once (a team with barriers) asks for no more. */
-int ps_pool_reserve(int threads);
 
 #endif

@@ -1,12 +1,13 @@
 /* A whole decode step of a Llama-family model with weight-only int4/int8 linears, for a few sequences, in C.
 
-At batch 1 the weights take ~6 ms of a ~16 ms CPU step; the rest was ~150 PyTorch ops per layer, the casts
-around torch's bfloat16-only weight-only kernels and the Python between them (benchmarks/cpu_decode_step.md).
-Here the caller's thread and the pool's workers run the whole step as one team: each GEMV and the attention
-are split between them, the small ops run on one thread, and a spin barrier separates the phases, so no
-thread is woken more than once per step. Math as the PyTorch path does it: float32 activations, RMSNorm in
+At batch 1 the weights took ~6 ms of a ~16 ms CPU step; the rest was ~150 PyTorch ops per layer, the casts
+around torch's bfloat16-only weight-only kernels and the Python between them (benchmarks/cpu_step_profile.md).
+Here one OpenMP team (torch's threads, see parallel.c) runs the whole step: each GEMV and the attention are
+split between its threads, the small ops run on one, and barriers separate the phases, so the team is
+formed once per step. Math as the PyTorch path does it: float32 activations, RMSNorm in
 float32, neox rotary, the same paged cache (written here, then read in place by decode_attention.c). */
 #include <math.h>
+#include <omp.h>
 #include <sched.h>
 #include <stdlib.h>
 
@@ -36,7 +37,7 @@ typedef struct {
 } ModelDesc;
 
 typedef struct {
-    volatile int count, sense;
+    int count, sense;
 } Barrier;
 
 typedef struct {
@@ -51,8 +52,9 @@ typedef struct {
     int threads, tid;
 } StepJob;
 
-/* Past this many spins a waiting thread yields its core: on a busy machine the thread it waits for may be
-   descheduled, and spinning would only keep it off the core longer. */
+/* A sense-reversing spin barrier: the team's threads are busy with this step alone, and libgomp's own
+   barrier cost ~1 ms more per step at batch 1 (270 barriers a step). Past SPINS_BEFORE_YIELD a waiting
+   thread yields: on a busy machine the thread it waits for may be off its core. */
 enum { SPINS_BEFORE_YIELD = 1 << 14 };
 
 static void barrier_wait(Barrier *b, int threads, int *sense) {
@@ -152,15 +154,15 @@ static void attention_part(const StepJob *j, const LayerDesc *layer, const float
     for (int64_t task = a; task < b; ++task) ps_decode_task(&dj, task / m->num_kv_heads, task % m->num_kv_heads);
 }
 
-static void *step_job(void *arg) {
-    const StepJob *j = (const StepJob *)arg;
+static void step_job(const StepJob *j) {
     const ModelDesc *m = j->m;
     const int64_t rows = j->rows, hd = m->hidden, qd = m->num_heads * m->head_dim;
     const int64_t width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
     float *residual = j->scratch, *h = residual + rows * hd, *qkv = h + rows * hd, *q = qkv + rows * width;
     float *attn = q + rows * qd, *gate_up = attn + rows * qd, *act = gate_up + rows * 2 * m->inter;
     float *out = act + rows * m->inter;      /* each layer's output (o_proj, then down_proj) */
-    int sense = 0, tid = j->tid, threads = j->threads;
+    const int tid = j->tid, threads = j->threads;
+    int sense = 0;
     for (int64_t li = 0; li < m->num_layers; ++li) {
         const LayerDesc *layer = m->layers + li;
         if (tid == 0)
@@ -209,7 +211,6 @@ static void *step_job(void *arg) {
             for (int64_t i = 0; i < hd; ++i) res[i] += out[t * hd + i];
             rms_norm(res, m->final_norm, hd, m->eps, j->hidden + t * hd);
         }
-    return NULL;
 }
 
 /* Floats of scratch a step of `rows` sequences needs. */
@@ -217,8 +218,6 @@ int64_t ps_decode_step_scratch(const ModelDesc *m, int64_t rows) {
     const int64_t qd = m->num_heads * m->head_dim, width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
     return rows * (3 * m->hidden + width + 2 * qd + 3 * m->inter);
 }
-
-static void step_range(void *job, int64_t a, int64_t b) { (void)b; ((StepJob *)job)->tid = (int)a; }
 
 /* One decode step: hidden [rows, hidden] holds the embeddings and receives the final-normed states.
    Returns 0 on success, 2 for shapes this path does not take (the caller checks them first). */
@@ -228,11 +227,14 @@ int ps_decode_step(const ModelDesc *m, float *hidden, int64_t rows, const float 
     if (rows < 1 || rows > GEMV_MAX_ROWS || m->head_dim > MAX_HEAD_DIM || m->block_size > MAX_BLOCK
         || m->num_kv_heads <= 0 || m->num_heads % m->num_kv_heads || m->num_heads / m->num_kv_heads > MAX_GROUP)
         return 2;
-    threads = ps_pool_reserve(threads);     /* every job must run at once: they meet at barriers */
+    if (threads < 1) threads = 1;
     Barrier barrier = {0, 0};
-    StepJob jobs[MAX_THREADS];
-    for (int t = 0; t < threads; ++t)
-        jobs[t] = (StepJob){m, hidden, rows, table_stride, cos, sin, slots, tables, lens, scratch, &barrier,
-                            threads, t};
-    return ps_run_split(threads, threads, jobs, sizeof(StepJob), step_job, step_range);
+#pragma omp parallel num_threads(threads)
+    {
+        /* Every thread of the team takes part: they meet at the barriers between phases. */
+        StepJob j = {m, hidden, rows, table_stride, cos, sin, slots, tables, lens, scratch, &barrier,
+                     omp_get_num_threads(), omp_get_thread_num()};
+        step_job(&j);
+    }
+    return 0;
 }
