@@ -3,7 +3,8 @@
     python scripts/profile_cpu_step.py --engine before:quantization=none,dtype=bfloat16 \
         --engine after: --out benchmarks/cpu_step_profile.md
 
-Each engine (name:field=value,... over EngineArgs; empty = defaults) loads the embedded model, runs `batch`
+Each engine (name:field=value,... over EngineArgs, env.NAME=value for an environment variable set while it
+loads, e.g. env.PAGEDSERVE_CPU_DECODE_STEP=0; empty = defaults) loads the embedded model, runs `batch`
 requests of 128 prompt tokens to 64 decode steps under torch.profiler, and sums the ops' own CPU time per
 kind. The wall time per step is measured in a second, unprofiled run (the profiler adds overhead).
 """
@@ -31,13 +32,17 @@ KINDS = [  # (kind, substrings of aten op names), first match wins
 ]
 
 
-def parse_engine(text: str) -> tuple[str, dict]:
+def parse_engine(text: str) -> tuple[str, dict, dict]:
+    """(name, EngineArgs fields, environment variables)."""
     name, _, opts = text.partition(":")
-    kwargs = {}
+    kwargs, env = {}, {}
     for item in filter(None, opts.split(",")):
         key, _, value = item.partition("=")
-        kwargs[key] = value
-    return name, kwargs
+        if key.startswith("env."):
+            env[key[4:]] = value
+        else:
+            kwargs[key] = value
+    return name, kwargs, env
 
 
 def kind_of(name: str) -> str:
@@ -79,8 +84,15 @@ def main() -> None:
     from pagedserve import LLM
     rows = []
     for spec in args.engine:
-        name, kwargs = parse_engine(spec)
+        name, kwargs, env = parse_engine(spec)
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
         llm = LLM(max_model_len=512, **kwargs)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
         dtype = llm.engine.config.model.dtype
         for batch in (int(b) for b in args.batches.split(",")):
             wall, _ = run(llm, batch, args.steps, profiled=False)

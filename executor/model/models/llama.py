@@ -18,6 +18,7 @@ from pagedserve.executor.model.layers.rotary import get_rope
 from pagedserve.executor.model.models.llama_cpu_step import CpuStepCache
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.kernels import ops
+from pagedserve.kernels.cpu_decode_step import DecoderWeights, LayerWeights
 from pagedserve.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,34 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             h, residual = layer(h, residual, rope, meta)
         return self.norm(h, residual)[0]
+
+    def cpu_step_weights(self) -> DecoderWeights | None:
+        """What the C step reads, or None where a layer is outside what it takes."""
+        layers = []
+        eps = self.norm.eps
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if not isinstance(mlp, LlamaMLP) or attn.qkv_proj.tp.size != 1:
+                return None
+            paged = attn.attn
+            if paged.sliding_window is not None or paged.logit_softcap is not None or paged.kv_cache is None:
+                return None
+            norms = [layer.input_layernorm, layer.post_attention_layernorm] + \
+                [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+            if any(n.eps != eps for n in norms):
+                return None
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(lin.packed is None for lin in linears):
+                return None
+            layers.append(LayerWeights(
+                layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
+                *(lin.packed for lin in linears), paged.kv_cache,
+                q_norm=attn.q_norm.weight.data if attn.q_norm else None,
+                k_norm=attn.k_norm.weight.data if attn.k_norm else None,
+                biases=tuple(None if lin.bias is None else lin.bias.data for lin in linears)))
+        first = self.layers[0].self_attn
+        return DecoderWeights(tuple(layers), self.norm.weight.data, first.num_heads, first.num_kv_heads,
+                              first.head_dim, eps, first.attn.scale)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -11,43 +11,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedserve.kernels.cpu_decode_step import MAX_ROWS, CpuDecodeStep, DecoderWeights, LayerWeights
+from pagedserve.kernels.cpu_decode_step import MAX_ROWS, CpuDecodeStep
 from pagedserve.kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from pagedserve.executor.model.models.llama import LlamaModel
 
 ENV_SWITCH = "PAGEDSERVE_CPU_DECODE_STEP"
-
-
-def decoder_weights(model: LlamaModel) -> DecoderWeights | None:
-    """What the C step reads, or None where a layer is outside what it takes."""
-    from pagedserve.executor.model.models.llama import LlamaMLP
-    layers = []
-    eps = model.norm.eps
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if not isinstance(mlp, LlamaMLP) or attn.qkv_proj.tp.size != 1:
-            return None
-        paged = attn.attn
-        if paged.sliding_window is not None or paged.logit_softcap is not None or paged.kv_cache is None:
-            return None
-        norms = [layer.input_layernorm, layer.post_attention_layernorm] + \
-            [n for n in (attn.q_norm, attn.k_norm) if n is not None]
-        if any(n.eps != eps for n in norms):
-            return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(lin.packed is None for lin in linears):
-            return None
-        layers.append(LayerWeights(
-            layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-            *(lin.packed for lin in linears), paged.kv_cache,
-            q_norm=attn.q_norm.weight.data if attn.q_norm else None,
-            k_norm=attn.k_norm.weight.data if attn.k_norm else None,
-            biases=tuple(None if lin.bias is None else lin.bias.data for lin in linears)))
-    first = model.layers[0].self_attn
-    return DecoderWeights(tuple(layers), model.norm.weight.data, first.num_heads, first.num_kv_heads,
-                          first.head_dim, eps, first.attn.scale)
 
 
 class CpuStepCache:
@@ -76,7 +46,7 @@ class CpuStepCache:
         cache = model.layers[0].self_attn.attn.kv_cache
         key = None if cache is None else (cache.data_ptr(), tuple(cache.shape), cache.dtype)
         if key != self._key:
-            weights = decoder_weights(model)
+            weights = model.cpu_step_weights()
             self._step = None if weights is None else CpuDecodeStep.build(weights)
             self._key = key
         return self._step
