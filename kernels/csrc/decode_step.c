@@ -154,6 +154,17 @@ static void attention_part(const StepJob *j, const LayerDesc *layer, const float
     for (int64_t task = a; task < b; ++task) ps_decode_task(&dj, task / m->num_kv_heads, task % m->num_kv_heads);
 }
 
+/* residual += add, then dst = norm(residual) * weight, row by row (one thread: a row is a few KB). */
+static void add_norm(const ModelDesc *m, int64_t rows, float *residual, const float *add, const float *weight,
+                     float *dst) {
+    const int64_t hd = m->hidden;
+    for (int64_t t = 0; t < rows; ++t) {
+        float *res = residual + t * hd;
+        for (int64_t i = 0; i < hd; ++i) res[i] += add[t * hd + i];
+        rms_norm(res, weight, hd, m->eps, dst + t * hd);
+    }
+}
+
 static void step_job(const StepJob *j) {
     const ModelDesc *m = j->m;
     const int64_t rows = j->rows, hd = m->hidden, qd = m->num_heads * m->head_dim;
@@ -163,16 +174,10 @@ static void step_job(const StepJob *j) {
     float *out = act + rows * m->inter;      /* each layer's output (o_proj, then down_proj) */
     const int tid = j->tid, threads = j->threads;
     int sense = 0;
+    if (tid == 0) memset(residual, 0, sizeof(float) * rows * hd);     /* layer 0 adds the embeddings to it */
     for (int64_t li = 0; li < m->num_layers; ++li) {
         const LayerDesc *layer = m->layers + li;
-        if (tid == 0)
-            for (int64_t t = 0; t < rows; ++t) {
-                float *res = residual + t * hd;
-                const float *add = li == 0 ? j->hidden + t * hd : out + t * hd;
-                if (li == 0) memcpy(res, add, sizeof(float) * hd);
-                else for (int64_t i = 0; i < hd; ++i) res[i] += add[i];
-                rms_norm(res, layer->in_norm, hd, m->eps, h + t * hd);
-            }
+        if (tid == 0) add_norm(m, rows, residual, li == 0 ? j->hidden : out, layer->in_norm, h);
         barrier_wait(j->barrier, threads, &sense);
         linear_part(&layer->qkv, h, rows, qkv, tid, threads);
         barrier_wait(j->barrier, threads, &sense);
@@ -185,12 +190,7 @@ static void step_job(const StepJob *j) {
         barrier_wait(j->barrier, threads, &sense);
         linear_part(&layer->o, attn, rows, out, tid, threads);
         barrier_wait(j->barrier, threads, &sense);
-        if (tid == 0)
-            for (int64_t t = 0; t < rows; ++t) {
-                float *res = residual + t * hd;
-                for (int64_t i = 0; i < hd; ++i) res[i] += out[t * hd + i];
-                rms_norm(res, layer->post_norm, hd, m->eps, h + t * hd);
-            }
+        if (tid == 0) add_norm(m, rows, residual, out, layer->post_norm, h);
         barrier_wait(j->barrier, threads, &sense);
         linear_part(&layer->gate_up, h, rows, gate_up, tid, threads);
         barrier_wait(j->barrier, threads, &sense);
@@ -205,12 +205,7 @@ static void step_job(const StepJob *j) {
         linear_part(&layer->down, act, rows, out, tid, threads);
         barrier_wait(j->barrier, threads, &sense);
     }
-    if (tid == 0)
-        for (int64_t t = 0; t < rows; ++t) {
-            float *res = residual + t * hd;
-            for (int64_t i = 0; i < hd; ++i) res[i] += out[t * hd + i];
-            rms_norm(res, m->final_norm, hd, m->eps, j->hidden + t * hd);
-        }
+    if (tid == 0) add_norm(m, rows, residual, out, m->final_norm, j->hidden);
 }
 
 /* Floats of scratch a step of `rows` sequences needs. */
