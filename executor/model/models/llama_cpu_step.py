@@ -7,17 +7,24 @@ PAGEDSERVE_CPU_DECODE_STEP=0 keeps it for every step (for A/B runs against it).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
-from pagedserve.kernels.cpu_decode_step import MAX_ROWS, CpuDecodeStep
+from pagedserve.executor.model.layers.rotary import RotaryEmbedding
+from pagedserve.kernels.cpu_decode_step import MAX_ROWS, CpuDecodeStep, DecoderWeights
 from pagedserve.kernels.metadata import AttentionMetadata
 
-if TYPE_CHECKING:
-    from pagedserve.executor.model.models.llama import LlamaModel
-
 ENV_SWITCH = "PAGEDSERVE_CPU_DECODE_STEP"
+
+
+class SteppedModel(Protocol):
+    """What the cache needs of a model (LlamaModel)."""
+    layers: nn.ModuleList
+    rotary_emb: RotaryEmbedding
+
+    def cpu_step_weights(self) -> DecoderWeights | None: ...
 
 
 class CpuStepCache:
@@ -28,7 +35,7 @@ class CpuStepCache:
         self._key: tuple | None = None
         self._step: CpuDecodeStep | None = None
 
-    def run(self, model: LlamaModel, h: torch.Tensor, positions: torch.Tensor,
+    def run(self, model: SteppedModel, h: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor | None:
         """The final-normed hidden states of a decode-only CPU step, or None: the PyTorch path runs it."""
         rows = h.shape[0]
@@ -42,7 +49,7 @@ class CpuStepCache:
         return step(h, cos.view(rows, -1), sin.view(rows, -1), meta.slot_mapping, meta.block_tables[:rows],
                     meta.seq_lens)
 
-    def _get(self, model: LlamaModel) -> CpuDecodeStep | None:
+    def _get(self, model: SteppedModel) -> CpuDecodeStep | None:
         cache = model.layers[0].self_attn.attn.kv_cache
         key = None if cache is None else (cache.data_ptr(), tuple(cache.shape), cache.dtype)
         if key != self._key:
