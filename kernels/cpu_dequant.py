@@ -6,7 +6,8 @@ import torch
 from pagedserve.kernels.cpu_native import check, library, threads_for
 
 # Weights per thread below which a second thread does not pay (measured: a 576x576 int4 weight widens in
-# 0.065 ms on one thread and 0.086 on two; 576x3072 in 0.34 and 0.27).
+# 0.065 ms on one thread and 0.086 on two; 576x3072 in 0.34 and 0.27; measured on the pthread pool that
+# kernels/csrc/parallel.c replaced, whose wakes cost more than OpenMP's: a lower bound may pay now).
 MIN_WEIGHTS_PER_THREAD = 1 << 19
 
 
