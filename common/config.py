@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.common.arg_utils import setting
-from pagedserve.common.dtype import DTYPE_CHOICES, checkpoint_dtype, resolve_dtype
+from pagedserve.common.dtype import DTYPE_CHOICES, checkpoint_dtype, resolve_dtype, resolve_kv_cache_dtype
 from pagedserve.common.generation_config import AUTO, check_setting, load_generation_defaults
 from pagedserve.common.hub import TOKENIZER_FILES, local_or_hub_path, looks_like_hub_id
 from pagedserve.common.model_files import ModelSource, load_hf_config, resolve_model, rope_max_positions
@@ -21,8 +21,9 @@ logger = logging.getLogger(__name__)
 # The allowed values of EngineArgs fields: the flags' choices and `_validate` both use these.
 DTYPES = DTYPE_CHOICES
 DEVICES = ("auto", "cpu", "cuda")
-# auto: the KV cache in the model dtype; fp8 (vLLM also spells it fp8_e4m3): e4m3 with per-layer scales.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# auto: the KV cache in the model dtype (bfloat16 for int4/int8 weights on CPU: dtype.resolve_kv_cache_dtype);
+# fp8 (vLLM also spells it fp8_e4m3): e4m3 with per-layer scales.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # "uni" (in-process) | "mp" (one process per rank) | "torchrun" (ranks started by torchrun)
 EXECUTOR_BACKENDS = ("uni", "mp", "torchrun")
@@ -87,7 +88,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_blocks_override: int | None = None
-    cache_dtype: str = "auto"       # "auto" (the model dtype) | "fp8" (e4m3, fp8_e4m3 normalised to it)
+    # "auto" (the model dtype) | "bfloat16" | "float32" | "fp8" (e4m3): dtype.resolve_kv_cache_dtype
+    cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,9 @@ class EngineArgs:
     block_size: int = setting(16, help="tokens per KV-cache block")
     kv_cache_dtype: str = setting(
         "auto", choices=KV_CACHE_DTYPES,
-        help="KV-cache element type: auto (the model dtype) or fp8 / fp8_e4m3 (e4m3, 1 byte per element: twice "
+        help="KV-cache element type: auto (the model dtype; on CPU bfloat16 for int4/int8 weights, whose "
+             "activations are float32: decode attention reads the whole cache every step), bfloat16, float32, "
+             "or fp8 / fp8_e4m3 (e4m3, 1 byte per element: twice "
              "the blocks of a 16-bit cache in the same memory; per-layer k_scale/v_scale from the checkpoint, "
              "else 1.0; on CUDA needs compute capability 8.9+)")
     kv_cache_memory: float | None = setting(
@@ -243,7 +247,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
             num_blocks_override=self.num_gpu_blocks_override,
-            cache_dtype="fp8" if self.kv_cache_dtype.startswith("fp8") else "auto")
+            cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, device, dtype, weight_only))
         unset_batched = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill else max_len
         batched = self.max_num_batched_tokens or unset_batched
         if not self.enable_chunked_prefill and batched < max_len:

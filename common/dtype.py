@@ -47,6 +47,24 @@ def resolve_dtype(requested: str, device: str, config_dtype: str | None,
     return "bfloat16" if cpu_native_bf16 else "float32"
 
 
+def resolve_kv_cache_dtype(requested: str, device: str, model_dtype: str, weight_only_quantized: bool) -> str:
+    """What CacheConfig.cache_dtype holds: "fp8" | "bfloat16" | "float32" | "auto" (the model dtype).
+
+    auto on CPU with int4/int8 weights: bfloat16. Such a model runs float32 activations only for the sake of
+    its GEMVs and residual stream (resolve_dtype); a decode step reads every sequence's whole cache, so at a
+    64-sequence W1 step of ~340-token contexts a float32 cache is ~1 GB of reads a step (2.1 ms a layer
+    against 1.2 in bfloat16, measured in benchmarks/cpu_kv_cache.md). llama.cpp keeps a 16-bit cache by
+    default for the same reason. Everywhere else auto is the model dtype, as in vLLM.
+    """
+    if requested.startswith("fp8"):
+        return "fp8"
+    if requested != "auto":
+        return requested
+    if device == "cpu" and weight_only_quantized and model_dtype == "float32":
+        return "bfloat16"
+    return "auto"
+
+
 @functools.lru_cache(maxsize=1)     # read once: the weight-only kernels ask on every call
 def cpu_has_native_bf16() -> bool:
     try:

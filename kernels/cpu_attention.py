@@ -253,7 +253,9 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
     num_kv_heads = k_cache.shape[1]
     keys, values = gather(k_cache, v_cache, kv_rows, g.rows, batch, g.length)
     # GQA without repeating K/V: the query heads of one KV head become that head's query rows.
-    q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).to(keys.dtype)
+    work = torch.promote_types(query.dtype, keys.dtype)
+    keys, values = keys.to(work), values.to(work)
+    q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).to(work)
     out = F.scaled_dot_product_attention(q, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=g.mask,
                                          scale=scale)
     return out.reshape(batch, num_heads, head_dim).to(query.dtype)
@@ -266,7 +268,11 @@ def _prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     group = num_heads // num_kv_heads
     keys, values = gather(k_cache, v_cache, kv_rows, p.rows, 1, p.length)
     q = query.view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)   # [Hkv, G, q, D]
-    q = q.reshape(num_kv_heads, group * qlen, head_dim).to(keys.dtype)
-    out = F.scaled_dot_product_attention(q, keys[:, 0], values[:, 0], attn_mask=p.mask, scale=scale)
+    # A float32 query over a bfloat16 cache attends in float32: rounding the query too would add error the
+    # cache did not.
+    work = torch.promote_types(query.dtype, keys.dtype)
+    q = q.reshape(num_kv_heads, group * qlen, head_dim).to(work)
+    out = F.scaled_dot_product_attention(q, keys[:, 0].to(work), values[:, 0].to(work), attn_mask=p.mask,
+                                         scale=scale)
     out = out.view(num_kv_heads, group, qlen, head_dim).permute(2, 0, 1, 3)
     return out.reshape(qlen, num_heads, head_dim).to(query.dtype)

@@ -30,13 +30,16 @@ def dequantize_kv(codes: torch.Tensor, scale: float) -> torch.Tensor:
     return codes.float() * scale
 
 
+_CACHE_DTYPES = {"fp8": FP8_KV_DTYPE, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
 def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The element type of the cache for CacheConfig.cache_dtype ("auto" | "fp8")."""
-    if cache_dtype == "fp8":
-        return FP8_KV_DTYPE
-    if cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype must be auto or fp8, got {cache_dtype!r}")
-    return model_dtype
+    """The element type of the cache for CacheConfig.cache_dtype ("auto" | "bfloat16" | "float32" | "fp8")."""
+    if cache_dtype == "auto":
+        return model_dtype
+    if cache_dtype not in _CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto, {', '.join(_CACHE_DTYPES)}, got {cache_dtype!r}")
+    return _CACHE_DTYPES[cache_dtype]
 
 
 def check_fp8_kv_device(device: torch.device) -> None:

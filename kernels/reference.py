@@ -92,7 +92,7 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     keys = gather_context(k_cache, block_tables, max_len, k_scale).transpose(0, 1)      # [B, Hkv, L, D]
     values = gather_context(v_cache, block_tables, max_len, v_scale).transpose(0, 1)
     # GQA without repeating K/V: the query heads of one KV head become that head's query rows.
-    q = query.view(batch, num_kv_heads, group, head_dim).to(keys.dtype)
+    q = query.view(batch, num_kv_heads, group, head_dim)
     key_pos = torch.arange(max_len, device=query.device)[None, :]
     mask = key_pos < seq_lens[:, None]
     if window is not None:      # the query sits at seq_len - 1
@@ -110,7 +110,7 @@ def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     keys = gather_context(k_cache, block_table, seq_len, k_scale)[:, 0]               # [Hkv, L, D]
     values = gather_context(v_cache, block_table, seq_len, v_scale)[:, 0]
     q = query.view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)   # [Hkv, G, q, D]
-    q = q.reshape(num_kv_heads, group * qlen, head_dim).to(keys.dtype)
+    q = q.reshape(num_kv_heads, group * qlen, head_dim)
     # Query row i sits at absolute position seq_len - qlen + i and sees keys up to it.
     q_pos = torch.arange(seq_len - qlen, seq_len, device=query.device).repeat(group)
     key_pos = torch.arange(seq_len, device=query.device)[None, :]
@@ -125,6 +125,10 @@ def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
             softcap: float | None) -> torch.Tensor:
     """softmax(mask(q @ k^T * scale)) @ v; SDPA has no soft-capping, so capped scores are formed by hand."""
+    # A float32 query over a 16-bit cache attends in float32: rounding the query would add error the cache
+    # did not.
+    work = torch.promote_types(q.dtype, keys.dtype)
+    q, keys, values = q.to(work), keys.to(work), values.to(work)
     if softcap is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale

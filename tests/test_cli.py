@@ -96,6 +96,7 @@ def test_env_defaults_reach_the_parser_and_the_dataclass(monkeypatch):
     (["--max-model-len", "512"], "max_model_len", 512),
     (["--block-size", "32"], "block_size", 32),
     (["--kv-cache-dtype", "fp8_e4m3"], "kv_cache_dtype", "fp8_e4m3"),
+    (["--kv-cache-dtype", "bfloat16"], "kv_cache_dtype", "bfloat16"),
     (["--kv-cache-memory", "0.5"], "kv_cache_memory", 0.5),
     (["--gpu-memory-utilization", "0.5"], "gpu_memory_utilization", 0.5),
     (["--no-enable-prefix-caching"], "enable_prefix_caching", False),

@@ -308,7 +308,7 @@ def test_fp8_kv_cache_on_gpu_graphs_equal_eager(tmp_path):
 @pytest.mark.slow
 def test_fp8_kv_cache_on_the_embedded_model(smollm2_path):
     """The issue's text criterion on a real model: the mean per-token logprob of a fixed English text within
-    0.02 nats of the default cache (measured: 0.0036; greedy chat tokens over 32 steps stayed equal on 5 of
+    0.02 nats of the default cache (measured: 0.0036 against a float32 cache; greedy chat tokens over 32 steps stayed equal on 5 of
     8 prompts, the near-ties that bfloat16 activations also flip, see test_quantized_model.py)."""
     from pagedserve import LLM, SamplingParams
     from test_quantized_model import TEXT
@@ -321,5 +321,5 @@ def test_fp8_kv_cache_on_the_embedded_model(smollm2_path):
     ref, ref_blocks = text_logprob()
     got, blocks = text_logprob(kv_cache_dtype="fp8")
     assert abs(got - ref) < 0.02, (got, ref)
-    # dtype auto is float32 here (int4/int8 weights): 4 bytes per element -> 1, counts floored
-    assert 4 * ref_blocks <= blocks <= 4 * ref_blocks + 3
+    # the auto cache is bfloat16 here (int4/int8 weights on CPU): 2 bytes per element -> 1, counts floored
+    assert 2 * ref_blocks <= blocks <= 2 * ref_blocks + 1

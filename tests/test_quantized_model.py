@@ -2,7 +2,8 @@
 
 Issue 14's bar: greedy tokens equal on at least 7 of 8 prompts over 32 tokens, and the mean per-token logprob
 of a fixed English text within 0.02 nats. The quantized run uses the default dtype (what users get); the
-reference is the dequantized model in float32. The prompts are chat turns, as the embedded instruct model is
+reference is the dequantized model in float32 (float32 KV cache too; the quantized run's auto cache is
+bfloat16, so the bar covers that as well). The prompts are chat turns, as the embedded instruct model is
 used; raw-text continuations of it sit on near-ties that even bfloat16 activations flip (measured: the
 dequantized model in bfloat16 kept 5 of 8 such prompts).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.executor.model.quant.loading import num_weights, weight_bytes
@@ -45,7 +47,9 @@ def dequantized(smollm2_path):
 def test_kept_quantized_matches_the_dequantized_model(smollm2_path, dequantized):
     with LLM(smollm2_path, max_model_len=512) as llm:
         assert llm.engine.config.model.dtype == "float32"                  # auto, for int4/int8 weights
-        model = llm.engine.executor.worker.runner.model
+        runner = llm.engine.executor.worker.runner
+        assert runner.kv_caches[0].dtype == torch.bfloat16                 # auto cache for int4/int8 on CPU
+        model = runner.model
         layer = model.model.layers[0]
         assert isinstance(layer.mlp.gate_up_proj.packed, Int4Weight)       # Q4_1: int4 kernel
         assert isinstance(model.model.embed_tokens.packed, Int8Weight)     # Q8_0: int8 rows, tied head

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedserve.common.config import EngineArgs
-from pagedserve.common.dtype import checkpoint_dtype, resolve_dtype
+from pagedserve.common.dtype import checkpoint_dtype, resolve_dtype, resolve_kv_cache_dtype
 from pagedserve.common.model_files import load_hf_config, resolve_model
 from pagedserve.tests.helpers.metrics import parse_metrics
 from pagedserve.tests.helpers.server import SMALL_KV, Server
@@ -205,6 +205,16 @@ def test_explicit_dtypes_and_vllm_spellings(device):
         assert resolve_dtype(given, device, "bfloat16") == expected
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("fp16", device, None)
+
+
+def test_kv_cache_dtype_auto_is_bfloat16_only_for_quantized_weights_on_cpu():
+    # int4/int8 weights on CPU run float32 activations; their cache is bfloat16 (memory-bound decode attention).
+    assert resolve_kv_cache_dtype("auto", "cpu", "float32", weight_only_quantized=True) == "bfloat16"
+    # Everything else keeps vLLM's auto (the model dtype): an unquantized float32 model stays exact.
+    assert resolve_kv_cache_dtype("auto", "cpu", "float32", weight_only_quantized=False) == "auto"
+    assert resolve_kv_cache_dtype("auto", "cuda", "bfloat16", weight_only_quantized=True) == "auto"
+    assert resolve_kv_cache_dtype("float32", "cpu", "float32", weight_only_quantized=True) == "float32"
+    assert resolve_kv_cache_dtype("fp8_e4m3", "cuda", "bfloat16", weight_only_quantized=False) == "fp8"
 
 
 def test_checkpoint_dtype_from_config_files(tmp_path):
