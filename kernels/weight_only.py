@@ -7,7 +7,12 @@ takes one scale per channel, so each chunk is its own call (a whole row is one c
 Those kernels only run fast with bfloat16 activations (measured here at batch 1: 15 µs in bfloat16 against
 332 µs in float32 for a 576x576 int4 GEMM), so other activations are cast to bfloat16 around the call.
 
-They are GEMV kernels at heart: their cost grows with the input rows at a fraction of a dense GEMM's speed.
+On CPUs with AVX512-VNNI an int4 call of fewer than int4_dense_min_rows() rows runs our integer GEMM
+instead (kernels/csrc/gemm_int4.c: float32 in and out, inputs rounded to int16), which beat every other
+path there, the GEMVs included.
+
+torch's kernels are GEMV kernels at heart: their cost grows with the input rows at a fraction of a dense GEMM's
+speed.
 On a CPU with native bfloat16, from DENSE_MIN_ROWS rows on, the weight is widened once per call by
 kernels/csrc/dequant.c into a transient bfloat16 matrix and multiplied by oneDNN instead: per shape, batch-1
 decode keeps the packed kernels and prefill chunks and large decode batches take the dense path
@@ -15,7 +20,9 @@ decode keeps the packed kernels and prefill chunks and large decode batches take
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -24,9 +31,12 @@ from pagedserve.kernels import cpu_dequant, cpu_native
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 _INNER_K_TILES = 8          # CUDA tinygemm packing; K must be a multiple of 16 * this
-# Input rows from which the widen-then-dense path wins on CPU (benchmarks/cpu_dequant.md): int4 breaks
-# even near 48 rows; torch's int8 kernel re-reads the weight for every row, so int8 pays from 16.
+# Input rows from which the widen-then-dense path wins on CPU (benchmarks/cpu_dequant.md): against torch's
+# int4 kernel int4 breaks even near 48 rows; torch's int8 kernel re-reads the weight for every row, so int8
+# pays from 16. Against the integer int4 GEMM (kernels/csrc/gemm_int4.c, AVX512-VNNI) int4 breaks even near
+# 128 rows (benchmarks/cpu_gemm_int4.md).
 INT4_DENSE_MIN_ROWS = 64
+INT4_DENSE_MIN_ROWS_AFTER_GEMM = 128
 INT8_DENSE_MIN_ROWS = 16
 # Output rows of an int8 weight widened at a time: 4096 x 576 bfloat16 is 4.7 MB, transient, so a tied
 # 49152-row head never exists in bfloat16 (the 56 MB it would take is more than the quantized model).
@@ -92,13 +102,39 @@ def dense_path(x2: torch.Tensor, min_rows: int) -> bool:
             and cpu_native.library() is not None)
 
 
+class _Native(NamedTuple):
+    gemv: bool          # the AVX-512 GEMVs of kernels/csrc/gemv.c
+    int4_gemm: bool     # the AVX512-VNNI int4 GEMM of kernels/csrc/gemm_int4.c
+
+
+@functools.lru_cache(maxsize=1)
+def _native() -> _Native:
+    """What this machine's build of the C kernels has: asked once, not on every linear."""
+    lib = cpu_native.library()
+    if lib is None:
+        return _Native(False, False)
+    return _Native(bool(lib.ps_gemv_vectorized()), bool(lib.ps_gemm_int4_vectorized()))
+
+
+def int4_dense_min_rows() -> int:
+    """Input rows from which an int4 linear on CPU widens its weight for a dense GEMM."""
+    return INT4_DENSE_MIN_ROWS_AFTER_GEMM if _native().int4_gemm else INT4_DENSE_MIN_ROWS
+
+
 def _gemv_path(x2: torch.Tensor) -> bool:
     """A CPU call of a few rows that the AVX-512 GEMV of kernels/csrc/gemv.c takes (float32, weight read once
     for all rows; torch's int8 kernel reads it once per row and wants bfloat16 activations)."""
-    if x2.device.type != "cpu" or x2.shape[0] > GEMV_MAX_ROWS:
-        return False
-    lib = cpu_native.library()
-    return lib is not None and bool(lib.ps_gemv_vectorized())
+    return x2.device.type == "cpu" and x2.shape[0] <= GEMV_MAX_ROWS and _native().gemv
+
+
+def _int4_gemm(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    x2 = x2.to(torch.float32).contiguous()
+    y = torch.empty(x2.shape[0], w.out_features, dtype=torch.float32)
+    cpu_native.check(cpu_native.library().ps_gemm_int4(
+        w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), w.out_features, w.in_features, w.group_size,
+        x2.data_ptr(), x2.shape[0], y.data_ptr(),
+        cpu_native.threads_for(w.packed.numel() * 2, GEMV_MIN_WEIGHTS_PER_THREAD)), "int4 GEMM")
+    return y
 
 
 def _int4_gemv(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
@@ -122,12 +158,21 @@ def _int8_gemv(x2: torch.Tensor, w: Int8Weight) -> torch.Tensor:
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None,
-                dense_min_rows: int = INT4_DENSE_MIN_ROWS) -> torch.Tensor:
+                dense_min_rows: int | None = None) -> torch.Tensor:
+    """dense_min_rows: input rows from which a CPU call widens the weight (None: int4_dense_min_rows())."""
     shape, dtype = x.shape, x.dtype
-    if w.out_features % 64 == 0 and _gemv_path(x.reshape(-1, shape[-1])):
-        y = _int4_gemv(x.reshape(-1, shape[-1]), w).to(dtype).reshape(*shape[:-1], w.out_features)
+    dense_min_rows = int4_dense_min_rows() if dense_min_rows is None else dense_min_rows
+    x2 = x.reshape(-1, shape[-1])
+    y = None
+    if w.out_features % 64 == 0 and x2.device.type == "cpu":
+        if _native().int4_gemm and x2.shape[0] < dense_min_rows:
+            y = _int4_gemm(x2, w)
+        elif _gemv_path(x2):
+            y = _int4_gemv(x2, w)
+    if y is not None:
+        y = y.to(dtype).reshape(*shape[:-1], w.out_features)
         return y if bias is None else y + bias
-    x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+    x2 = x2.to(torch.bfloat16)
     if x2.is_cuda:
         y = torch._weight_int4pack_mm(x2.contiguous(), w.packed, w.group_size, w.scales_and_zeros)
     elif w.out_features % 64 == 0 and dense_path(x2, dense_min_rows):

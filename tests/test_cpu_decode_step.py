@@ -61,7 +61,7 @@ def _close(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, int16_inputs: 
 def test_int4_gemv_matches_the_weights(rows, out, cols, group):
     w, dense = _int4_case(out, cols, group, seed=rows + out)
     x = torch.randn(rows, cols)
-    _close(weight_only.int4_linear(x, w), x, dense)
+    _close(weight_only._int4_gemv(x, w), x, dense)      # int4_linear takes the integer GEMM where it is built
 
 
 @needs_c_step
@@ -83,6 +83,7 @@ def test_portable_build_gemvs(tmp_path):
     cpu_native._build(shutil.which("cc"), sorted(glob.glob(os.path.join(cpu_native._SOURCES, "*.c"))), target, flags)
     lib = cpu_native.load(target)
     assert lib.ps_gemv_vectorized() == 0
+    assert lib.ps_gemm_int4_vectorized() == 0          # no VNNI: it says so, and declines every call
     w4, dense4 = _int4_case(128, 96, 32, seed=1)
     w8, dense8 = _int8_case(40, 96, 32, seed=2)
     for rows in (1, 3):
@@ -92,6 +93,8 @@ def test_portable_build_gemvs(tmp_path):
                                 rows, y4.data_ptr(), 2) == 0
         assert lib.ps_gemv_int8(w8.q.data_ptr(), w8.scale.data_ptr(), 3, 40, 32, x.data_ptr(), rows,
                                 y8.data_ptr(), 2) == 0
+        assert lib.ps_gemm_int4(w4.packed.data_ptr(), w4.scales_and_zeros.data_ptr(), 128, 96, 32, x.data_ptr(),
+                                rows, y4.data_ptr(), 2) == 2
         _close(y4, x, dense4)
         _close(y8, x, dense8, int16_inputs=True)
 

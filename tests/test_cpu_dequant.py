@@ -18,9 +18,9 @@ from pagedserve.common.dtype import cpu_has_native_bf16
 from pagedserve.executor.model.quant.gguf_blocks import decode_gguf_tensor
 from pagedserve.executor.model.quant.packing import apply_linear, pack_linear
 from pagedserve.kernels import cpu_dequant, cpu_native
-from pagedserve.kernels.weight_only import (INT4_DENSE_MIN_ROWS, INT8_DENSE_BLOCK_ROWS, INT8_DENSE_MIN_ROWS,
-                                            Int4Weight, Int8Weight, dense_path, int4_linear, int8_linear,
-                                            pack_int4, quantize_int8)
+from pagedserve.kernels.weight_only import (INT8_DENSE_BLOCK_ROWS, INT8_DENSE_MIN_ROWS, Int4Weight, Int8Weight,
+                                            dense_path, int4_dense_min_rows, int4_linear, int8_linear, pack_int4,
+                                            quantize_int8)
 
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler on this machine")
@@ -78,8 +78,8 @@ def _gguf(qtype: T, rows: int, cols: int) -> tuple:
 
 
 @needs_dense
-@pytest.mark.parametrize("qtype,kind,batch", [(T.Q4_1, Int4Weight, INT4_DENSE_MIN_ROWS + 9),
-                                              (T.Q4_0, Int4Weight, 2 * INT4_DENSE_MIN_ROWS),
+@pytest.mark.parametrize("qtype,kind,batch", [(T.Q4_1, Int4Weight, int4_dense_min_rows() + 9),
+                                              (T.Q4_0, Int4Weight, 2 * int4_dense_min_rows()),
                                               (T.Q8_0, Int8Weight, INT8_DENSE_MIN_ROWS + 3)])
 def test_many_rows_take_the_dense_path_within_the_packed_bound(qtype, kind, batch):
     w, packed = _gguf(qtype, 128, 512)
@@ -102,8 +102,8 @@ def test_many_rows_take_the_dense_path_within_the_packed_bound(qtype, kind, batc
 @needs_dense
 def test_the_switch_is_by_rows_and_both_sides_agree():
     w = _int4(128, 256, 64, seed=3)
-    x = torch.randn(INT4_DENSE_MIN_ROWS, 256)
-    assert dense_path(x, INT4_DENSE_MIN_ROWS) and not dense_path(x[:-1], INT4_DENSE_MIN_ROWS)
+    x = torch.randn(int4_dense_min_rows(), 256)
+    assert dense_path(x, int4_dense_min_rows()) and not dense_path(x[:-1], int4_dense_min_rows())
     packed_y = int4_linear(x, w, dense_min_rows=10 ** 9)
     dense_y = int4_linear(x, w)
     assert not torch.equal(packed_y, dense_y)            # two different kernels ran

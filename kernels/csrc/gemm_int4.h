@@ -1,0 +1,19 @@
+/* int4 weight-only GEMM with int16 inputs and integer dot products (gemm_int4.c). */
+#ifndef PAGEDSERVE_GEMM_INT4_H
+#define PAGEDSERVE_GEMM_INT4_H
+
+#include "gemv.h"
+
+/* 1 where this build has the kernel (AVX512-VNNI); elsewhere the calls below return 2. */
+int ps_gemm_int4_vectorized(void);
+
+/* One thread's share (64-channel blocks nb0..nb1-1) of y [rows, n] = x [rows, k] @ w^T, x rounded here:
+   for the decode step's few rows (<= GEMV_MAX_ROWS, on the stack). 0 on success, 2 where it does not apply. */
+int ps_gemm_int4_part(const GemvInt4 *w, const float *x, int64_t rows, float *y, int64_t nb0, int64_t nb1);
+
+/* The whole product for any number of rows, on `threads` OpenMP threads: 0 on success, 2 where it does not
+   apply (the caller keeps its other paths), 1 when out of memory. */
+int ps_gemm_int4(const uint8_t *packed, const uint16_t *sz, int64_t n, int64_t k, int64_t group, const float *x,
+                 int64_t rows, float *y, int threads);
+
+#endif
