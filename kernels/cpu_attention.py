@@ -42,7 +42,8 @@ class PrefillSeq:
     hi: int
     length: int
     rows: torch.Tensor
-    mask: torch.Tensor | None        # [group * q, length] bool; None when q == 1 (sees everything)
+    mask: torch.Tensor | None        # [q, length] bool when earlier tokens are cached, else None
+    causal: bool                     # the whole sequence at once (q == length > 1): SDPA's own causal mask
 
 
 @dataclass(frozen=True)
@@ -101,12 +102,11 @@ def stacked_rows(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor |
     return k_cache.as_strided((2 * num_blocks * num_kv_heads, block_size * head_dim), (block_size * head_dim, 1))
 
 
-def step_plan(meta: AttentionMetadata, k_cache: torch.Tensor, num_heads: int, stacked: bool,
-              decodes: bool = True) -> StepPlan:
+def step_plan(meta: AttentionMetadata, k_cache: torch.Tensor, stacked: bool, decodes: bool = True) -> StepPlan:
     """decodes=False: the decodes are attended elsewhere (decode_native), so no groups are built for them."""
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     versions = (id(meta.block_tables), version(meta.block_tables), id(meta.seq_lens), version(meta.seq_lens))
-    key = (num_blocks, num_kv_heads, block_size, num_heads // num_kv_heads, stacked, k_cache.device, decodes)
+    key = (num_blocks, num_kv_heads, block_size, stacked, k_cache.device, decodes)
     return _step_plans.get(meta, versions, key, _build_plan)
 
 
@@ -126,8 +126,8 @@ def _build_write_plan(slots: torch.Tensor, num_kv_heads: int, block_size: int) -
     return WritePlan(rows * block_size + (slots % block_size)[:, None], tokens)
 
 
-def _build_plan(meta: AttentionMetadata, num_blocks: int, num_kv_heads: int, block_size: int, group: int,
-                stacked: bool, device: torch.device, with_decodes: bool) -> StepPlan:
+def _build_plan(meta: AttentionMetadata, num_blocks: int, num_kv_heads: int, block_size: int, stacked: bool,
+                device: torch.device, with_decodes: bool) -> StepPlan:
     heads = torch.arange(num_kv_heads, device=device)
 
     def rows(tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -153,11 +153,12 @@ def _build_plan(meta: AttentionMetadata, num_blocks: int, num_kv_heads: int, blo
         if hi == lo:
             continue
         mask = None
-        if hi - lo > 1:
+        if 1 < hi - lo < length:
             # Query row r sits at absolute position length - q + r and sees keys up to it.
-            q_pos = torch.arange(length - (hi - lo), length, device=device).repeat(group)
+            q_pos = torch.arange(length - (hi - lo), length, device=device)
             mask = torch.arange(length, device=device)[None, :] <= q_pos[:, None]
-        prefills.append(PrefillSeq(lo, hi, length, rows(meta.block_tables[i:i + 1], length), mask))
+        causal = 1 < hi - lo == length
+        prefills.append(PrefillSeq(lo, hi, length, rows(meta.block_tables[i:i + 1], length), mask, causal))
     return StepPlan(tuple(decodes), tuple(prefills))
 
 
@@ -263,16 +264,14 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
 
 def _prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_rows: torch.Tensor | None,
              p: PrefillSeq, scale: float) -> torch.Tensor:
-    qlen, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
     keys, values = gather(k_cache, v_cache, kv_rows, p.rows, 1, p.length)
-    q = query.view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)   # [Hkv, G, q, D]
     # A float32 query over a bfloat16 cache attends in float32: rounding the query too would add error the
     # cache did not.
     work = torch.promote_types(query.dtype, keys.dtype)
-    q = q.reshape(num_kv_heads, group * qlen, head_dim).to(work)
-    out = F.scaled_dot_product_attention(q, keys[:, 0].to(work), values[:, 0].to(work), attn_mask=p.mask,
-                                         scale=scale)
-    out = out.view(num_kv_heads, group, qlen, head_dim).permute(2, 0, 1, 3)
-    return out.reshape(qlen, num_heads, head_dim).to(query.dtype)
+    # [1, H, q, D] against [1, Hkv, L, D] with enable_gqa, and SDPA's own causal mask for a whole prompt:
+    # torch's CPU flash kernel takes this form, 2-3x faster (measured on the embedded model's shapes, 128-512
+    # tokens) than the query heads of a KV head stacked into one [G * q] matrix with an explicit mask.
+    out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0).to(work),
+                                         keys[:, 0].unsqueeze(0).to(work), values[:, 0].unsqueeze(0).to(work),
+                                         attn_mask=p.mask, is_causal=p.causal, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1).to(query.dtype)

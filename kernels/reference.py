@@ -48,7 +48,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if window is None and softcap is None and k_cache.dtype.itemsize > 1:
         kv_rows = cpu_attention.stacked_rows(k_cache, v_cache)
         decoded = cpu_attention.decode_native(query, k_cache, v_cache, meta, scale)
-        plan = cpu_attention.step_plan(meta, k_cache, query.shape[1], kv_rows is not None, decodes=decoded is None)
+        plan = cpu_attention.step_plan(meta, k_cache, kv_rows is not None, decodes=decoded is None)
         return cpu_attention.paged_attention(query, k_cache, v_cache, kv_rows, plan, scale, decoded)
     out = torch.empty_like(query)
     # Decodes in groups: each group gathers its context padded only to its own longest member

@@ -34,7 +34,7 @@ def measure(batch: int, lo: int, hi: int, rounds: int, dtype: torch.dtype) -> tu
     kv_rows = cpu_attention.stacked_rows(k_cache, v_cache)
 
     def sdpa() -> torch.Tensor:
-        plan = cpu_attention.step_plan(meta, k_cache, 9, kv_rows is not None)
+        plan = cpu_attention.step_plan(meta, k_cache, kv_rows is not None)
         return cpu_attention.paged_attention(q, k_cache, v_cache, kv_rows, plan, 0.125)
 
     def native() -> torch.Tensor:

@@ -21,7 +21,7 @@ def _attention(q, k_cache, v_cache, meta, scale, native: bool):
     if native:
         return reference.paged_attention(q, k_cache, v_cache, meta, scale)
     kv_rows = cpu_attention.stacked_rows(k_cache, v_cache)
-    plan = cpu_attention.step_plan(meta, k_cache, q.shape[1], kv_rows is not None)
+    plan = cpu_attention.step_plan(meta, k_cache, kv_rows is not None)
     return cpu_attention.paged_attention(q, k_cache, v_cache, kv_rows, plan, scale)
 
 
@@ -42,6 +42,7 @@ CASES = {
     "ragged_two_groups": [(1 + (5 * i) % 37, 1) for i in range(18)],
     "mixed": [(17, 1), (3, 1), (16, 16), (40, 7), (9, 1)],
     "prefill_only": [(40, 7)],
+    "fresh_prompt_only": [(45, 45)],
 }
 
 
@@ -75,6 +76,19 @@ def test_bf16_decode_matches_dense(seqs, native):
     q = torch.randn(len(seqs), 9, 64, generator=gen).to(torch.bfloat16)
     out = _attention(q, kv[0], kv[1], meta, 0.125, native)
     _check(out, q, kv[0], kv[1], tables, meta, seqs, 0.125, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("seqs", [[(45, 45)], [(130, 1), (40, 40), (70, 9)]])
+def test_float32_query_over_a_bf16_cache_attends_in_float32(seqs):
+    """The CPU default for int4/int8 weights: the cache rounds K and V, the query stays float32 (within float32
+    summation of the cached values themselves)."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache, tables, meta = make_batch(seqs, 16, 3, 64, gen, dtype=torch.bfloat16)
+    kv = torch.stack((k_cache, v_cache))
+    q = torch.randn(meta.query_start_loc_cpu[-1], 9, 64, generator=gen)
+    out = _attention(q, kv[0], kv[1], meta, 0.125, native=True)
+    assert out.dtype == torch.float32
+    _check(out, q, kv[0], kv[1], tables, meta, seqs, 0.125, rtol=1e-4, atol=1e-5)
 
 
 @needs_native
