@@ -50,10 +50,11 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3)])
 @pytest.mark.parametrize("stacked", [True, False])
-def test_paged_attention_matches_dense(case, hq, hkv, stacked, native):
+@pytest.mark.parametrize("d", [16, 64])       # the C kernel's generic loops, and its AVX-512 ones (d % 64 == 0)
+def test_paged_attention_matches_dense(case, hq, hkv, stacked, native, d):
     seqs = sorted(CASES[case], key=lambda s: s[1] != 1)      # decodes first, as the runner orders them
     gen = torch.Generator().manual_seed(1)
-    d, block_size = 16, 16
+    block_size = 16
     k_cache, v_cache, tables, meta = make_batch(seqs, block_size, hkv, d, gen)
     if stacked:
         kv = torch.stack((k_cache, v_cache))
@@ -69,11 +70,12 @@ def test_paged_attention_matches_dense(case, hq, hkv, stacked, native):
 
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("seqs", [[(130, 1)], [(130, 1), (7, 1), (64, 1)]])
-def test_bf16_decode_matches_dense(seqs, native):
+@pytest.mark.parametrize("d", [64, 128])
+def test_bf16_decode_matches_dense(seqs, native, d):
     gen = torch.Generator().manual_seed(2)
-    k_cache, v_cache, tables, meta = make_batch(seqs, 16, 3, 64, gen, dtype=torch.bfloat16)
+    k_cache, v_cache, tables, meta = make_batch(seqs, 16, 3, d, gen, dtype=torch.bfloat16)
     kv = torch.stack((k_cache, v_cache))
-    q = torch.randn(len(seqs), 9, 64, generator=gen).to(torch.bfloat16)
+    q = torch.randn(len(seqs), 9, d, generator=gen).to(torch.bfloat16)
     out = _attention(q, kv[0], kv[1], meta, 0.125, native)
     _check(out, q, kv[0], kv[1], tables, meta, seqs, 0.125, rtol=2e-2, atol=2e-2)
 
