@@ -7,9 +7,9 @@ takes one scale per channel, so each chunk is its own call (a whole row is one c
 Those kernels only run fast with bfloat16 activations (measured here at batch 1: 15 µs in bfloat16 against
 332 µs in float32 for a 576x576 int4 GEMM), so other activations are cast to bfloat16 around the call.
 
-On CPUs with AVX512-VNNI an int4 call of fewer than int4_dense_min_rows() rows runs our integer GEMM
-instead (kernels/csrc/gemm_int4.c: float32 in and out, inputs rounded to int16), which beat every other
-path there, the GEMVs included.
+On CPUs with AVX512-VNNI an int4 call of 2 to int4_dense_min_rows() - 1 rows runs our integer GEMM instead
+(kernels/csrc/gemm_int4.c: float32 in and out, inputs rounded to int16), which beat every other path there;
+one row keeps the float GEMV.
 
 torch's kernels are GEMV kernels at heart: their cost grows with the input rows at a fraction of a dense GEMM's
 speed.
@@ -33,10 +33,10 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 _INNER_K_TILES = 8          # CUDA tinygemm packing; K must be a multiple of 16 * this
 # Input rows from which the widen-then-dense path wins on CPU (benchmarks/cpu_dequant.md): against torch's
 # int4 kernel int4 breaks even near 48 rows; torch's int8 kernel re-reads the weight for every row, so int8
-# pays from 16. Against the integer int4 GEMM (kernels/csrc/gemm_int4.c, AVX512-VNNI) int4 breaks even near
-# 128 rows (benchmarks/cpu_gemm_int4.md).
+# pays from 16. Against the integer int4 GEMM (kernels/csrc/gemm_int4.c, AVX512-VNNI) int4 breaks even
+# between 192 and 256 rows (benchmarks/cpu_gemm_int4.md, the embedded model's 30 layers streamed from memory).
 INT4_DENSE_MIN_ROWS = 64
-INT4_DENSE_MIN_ROWS_AFTER_GEMM = 128
+INT4_DENSE_MIN_ROWS_AFTER_GEMM = 224
 INT8_DENSE_MIN_ROWS = 16
 # Output rows of an int8 weight widened at a time: 4096 x 576 bfloat16 is 4.7 MB, transient, so a tied
 # 49152-row head never exists in bfloat16 (the 56 MB it would take is more than the quantized model).
@@ -103,8 +103,9 @@ def dense_path(x2: torch.Tensor, min_rows: int) -> bool:
 
 
 class _Native(NamedTuple):
-    gemv: bool          # the AVX-512 GEMVs of kernels/csrc/gemv.c
-    int4_gemm: bool     # the AVX512-VNNI int4 GEMM of kernels/csrc/gemm_int4.c
+    gemv: bool              # the AVX-512 GEMVs of kernels/csrc/gemv.c
+    int4_gemm: bool         # the AVX512-VNNI int4 GEMM of kernels/csrc/gemm_int4.c
+    int4_gemm_min_rows: int  # rows from which it beats the GEMV (gemm_int4.h says why)
 
 
 @functools.lru_cache(maxsize=1)
@@ -112,8 +113,9 @@ def _native() -> _Native:
     """What this machine's build of the C kernels has: asked once, not on every linear."""
     lib = cpu_native.library()
     if lib is None:
-        return _Native(False, False)
-    return _Native(bool(lib.ps_gemv_vectorized()), bool(lib.ps_gemm_int4_vectorized()))
+        return _Native(False, False, 0)
+    return _Native(bool(lib.ps_gemv_vectorized()), bool(lib.ps_gemm_int4_vectorized()),
+                   int(lib.ps_gemm_int4_min_rows()))
 
 
 def int4_dense_min_rows() -> int:
@@ -165,7 +167,8 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
     x2 = x.reshape(-1, shape[-1])
     y = None
     if w.out_features % 64 == 0 and x2.device.type == "cpu":
-        if _native().int4_gemm and x2.shape[0] < dense_min_rows:
+        native = _native()
+        if native.int4_gemm and native.int4_gemm_min_rows <= x2.shape[0] < dense_min_rows:
             y = _int4_gemm(x2, w)
         elif _gemv_path(x2):
             y = _int4_gemv(x2, w)

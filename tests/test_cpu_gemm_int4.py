@@ -69,7 +69,8 @@ def test_int4_linear_takes_it_below_the_dense_rows():
     w, dense = _int4_case(128, 256, 64, seed=5)
     below = torch.randn(weight_only.int4_dense_min_rows() - 1, 256)
     assert torch.equal(weight_only.int4_linear(below, w), _gemm(below, w))
-    assert torch.equal(weight_only.int4_linear(below[:1], w), _gemm(below[:1], w))     # batch 1 too
+    assert torch.equal(weight_only.int4_linear(below[:2], w), _gemm(below[:2], w))
+    assert torch.equal(weight_only.int4_linear(below[:1], w), weight_only._int4_gemv(below[:1], w))   # 1 row: GEMV
     at = torch.randn(weight_only.int4_dense_min_rows(), 256)
     assert not torch.equal(weight_only.int4_linear(at, w), _gemm(at, w))                # widened + oneDNN
     # A bfloat16 caller gets bfloat16 back, and a bias is added.

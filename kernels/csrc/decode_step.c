@@ -85,7 +85,7 @@ static void linear_part(const LinearDesc *l, const float *x, int64_t rows, float
     if (l->kind == LINEAR_INT4) {
         const GemvInt4 w = {(const uint8_t *)l->w, l->scales, l->n, l->k, l->group};
         split(l->n / 64, tid, threads, &a, &b);
-        if (ps_gemm_int4_part(&w, x, rows, y, a, b)) ps_gemv_int4_blocks(&w, x, rows, y, a, b);
+        if (ps_gemm_int4_part(&w, x, rows, y, a, b)) ps_gemv_int4_blocks(&w, x, rows, y, a, b);   /* 1 row: GEMV */
         a *= 64;
         b *= 64;
     } else {

@@ -7,8 +7,15 @@
 /* 1 where this build has the kernel (AVX512-VNNI); elsewhere the calls below return 2. */
 int ps_gemm_int4_vectorized(void);
 
+/* Rows from which it pays: one row streams the weights faster through the float GEMV (gemv.c), which reads
+   each code once, than through the tile this kernel unpacks them into (benchmarks/cpu_gemm_int4.md: 4.1 vs
+   6.3 ms for the embedded model's 30 layers; equal at 2 rows, 1.1x at 4). */
+enum { GEMM_INT4_MIN_ROWS = 2 };
+int ps_gemm_int4_min_rows(void);
+
 /* One thread's share (64-channel blocks nb0..nb1-1) of y [rows, n] = x [rows, k] @ w^T, x rounded here:
-   for the decode step's few rows (<= GEMV_MAX_ROWS, on the stack). 0 on success, 2 where it does not apply. */
+   for the decode step's few rows (GEMM_INT4_MIN_ROWS..GEMV_MAX_ROWS, on the stack). 0 on success, 2 where it
+   does not apply (fewer rows included: the caller's GEMV serves them). */
 int ps_gemm_int4_part(const GemvInt4 *w, const float *x, int64_t rows, float *y, int64_t nb0, int64_t nb1);
 
 /* The whole product for any number of rows, on `threads` OpenMP threads: 0 on success, 2 where it does not
