@@ -7,9 +7,9 @@ takes one scale per channel, so each chunk is its own call (a whole row is one c
 Those kernels only run fast with bfloat16 activations (measured here at batch 1: 15 µs in bfloat16 against
 332 µs in float32 for a 576x576 int4 GEMM), so other activations are cast to bfloat16 around the call.
 
-On CPUs with AVX512-VNNI an int4 call of 2 to int4_dense_min_rows() - 1 rows runs our integer GEMM instead
+On CPUs with AVX512-VNNI an int4 call of 4 to int4_dense_min_rows() - 1 rows runs our integer GEMM instead
 (kernels/csrc/gemm_int4.c: float32 in and out, inputs rounded to int16), which beat every other path there;
-one row keeps the float GEMV.
+fewer rows keep the float GEMV (the library says from how many: ps_gemm_int4_min_rows).
 
 torch's kernels are GEMV kernels at heart: their cost grows with the input rows at a fraction of a dense GEMM's
 speed.

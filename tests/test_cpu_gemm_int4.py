@@ -69,12 +69,14 @@ def test_int4_linear_takes_it_below_the_dense_rows():
     w, dense = _int4_case(128, 256, 64, seed=5)
     below = torch.randn(weight_only.int4_dense_min_rows() - 1, 256)
     assert torch.equal(weight_only.int4_linear(below, w), _gemm(below, w))
-    assert torch.equal(weight_only.int4_linear(below[:2], w), _gemm(below[:2], w))
-    assert torch.equal(weight_only.int4_linear(below[:1], w), weight_only._int4_gemv(below[:1], w))   # 1 row: GEMV
+    fewest = LIB.ps_gemm_int4_min_rows()
+    assert torch.equal(weight_only.int4_linear(below[:fewest], w), _gemm(below[:fewest], w))
+    for rows in range(1, fewest):                                                   # fewer: the GEMV
+        assert torch.equal(weight_only.int4_linear(below[:rows], w), weight_only._int4_gemv(below[:rows], w))
     at = torch.randn(weight_only.int4_dense_min_rows(), 256)
     assert not torch.equal(weight_only.int4_linear(at, w), _gemm(at, w))                # widened + oneDNN
     # A bfloat16 caller gets bfloat16 back, and a bias is added.
-    x, bias = below[:3].to(torch.bfloat16), torch.randn(128).to(torch.bfloat16)
+    x, bias = below[:5].to(torch.bfloat16), torch.randn(128).to(torch.bfloat16)
     got = weight_only.int4_linear(x, w, bias)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, _gemm(x.float(), w).to(torch.bfloat16) + bias)

@@ -7,10 +7,10 @@
 /* 1 where this build has the kernel (AVX512-VNNI); elsewhere the calls below return 2. */
 int ps_gemm_int4_vectorized(void);
 
-/* Rows from which it pays: one row streams the weights faster through the float GEMV (gemv.c), which reads
-   each code once, than through the tile this kernel unpacks them into (benchmarks/cpu_gemm_int4.md: 4.1 vs
-   6.3 ms for the embedded model's 30 layers; equal at 2 rows, 1.1x at 4). */
-enum { GEMM_INT4_MIN_ROWS = 2 };
+/* Rows from which it pays: a row or two stream the weights faster through the float GEMV (gemv.c), which
+   reads each code once, than through the tile this kernel unpacks them into (benchmarks/cpu_gemm_int4.md, the
+   embedded model's 30 layers: 0.65-0.84x the GEMV's speed at 1 row, 0.88-1.02x at 2, 1.08-1.11x at 4). */
+enum { GEMM_INT4_MIN_ROWS = 4 };
 int ps_gemm_int4_min_rows(void);
 
 /* One thread's share (64-channel blocks nb0..nb1-1) of y [rows, n] = x [rows, k] @ w^T, x rounded here:
