@@ -52,9 +52,9 @@ def resolve_kv_cache_dtype(requested: str, device: str, model_dtype: str, weight
 
     auto on CPU with int4/int8 weights: bfloat16. Such a model runs float32 activations only for the sake of
     its GEMVs and residual stream (resolve_dtype); a decode step reads every sequence's whole cache, so at a
-    64-sequence W1 step of ~340-token contexts a float32 cache is ~1 GB of reads a step (2.1 ms a layer
-    against 1.2 in bfloat16, measured in benchmarks/cpu_kv_cache.md). llama.cpp keeps a 16-bit cache by
-    default for the same reason. Everywhere else auto is the model dtype, as in vLLM.
+    64-sequence W1 step of ~340-token contexts a float32 cache is ~1 GB of reads a step (decode attention
+    76.6 ms a step against 51.7 in bfloat16, benchmarks/cpu_kv_cache.md). llama.cpp keeps a 16-bit cache by
+    default too. Everywhere else auto is the model dtype, as in vLLM.
     """
     if requested.startswith("fp8"):
         return "fp8"

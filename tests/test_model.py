@@ -282,3 +282,23 @@ def test_reverse_permute_undoes_llama_cpp_permute():
     for n_head, rows in ((9, 9 * 64), (3, 3 * 64), (2, 2 * 8)):
         w = np.random.default_rng(0).standard_normal((rows, 5)).astype(np.float32)
         assert np.array_equal(reverse_permute(llama_cpp_permute(w, n_head), n_head), w)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) / 1024
+
+
+def test_cpu_kv_cache_is_resident_only_where_written(tiny_llama_dir):
+    """A 1 GiB CPU cache costs resident memory only for the blocks requests write (an anonymous mapping), and
+    reads as zeros where nothing was written."""
+    from pagedserve import LLM, SamplingParams
+    before = _rss_mib()
+    with LLM(tiny_llama_dir, kv_cache_memory=1.0, max_model_len=256) as llm:
+        caches = llm.engine.executor.worker.runner.kv_caches
+        assert sum(c.numel() * c.element_size() for c in caches) > 0.9 * 2 ** 30
+        assert _rss_mib() - before < 400, "the whole cache became resident at start"
+        out = llm.generate([{"prompt_token_ids": list(range(3, 40))}], SamplingParams(max_tokens=4),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        assert all(float(c[:, -1].abs().sum()) == 0.0 for c in caches)      # the last block: never written

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 
 import torch
 from torch import nn
@@ -19,6 +21,17 @@ from pagedserve.ipc.messages import LogprobsEntry, ModelRunnerOutput, SchedulerO
 from pagedserve.kernels.kv_quant import kv_cache_torch_dtype
 
 logger = logging.getLogger(__name__)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV cache. On CPU an anonymous mapping: the OS guarantees its pages read as zero and makes them
+    resident only when first written, so the cache holds memory for the blocks in use, not the whole
+    --kv-cache-memory at start (torch.zeros writes every page: 2 GiB of resident memory from the first
+    request on)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 class ModelRunner:
@@ -45,7 +58,7 @@ class ModelRunner:
         self.kv_caches = []        # let a previous (profiling) cache go before the new one is allocated
         # Zeros, not empty: attention reads whole blocks and masks the tail, and a masked NaN in V
         # still poisons the output (0 * NaN).
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in layers]
+        self.kv_caches = [_zeros(shape, self.kv_dtype, self.device) for _ in layers]
         for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache
 
