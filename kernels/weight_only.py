@@ -129,24 +129,23 @@ def _gemv_path(x2: torch.Tensor) -> bool:
     return x2.device.type == "cpu" and x2.shape[0] <= GEMV_MAX_ROWS and _native().gemv
 
 
-def _int4_gemm(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+def _int4_native(x2: torch.Tensor, w: Int4Weight, kernel: str) -> torch.Tensor:
+    """One of the C int4 kernels with the pack's signature: ps_gemm_int4 (integer GEMM) or ps_gemv_int4."""
     x2 = x2.to(torch.float32).contiguous()
     y = torch.empty(x2.shape[0], w.out_features, dtype=torch.float32)
-    cpu_native.check(cpu_native.library().ps_gemm_int4(
+    cpu_native.check(getattr(cpu_native.library(), kernel)(
         w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), w.out_features, w.in_features, w.group_size,
         x2.data_ptr(), x2.shape[0], y.data_ptr(),
-        cpu_native.threads_for(w.packed.numel() * 2, GEMV_MIN_WEIGHTS_PER_THREAD)), "int4 GEMM")
+        cpu_native.threads_for(w.packed.numel() * 2, GEMV_MIN_WEIGHTS_PER_THREAD)), kernel)
     return y
+
+
+def _int4_gemm(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    return _int4_native(x2, w, "ps_gemm_int4")
 
 
 def _int4_gemv(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    x2 = x2.to(torch.float32).contiguous()
-    y = torch.empty(x2.shape[0], w.out_features, dtype=torch.float32)
-    cpu_native.check(cpu_native.library().ps_gemv_int4(
-        w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), w.out_features, w.in_features, w.group_size,
-        x2.data_ptr(), x2.shape[0], y.data_ptr(),
-        cpu_native.threads_for(w.packed.numel() * 2, GEMV_MIN_WEIGHTS_PER_THREAD)), "int4 GEMV")
-    return y
+    return _int4_native(x2, w, "ps_gemv_int4")
 
 
 def _int8_gemv(x2: torch.Tensor, w: Int8Weight) -> torch.Tensor:
