@@ -165,3 +165,31 @@ def test_grammar_cache_is_bounded(tmp_path, monkeypatch):
         assert manager.num_compiles == compiled + 1
     finally:
         manager.shutdown()
+
+
+def test_the_backend_load_is_not_the_grammars_compile_time(tmp_path):
+    """The first compile also loads xgrammar's view of the tokenizer (once per process): a short
+    --structured-outputs-compile-timeout must not fail the first requests of a slow machine for it."""
+    import time
+
+    import pagedserve.core.structured_output as so
+    from pagedserve.tests.helpers.tiny_models import make_tiny_serving_model
+    folder = make_tiny_serving_model(str(tmp_path))
+
+    def slow_tokenizer_dir() -> str:
+        time.sleep(1.5)                                # a loaded machine: longer than the timeout below
+        return folder
+    manager = so.StructuredOutputManager(slow_tokenizer_dir, vocab_size=49152, stop_token_ids=[2],
+                                         compile_timeout_s=1.0)
+    try:
+        state = manager.submit(StructuredOutputsParams(choice=["yes", "no"]))
+        deadline = time.monotonic() + 60
+        while True:
+            ready, error = manager.poll(state, [1, 2, 3])
+            assert error is None, error
+            if ready:
+                break
+            assert time.monotonic() < deadline
+            manager.wait_any([state], 0.05)
+    finally:
+        manager.shutdown()

@@ -33,6 +33,10 @@ MAX_CACHED_GRAMMARS = 256
 COMPILE_THREADS = 4
 # How many compile timeouts a request may wait in the queue before it gets its 400.
 QUEUE_TIMEOUT_FACTOR = 3
+# The grammar backend (xgrammar's view of the tokenizer) loads once per process, in the first compile's
+# thread: not a grammar's compile time (counted in it, a 1 s timeout failed the first requests of a loaded
+# machine), but bounded too, so that a request never hangs on it.
+BACKEND_LOAD_TIMEOUT_S = 120.0
 
 
 class StructuredOutputManager:
@@ -65,8 +69,9 @@ class StructuredOutputManager:
             return self._backend
 
     def _compile(self, params: StructuredOutputsParams, started: list[float]) -> Any:
-        started.append(time.monotonic())
+        started.append(time.monotonic())                   # off the queue
         backend = self._load_backend()
+        started.append(time.monotonic())                   # the grammar's own compile begins
         start = time.perf_counter()
         with self._lock:
             self.num_compiles += 1
@@ -79,7 +84,7 @@ class StructuredOutputManager:
         key = params.cache_key()
         future = self._cache.pop(key, None)
         if future is None:
-            started: list[float] = []          # filled by the pool thread when the compile begins
+            started: list[float] = []          # the pool thread's times: off the queue, compile begins
             future = self._pool.submit(self._compile, params, started)
             future.started = started
             self._evict()
@@ -99,9 +104,12 @@ class StructuredOutputManager:
         future = state.compiled
         if not future.done():
             started, now = future.started, time.monotonic()
-            if started and now - max(started[0], state.submitted) > self.compile_timeout_s:
+            if len(started) > 1 and now - max(started[1], state.submitted) > self.compile_timeout_s:
                 return False, (f"structured_outputs.{state.params.kind}: the grammar did not compile within "
                                f"{self.compile_timeout_s:g} s (--structured-outputs-compile-timeout)")
+            if len(started) == 1 and now - started[0] > BACKEND_LOAD_TIMEOUT_S:
+                return False, (f"structured_outputs.{state.params.kind}: the grammar backend did not load its "
+                               f"view of the tokenizer within {BACKEND_LOAD_TIMEOUT_S:g} s")
             # Still queued: every compile thread is held by slow grammars. Bounded so a request never hangs.
             if not started and now - state.submitted > QUEUE_TIMEOUT_FACTOR * self.compile_timeout_s:
                 return False, (f"structured_outputs.{state.params.kind}: every grammar compile thread stayed "
