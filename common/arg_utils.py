@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
+
+from pagedserve.common import envs
 
 T = TypeVar("T")
 
@@ -33,7 +34,7 @@ def setting(default: Any = None, *, help: str, choices: Sequence[str] | None = N
     metadata = {"help": help, "choices": tuple(choices) if choices is not None else None,
                 "aliases": tuple(aliases), "store_true": store_true, "env": env}
     if env is not None:
-        return dataclasses.field(default_factory=lambda: os.environ.get(env), metadata=metadata)
+        return dataclasses.field(default_factory=lambda: getattr(envs, env), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from pagedserve.common import envs
 from pagedserve.common.hub import local_or_hub_path
 
 logger = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ def rope_max_positions(hf_config: Any) -> int:
 
 
 def cache_root() -> str:
-    return os.environ.get("PAGEDSERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve"))
+    return envs.PAGEDSERVE_CACHE_DIR
 
 
 def tokenizer_folder(source: ModelSource, tokenizer: str | None = None) -> str:

@@ -28,7 +28,7 @@ from pagedserve.ipc.messages import (AbortRequests, EngineCoreInput, EngineCoreO
                                      EngineCoreRequest, EngineReady, EngineStartupFailed, UtilityCall,
                                      UtilityResult)
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
-from pagedserve.ipc.sockets import IPC_ROOT_ENV, make_socket
+from pagedserve.ipc.sockets import make_socket
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def run_engine_core(args_json: bytes, executor_class: Callable[[EngineConfig], E
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
     setup_child_process("ps-engine-core", parent_pid)
     if ipc_root is not None:
-        os.environ[IPC_ROOT_ENV] = ipc_root
+        os.environ["PAGEDSERVE_IPC_ROOT"] = ipc_root     # read through common/envs
     ctx = zmq.Context()
     handshake = make_socket(ctx, addresses.handshake, zmq.PUSH, bind=False)
     encoder = MsgpackEncoder()

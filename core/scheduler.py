@@ -11,7 +11,7 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.request_queue import make_queue
 from pagedserve.core.structured_output import StructuredOutputManager
 from pagedserve.core.structured_output.waiting import GrammarWaiters
-from pagedserve.ipc.messages import (CachedRequestData, EngineCoreOutput, LogprobsEntry, ModelRunnerOutput,
+from pagedserve.ipc.messages import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                      NewRequestData, SchedulerOutput, SchedulerStats)
 
 logger = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pagedserve.common import envs
 from pagedserve.common.config import CLIENT_KEEPALIVE_S, CORE_HEARTBEAT_INTERVAL_S, EngineArgs
 from pagedserve.common.process_utils import ModuleProcess, stop_at_exit
 from pagedserve.core.engine_core_main import MODULE as CORE_MAIN, CoreLaunch, class_reference
@@ -26,7 +27,6 @@ from pagedserve.ipc.sockets import IpcPaths, cleanup_ipc_path, make_socket
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_STARTUP_TIMEOUT", "900"))
 _POLL_MS = 100
 # A utility call is re-sent this often until answered: the core's output socket drops replies to a peer it
 # has not seen yet, so the first call of a new client may be lost (the repeat is harmless: calls are reads
@@ -83,7 +83,8 @@ class CoreProcess:
 
     def _wait_ready(self, sock: zmq.Socket) -> EngineReady:
         decoder = MsgpackDecoder(EngineHandshake)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        timeout_s = envs.PAGEDSERVE_STARTUP_TIMEOUT
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if sock.poll(_POLL_MS):
                 msg = decoder.decode(sock.recv_multipart())
@@ -92,7 +93,7 @@ class CoreProcess:
                 return msg
             if not self.proc.is_alive():
                 raise RuntimeError(f"engine core process exited during startup (exit code {self.proc.exitcode})")
-        raise TimeoutError(f"engine core did not become ready within {STARTUP_TIMEOUT_S:.0f} s")
+        raise TimeoutError(f"engine core did not become ready within {timeout_s:.0f} s")
 
     def is_alive(self) -> bool:
         return self.proc.is_alive()

@@ -9,9 +9,10 @@ import uuid
 
 import zmq
 
+from pagedserve.common import envs
+
 # Set by the engine core process for itself and its workers: their ipc folders nest inside the folder of
 # the process that started the core, so removing that one folder removes them even after a SIGKILL.
-IPC_ROOT_ENV = "PAGEDSERVE_IPC_ROOT"
 
 
 class IpcPaths:
@@ -19,7 +20,7 @@ class IpcPaths:
 
     def __init__(self, prefix: str) -> None:
         # Short: unix socket paths are limited to 107 bytes. mkdtemp makes it 0700: only this user connects.
-        parent = os.environ.get(IPC_ROOT_ENV)
+        parent = envs.PAGEDSERVE_IPC_ROOT
         if parent is not None and not os.path.isdir(parent):
             parent = None
         self.root = tempfile.mkdtemp(prefix=f"ps-{prefix}-{uuid.uuid4().hex[:6]}-", dir=parent)

@@ -20,6 +20,7 @@ import tempfile
 
 import torch
 
+from pagedserve.common import envs
 from pagedserve.common.model_files import cache_root
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def _build(compiler: str, sources: list[str], target: str, flags: tuple[str, ...
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, built once per source and machine; None where no C compiler works."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = envs.CC or shutil.which("cc") or shutil.which("gcc")
     if compiler is None or platform.system() != "Linux":
         logger.info("cpu kernels: no C compiler; the PyTorch paths serve every shape")
         return None

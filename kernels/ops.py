@@ -5,18 +5,18 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
+from pagedserve.common import envs
 from pagedserve.kernels import moe_reference, reference
 from pagedserve.kernels.metadata import AttentionMetadata
 
 
 @functools.cache
 def _triton_usable() -> bool:
-    if os.environ.get("PAGEDSERVE_KERNELS", "triton") == "torch":
+    if envs.PAGEDSERVE_KERNELS == "torch":
         return False
     try:
         import triton  # noqa: F401

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.executor.model.models.llama_cpu_step import ENV_SWITCH
 from pagedserve.kernels import cpu_decode_step, cpu_native, weight_only
 from pagedserve.tests.helpers.tiny_models import make_tiny_model, random_prompts
 
@@ -121,7 +120,7 @@ def tiny_model(request, tmp_path_factory) -> str:
 
 
 def _run(folder: str, prompts: list[list[int]], max_tokens: list[int], c_step: bool, monkeypatch) -> list:
-    monkeypatch.setenv(ENV_SWITCH, "1" if c_step else "0")
+    monkeypatch.setenv("PAGEDSERVE_CPU_DECODE_STEP", "1" if c_step else "0")
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=0) for m in max_tokens]
     with LLM(folder, dtype="float32", quantization="int8", max_model_len=256) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from pagedserve.common import envs
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.process_utils import ModuleProcess, stop_at_exit
 from pagedserve.common.throttled_log import ThrottledLog
@@ -25,7 +26,6 @@ from pagedserve.ipc.sockets import IpcPaths, free_tcp_port, make_socket
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_STARTUP_TIMEOUT", "900"))
 MAX_MESSAGE_BYTES = 64 << 20
 _POLL_MS = 50
 _MONITOR_TICK_S = 0.25      # the most the monitor sleeps: bounds detection slack and shutdown
@@ -75,7 +75,7 @@ class MultiProcExecutor(Executor):
             self.procs.append(ModuleProcess("pagedserve.executor.procs.worker_proc", msgspec.json.encode(launch),
                                             name=f"pagedserve-worker-{rank}"))
         ready: set[int] = set()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + envs.PAGEDSERVE_STARTUP_TIMEOUT
         while len(ready) < self.world_size:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"workers {sorted(set(range(self.world_size)) - ready)} did not start in time")

@@ -17,7 +17,7 @@ from pagedserve.common.process_utils import (describe_exception, exit_without_te
 from pagedserve.common.throttled_log import ThrottledLog
 from pagedserve.executor.procs.heartbeat import start_heartbeat_sender
 from pagedserve.ipc.broadcast import BroadcastReader
-from pagedserve.ipc.messages import ExecuteModel, WorkerCall, WorkerInput, WorkerResponse, WorkerShutdown
+from pagedserve.ipc.messages import ExecuteModel, WorkerInput, WorkerResponse, WorkerShutdown
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from pagedserve.ipc.sockets import make_socket
 

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
+from pagedserve.common import envs
 from pagedserve.common.config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
 from pagedserve.executor.worker.model_runner import ModelRunner
 from pagedserve.executor.model.parallel_state import TPGroup
@@ -35,7 +35,7 @@ class Worker:
 
     def init_device(self) -> None:
         if self.device.type == "cuda":
-            local_rank = int(os.environ.get("LOCAL_RANK", self.rank))   # set by torchrun on every node
+            local_rank = envs.LOCAL_RANK if envs.LOCAL_RANK is not None else self.rank   # set by torchrun on every node
             self.device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
             torch.cuda.set_device(self.device)
         if self.config.cache.cache_dtype == "fp8":

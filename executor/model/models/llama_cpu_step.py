@@ -6,17 +6,16 @@ PAGEDSERVE_CPU_DECODE_STEP=0 keeps it for every step (for A/B runs against it).
 """
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
 import torch
 from torch import nn
 
+from pagedserve.common import envs
 from pagedserve.executor.model.layers.rotary import RotaryEmbedding
 from pagedserve.kernels.cpu_decode_step import MAX_ROWS, CpuDecodeStep, DecoderWeights
 from pagedserve.kernels.metadata import AttentionMetadata
 
-ENV_SWITCH = "PAGEDSERVE_CPU_DECODE_STEP"
 
 
 class SteppedModel(Protocol):
@@ -31,7 +30,7 @@ class CpuStepCache:
     """The model's C step, built at its first eligible step and again if the KV cache is re-bound."""
 
     def __init__(self) -> None:
-        self.enabled = os.environ.get(ENV_SWITCH, "1") != "0"
+        self.enabled = envs.PAGEDSERVE_CPU_DECODE_STEP
         self._key: tuple | None = None
         self._step: CpuDecodeStep | None = None
 

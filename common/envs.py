@@ -1,0 +1,70 @@
+"""Every environment variable pagedserve reads, parsed here and nowhere else (vLLM's `vllm.envs` shape).
+
+`envs.PAGEDSERVE_X` reads the variable when it is asked for, not at import: a test or a launcher that
+sets it before starting an engine is seen. A variable missing from this table is a typo, and an
+AttributeError says so.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def _cache_dir() -> str:
+    return os.environ.get("PAGEDSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedserve")
+
+
+def _float(name: str, default: float) -> Callable[[], float]:
+    def read() -> float:
+        raw = os.environ.get(name)
+        if raw is None or raw == "":
+            return default
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {name} must be a number, got {raw!r}") from None
+    return read
+
+
+def _choice(name: str, default: str, allowed: tuple[str, ...]) -> Callable[[], str]:
+    def read() -> str:
+        value = os.environ.get(name) or default
+        if value not in allowed:
+            raise ValueError(f"environment variable {name} must be one of {', '.join(allowed)}, got {value!r}")
+        return value
+    return read
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # Where converted GGUF tokenizers and the built C kernels are cached.
+    "PAGEDSERVE_CACHE_DIR": _cache_dir,
+    # The folder private ipc:// socket folders are made in (unset: the system's temp folder).
+    "PAGEDSERVE_IPC_ROOT": lambda: os.environ.get("PAGEDSERVE_IPC_ROOT") or None,
+    # Seconds an engine core or a worker may take to load before its starter gives up.
+    "PAGEDSERVE_STARTUP_TIMEOUT": _float("PAGEDSERVE_STARTUP_TIMEOUT", 900.0),
+    # "torch" runs the PyTorch kernels on CUDA too (A/B checks against the Triton ones).
+    "PAGEDSERVE_KERNELS": _choice("PAGEDSERVE_KERNELS", "triton", ("triton", "torch")),
+    # "0" keeps quantized CPU decode steps on the layer stack instead of the one-call C step (A/B runs).
+    "PAGEDSERVE_CPU_DECODE_STEP": lambda: os.environ.get("PAGEDSERVE_CPU_DECODE_STEP", "1") != "0",
+    # Defaults of secrets that are also flags (--api-key, --engine-token): never shown in --help.
+    "PAGEDSERVE_API_KEY": lambda: os.environ.get("PAGEDSERVE_API_KEY") or None,
+    "PAGEDSERVE_ENGINE_TOKEN": lambda: os.environ.get("PAGEDSERVE_ENGINE_TOKEN") or None,
+    # Where scripts/build_llama_server.sh builds llama.cpp's server (the CPU peer of the benchmarks).
+    "PAGEDSERVE_LLAMA_CPP_DIR": lambda: os.environ.get("PAGEDSERVE_LLAMA_CPP_DIR")
+    or os.path.join(_cache_dir(), "llama.cpp"),
+    # Set by torchrun on every node: the rank's GPU on its own machine.
+    "LOCAL_RANK": lambda: int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else None,
+    # The C compiler that builds kernels/csrc (unset: cc, else gcc).
+    "CC": lambda: os.environ.get("CC") or None,
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r} (not a pagedserve environment variable)")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)
