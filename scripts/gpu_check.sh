@@ -18,7 +18,7 @@ MODEL=/tmp/qwen3-0.6b
 for step in $steps; do
   start=$(date +%s)
   case $step in
-    tests) $PY -m pytest -q -p no:cacheprovider -x tests/test_kernels.py tests/test_gpu.py 2>&1 | tail -40 > "$OUT/tests.log" ;;
+    tests) $PY -m pytest -q -p no:cacheprovider -x tests/kernels/test_kernels.py tests/kernels/test_gpu.py 2>&1 | tail -40 > "$OUT/tests.log" ;;
     kernels) $PY scripts/bench_kernels.py --out "$OUT/kernels_gpu.md" > "$OUT/kernels.log" 2>&1 ;;
     decode)
       [ -d $MODEL ] || (cd scripts && $PY -c "from bench_throughput import make_qwen3_06b; make_qwen3_06b('$MODEL')")

@@ -21,7 +21,7 @@ from pagedserve.frontend.cli import main, make_parser, parse_args
 from pagedserve.frontend.server_args import ServerArgs
 
 ENV_VARS = ("PAGEDSERVE_API_KEY", "PAGEDSERVE_ENGINE_TOKEN")
-README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md")
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "README.md")
 
 
 @pytest.fixture(autouse=True)

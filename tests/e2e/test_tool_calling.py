@@ -18,7 +18,7 @@ import pytest
 from pagedserve.tests.helpers.server import Server
 from pagedserve.tests.helpers.tiny_models import make_tiny_serving_model
 
-TEMPLATE = os.path.join(os.path.dirname(__file__), "data", "hermes_tools.jinja")
+TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "data", "hermes_tools.jinja")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Rome"]},

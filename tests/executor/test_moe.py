@@ -14,8 +14,8 @@ from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.kernels import moe_reference
 from pagedserve.tests.helpers.tiny_models import make_tiny_model, prefill_logits, random_prompts
 from pagedserve.tests.helpers.tp_ranks import run_ranks
-from pagedserve.tests.test_model import hf_model, model_config
-from pagedserve.tests.test_phi3 import check_engine, shared_prefix
+from pagedserve.tests.executor.test_model import hf_model, model_config
+from pagedserve.tests.executor.test_phi3 import check_engine, shared_prefix
 
 # arch -> make_tiny_model overrides: few experts, tiny dims; each family's own routing flags.
 MOE_CASES: dict[str, dict] = {
@@ -160,7 +160,7 @@ def test_quantized_moe_is_refused_with_one_clear_error(tmp_path):
 
 def test_moe_tp2_logits_equal_tp1(tmp_path):
     """Every expert's intermediate dim split over 2 CPU ranks (gloo), one all-reduce per block."""
-    from pagedserve.tests.test_model import _tp_worker
+    from pagedserve.tests.executor.test_model import _tp_worker
     paths = [_make(tmp_path / arch, arch) for arch in ("qwen2_moe", "mixtral")]
     prompt = random_prompts(3, [40], 509, low=3)[0]
     expected = [prefill_logits(load_model(model_config(p), TPGroup()), prompt) for p in paths]

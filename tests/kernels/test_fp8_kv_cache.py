@@ -311,7 +311,7 @@ def test_fp8_kv_cache_on_the_embedded_model(smollm2_path):
     0.02 nats of the default cache (measured: 0.0036 against a float32 cache; greedy chat tokens over 32 steps stayed equal on 5 of
     8 prompts, the near-ties that bfloat16 activations also flip, see test_quantized_model.py)."""
     from pagedserve import LLM, SamplingParams
-    from test_quantized_model import TEXT
+    from pagedserve.tests.executor.test_quantized_model import TEXT
 
     def text_logprob(**kw) -> tuple[float, int]:
         with LLM(smollm2_path, max_model_len=512, kv_cache_memory=0.05, **kw) as llm:

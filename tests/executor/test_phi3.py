@@ -8,7 +8,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model, prefill_logits, random_prompts
-from pagedserve.tests.test_model import hf_model, model_config
+from pagedserve.tests.executor.test_model import hf_model, model_config
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)

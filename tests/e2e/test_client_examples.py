@@ -11,7 +11,7 @@ import pytest
 
 from pagedserve.tests.helpers.server import SMALL_KV, Server
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
 README_URL = "http://127.0.0.1:8000/v1"
 # name -> requests the example sends
 EXAMPLES = {"openai": 1, "openai-stream": 1, "langchain": 4, "litellm": 1}

@@ -11,7 +11,7 @@ import torch
 
 from pagedserve.kernels import cpu_attention, cpu_native, reference
 from pagedserve.tests.helpers.attention_cases import make_batch
-from pagedserve.tests.test_attention_ref import dense_attention, gather
+from pagedserve.tests.kernels.test_attention_ref import dense_attention, gather
 
 
 needs_native = pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler on this machine")

@@ -13,7 +13,7 @@ from pagedserve.executor.model.models.gemma import FULL, SLIDING, gemma3_ropes, 
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model, prefill_logits, random_prompts
 from pagedserve.tests.helpers.tp_ranks import run_ranks
-from pagedserve.tests.test_model import _tp_worker, hf_model, model_config
+from pagedserve.tests.executor.test_model import _tp_worker, hf_model, model_config
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)

@@ -14,7 +14,7 @@ from pagedserve.tests.helpers.server import SMALL_KV, Server
 
 pytestmark = pytest.mark.slow
 TOL = 1e-3
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run_lm_eval(model: str, model_args: dict, tmp_path, env_extra: dict[str, str] | None = None) -> dict:
