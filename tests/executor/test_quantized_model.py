@@ -17,16 +17,12 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.executor.model.quant.loading import num_weights, weight_bytes
 from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
+from pagedserve.tests.helpers.prompts import LIGHTHOUSE_TEXT as TEXT
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "How do I make a cup of tea?",
              "Name the three primary colors.", "Write a Python function that reverses a string.",
              "Why did the French Revolution begin?", "Give me one tip for learning a new language.",
              "What is photosynthesis?"]
-TEXT = ("The old lighthouse stood at the edge of the cliff, its white paint peeling after decades of storms. "
-        "Every evening the keeper climbed the narrow stairs to light the lamp, and every morning he wrote a "
-        "few lines in a worn leather book: the weather, the ships he had seen, and sometimes a thought about "
-        "the sea. When he retired, the town kept the book in its small library, where children still read it "
-        "on rainy afternoons and wonder what the keeper would have written about their own time.")
 
 
 def _greedy_and_text_logprob(llm: LLM) -> tuple[list[list[int]], float]:

@@ -1,4 +1,5 @@
-"""Random paged-attention batches shared by the reference and the kernel tests."""
+"""Random paged-attention batches and the plain dense attention they are checked against, shared by the
+reference and the kernel tests."""
 from __future__ import annotations
 
 import torch
@@ -31,3 +32,25 @@ def make_batch(seqs: list[tuple[int, int]], block_size: int, hkv: int, d: int, g
         max_query_len=max(n for _, n in seqs), max_seq_len=max(lens),
         query_start_loc_cpu=starts, seq_lens_cpu=lens)
     return k_cache, v_cache, tables, meta
+
+
+def dense_attention(q, k, v, scale, window=None, softcap=None):
+    """q [n, Hq, D] at the last n positions of k/v [L, Hkv, D]; causal, optionally windowed and soft-capped."""
+    n, hq, _ = q.shape
+    L, hkv, _ = k.shape
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_pos = torch.arange(L - n, L)[:, None]
+    hidden = torch.arange(L)[None, :] > q_pos
+    if window is not None:
+        hidden = hidden | (torch.arange(L)[None, :] <= q_pos - window)
+    scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def gather(cache, table, ctx):
+    """[ctx, Hkv, D] the slow, obvious way."""
+    return torch.cat([cache[b].transpose(0, 1) for b in table])[:ctx]

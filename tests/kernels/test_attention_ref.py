@@ -7,29 +7,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.tests.helpers.attention_cases import make_batch
-
-
-def dense_attention(q, k, v, scale, window=None, softcap=None):
-    """q [n, Hq, D] at the last n positions of k/v [L, Hkv, D]; causal, optionally windowed and soft-capped."""
-    n, hq, _ = q.shape
-    L, hkv, _ = k.shape
-    k = k.repeat_interleave(hq // hkv, dim=1)
-    v = v.repeat_interleave(hq // hkv, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    q_pos = torch.arange(L - n, L)[:, None]
-    hidden = torch.arange(L)[None, :] > q_pos
-    if window is not None:
-        hidden = hidden | (torch.arange(L)[None, :] <= q_pos - window)
-    scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-
-
-def gather(cache, table, ctx):
-    """[ctx, Hkv, D] the slow, obvious way."""
-    return torch.cat([cache[b].transpose(0, 1) for b in table])[:ctx]
+from pagedserve.tests.helpers.attention_cases import dense_attention, gather, make_batch
 
 
 @pytest.mark.parametrize("block_size", [4, 16])

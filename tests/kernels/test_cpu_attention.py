@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu_attention, cpu_native, reference
-from pagedserve.tests.helpers.attention_cases import make_batch
-from pagedserve.tests.kernels.test_attention_ref import dense_attention, gather
+from pagedserve.tests.helpers.attention_cases import dense_attention, gather, make_batch
 
 
 needs_native = pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler on this machine")

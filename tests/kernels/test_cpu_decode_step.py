@@ -19,22 +19,12 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.kernels import cpu_decode_step, cpu_native, weight_only
+from pagedserve.tests.helpers.int4_cases import assert_float64_close as _close, int4_case as _int4_case
 from pagedserve.tests.helpers.tiny_models import make_tiny_model, random_prompts
 
 LIB = cpu_native.library()
 VECTORIZED = LIB is not None and bool(LIB.ps_gemv_vectorized())
 needs_c_step = pytest.mark.skipif(not VECTORIZED, reason="the C step needs the AVX-512 build of the CPU kernels")
-
-
-def _int4_case(out: int, cols: int, group: int, seed: int) -> tuple[weight_only.Int4Weight, torch.Tensor]:
-    """A packed int4 weight and the float64 weight it holds ((q - 8) * scale + zero, scales in bfloat16)."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (out, cols), generator=gen, dtype=torch.uint8)
-    scale = torch.rand(out, cols // group, generator=gen) * 0.1
-    zero = torch.randn(out, cols // group, generator=gen) * 0.1
-    w = weight_only.pack_int4(q, scale, zero, group, "cpu")
-    s64, z64 = (t.to(torch.bfloat16).double().repeat_interleave(group, 1) for t in (scale, zero))
-    return w, (q.double() - 8) * s64 + z64
 
 
 def _int8_case(out: int, cols: int, chunk: int | None, seed: int) -> tuple[weight_only.Int8Weight, torch.Tensor]:
@@ -43,15 +33,6 @@ def _int8_case(out: int, cols: int, chunk: int | None, seed: int) -> tuple[weigh
     chunks, rows, width = w.q.shape
     dense = (w.q.double() * w.scale.double().unsqueeze(-1)).transpose(0, 1).reshape(rows, chunks * width)
     return w, dense
-
-
-def _close(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, int16_inputs: bool = False) -> None:
-    # float32 sums of float32 products: the error is a few ulps of sum |x * w| per output. The int8 kernel
-    # rounds x to int16 steps of max|x| / 32767 first: each input moves by at most half a step.
-    bound = (x.double().abs() @ dense.abs().t()) * 1e-5 + 1e-6
-    if int16_inputs:
-        bound += x.double().abs().amax(1, keepdim=True) / 65534 * dense.abs().sum(1)
-    assert ((y.double() - x.double() @ dense.t()).abs() <= bound).all()
 
 
 @needs_c_step

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu_native, weight_only
-from test_cpu_decode_step import _close, _int4_case
+from pagedserve.tests.helpers.int4_cases import assert_float64_close as _close, int4_case as _int4_case
 
 LIB = cpu_native.library()
 needs_gemm = pytest.mark.skipif(LIB is None or not LIB.ps_gemm_int4_vectorized(),

@@ -147,7 +147,7 @@ def test_triton_write_kv_cache_fp8_rounds_as_torch():
 def test_triton_attention_fp8_cache_equals_reference(num_splits, k_scale, v_scale):
     pytest.importorskip("triton")
     from pagedserve.kernels import triton_attention
-    from test_kernels import to_device
+    from pagedserve.tests.helpers.kernel_checks import to_device
     seqs = SEQS if num_splits == 1 else [(n, 1) for n in (1, 17, 64, 100)]
     k32, v32, k8, v8, meta, gen = _fp8_batch(seqs, 16, 2, 32, 4, k_scale, v_scale)
     q = torch.randn(meta.query_start_loc_cpu[-1], 6, 32, generator=gen) / (30 * k_scale)
@@ -165,7 +165,7 @@ def test_triton_attention_fp8_cache_with_a_half_precision_query():
     under the interpreter, see test_kernels.py; the GPU test covers bf16.)"""
     pytest.importorskip("triton")
     from pagedserve.kernels import triton_attention
-    from test_kernels import to_device
+    from pagedserve.tests.helpers.kernel_checks import to_device
     _, _, k8, v8, meta, gen = _fp8_batch(SEQS, 16, 2, 32, 6, 0.05, 0.1)
     q = (torch.randn(meta.query_start_loc_cpu[-1], 4, 32, generator=gen) / 1.5).half()
     ref = reference.paged_attention(q.float(), k8, v8, meta, 32 ** -0.5, k_scale=0.05, v_scale=0.1)
@@ -178,7 +178,7 @@ def test_triton_attention_fp8_cache_with_a_half_precision_query():
 def test_triton_attention_ignores_scales_for_a_float_cache():
     pytest.importorskip("triton")
     from pagedserve.kernels import triton_attention
-    from test_kernels import to_device
+    from pagedserve.tests.helpers.kernel_checks import to_device
     k32, v32, _, _, meta, gen = _fp8_batch(SEQS, 16, 2, 32, 5, 1.0, 1.0)
     q = torch.randn(meta.query_start_loc_cpu[-1], 4, 32, generator=gen) / 30
     args = (q.to(DEVICE), k32.to(DEVICE), v32.to(DEVICE), to_device(meta), 32 ** -0.5)
@@ -311,7 +311,7 @@ def test_fp8_kv_cache_on_the_embedded_model(smollm2_path):
     0.02 nats of the default cache (measured: 0.0036 against a float32 cache; greedy chat tokens over 32 steps stayed equal on 5 of
     8 prompts, the near-ties that bfloat16 activations also flip, see test_quantized_model.py)."""
     from pagedserve import LLM, SamplingParams
-    from pagedserve.tests.executor.test_quantized_model import TEXT
+    from pagedserve.tests.helpers.prompts import LIGHTHOUSE_TEXT as TEXT
 
     def text_logprob(**kw) -> tuple[float, int]:
         with LLM(smollm2_path, max_model_len=512, kv_cache_memory=0.05, **kw) as llm:

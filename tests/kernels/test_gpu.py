@@ -34,7 +34,7 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("hq,hkv,d", [(16, 8, 128), (32, 8, 128), (12, 4, 64)])
 def test_paged_attention_real_sizes(dtype, tol, hq, hkv, d):
-    from test_kernels import rel_err, run_both
+    from pagedserve.tests.helpers.kernel_checks import rel_err, run_both
     decodes = [(n, 1) for n in (1, 700, 2048, 4000, 33, 517)]
     prefills = [(1024, 1024), (1500, 300), (80, 7)]
     out, ref = run_both(decodes + prefills, 16, hq, hkv, d, seed=hq + d, dtype=dtype)

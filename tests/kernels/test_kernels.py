@@ -1,7 +1,6 @@
 """Every Triton kernel against the PyTorch reference on random inputs (CPU: TRITON_INTERPRET=1, small shapes)."""
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -12,36 +11,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from pagedserve.kernels import reference, triton_attention, triton_cache, triton_fused, triton_gemm  # noqa: E402
-from pagedserve.tests.helpers.attention_cases import make_batch  # noqa: E402
-from pagedserve.kernels.metadata import AttentionMetadata  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(out).any()
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def to_device(meta: AttentionMetadata) -> AttentionMetadata:
-    return AttentionMetadata(**{name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value
-                                for name, value in vars(meta).items()})
-
-
-def run_both(seqs, block_size, hq, hkv, d, seed, num_splits=None, share_prefix=0, dtype=torch.float32,
-             window=None, softcap=None):
-    gen = torch.Generator().manual_seed(seed)
-    k_cache, v_cache, _, meta = make_batch(seqs, block_size, hkv, d, gen, dtype, share_prefix)
-    # Query as a strided view into a wider buffer, the way the model hands it over (a slice of qkv).
-    wide = torch.randn(meta.query_start_loc_cpu[-1], hq + 2, d, generator=gen).to(dtype)
-    q = wide[:, :hq]
-    scale = 1 / math.sqrt(d)
-    ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale, window, softcap)
-    out = triton_attention.paged_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), to_device(meta),
-                                           scale, num_splits=num_splits, window=window, softcap=softcap)
-    return out.float().cpu(), ref
-
+from pagedserve.kernels import reference, triton_cache, triton_fused, triton_gemm  # noqa: E402
+from pagedserve.tests.helpers.kernel_checks import DEVICE, rel_err, run_both  # noqa: E402
 
 MIXED = [(1 + (7 * i) % 45, 1) for i in range(5)] + [(20, 20), (50, 13), (9, 2), (33, 17)]
 

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from pagedserve.kernels import moe_reference, triton_moe  # noqa: E402
-from pagedserve.tests.kernels.test_kernels import DEVICE, rel_err  # noqa: E402
+from pagedserve.tests.helpers.kernel_checks import DEVICE, rel_err  # noqa: E402
 
 
 def moe_case(tokens: int, hidden: int, inter: int, experts: int, top_k: int, seed: int, skewed: bool = False):

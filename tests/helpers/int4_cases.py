@@ -1,0 +1,27 @@
+"""A packed int4 weight with the float64 weight it holds, and the bound a float32 GEMV/GEMM of it must meet,
+shared by the C GEMV and the int4 GEMM tests."""
+from __future__ import annotations
+
+import torch
+
+from pagedserve.kernels import weight_only
+
+
+def int4_case(out: int, cols: int, group: int, seed: int) -> tuple[weight_only.Int4Weight, torch.Tensor]:
+    """A packed int4 weight and the float64 weight it holds ((q - 8) * scale + zero, scales in bfloat16)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out, cols), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(out, cols // group, generator=gen) * 0.1
+    zero = torch.randn(out, cols // group, generator=gen) * 0.1
+    w = weight_only.pack_int4(q, scale, zero, group, "cpu")
+    s64, z64 = (t.to(torch.bfloat16).double().repeat_interleave(group, 1) for t in (scale, zero))
+    return w, (q.double() - 8) * s64 + z64
+
+
+def assert_float64_close(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, int16_inputs: bool = False) -> None:
+    # float32 sums of float32 products: the error is a few ulps of sum |x * w| per output. The int8 kernel
+    # rounds x to int16 steps of max|x| / 32767 first: each input moves by at most half a step.
+    bound = (x.double().abs() @ dense.abs().t()) * 1e-5 + 1e-6
+    if int16_inputs:
+        bound += x.double().abs().amax(1, keepdim=True) / 65534 * dense.abs().sum(1)
+    assert ((y.double() - x.double() @ dense.t()).abs() <= bound).all()
