@@ -1,5 +1,7 @@
 """The README's client examples, run as written against a real engine-serve: the official `openai` SDK,
-`langchain-openai` and `litellm`. Only the port is changed; each example runs in its own interpreter."""
+`langchain-openai` and `litellm`. Only the port is changed; each example runs in its own interpreter.
+The same server runs every other block of README.md and docs/*.md marked `run: python-client` or
+`run: bash-client` (tests/helpers/doc_blocks.py); tests/test_docs.py checks the rest."""
 from __future__ import annotations
 
 import os
@@ -9,6 +11,7 @@ import sys
 
 import pytest
 
+from pagedserve.tests.helpers.doc_blocks import Block, blocks_to_run, client_rewrites
 from pagedserve.tests.helpers.server import SMALL_KV, Server
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
@@ -33,9 +36,10 @@ def test_readme_marks_every_example():
 
 @pytest.fixture(scope="module")
 def readme_server(tiny_serving_model):
-    # The examples name the embedded model and the key "unused"; the tiny model stands in under that name.
+    # The examples name the embedded model; the tiny model stands in under that name. No API key: as with the
+    # documented `engine-serve`, the clients' "unused" key and curl without one are both let in.
     srv = Server(*SMALL_KV, "--max-num-seqs", "8", "--served-model-name", "SmolLM2-135M-Instruct",
-                 model=tiny_serving_model, api_key="unused", max_model_len=256)
+                 model=tiny_serving_model, api_key=None, max_model_len=256)
     yield srv
     srv.stop()
 
@@ -51,3 +55,16 @@ def test_readme_client_example_runs(readme_server, name):
     after = readme_server.wait_idle()["request_success_total"]
     # The answers came from this server, every request of the example finished there.
     assert after - before == EXAMPLES[name]
+
+
+@pytest.mark.parametrize("block", blocks_to_run("python-client") + blocks_to_run("bash-client"), ids=lambda b: b.id)
+def test_documented_client_block_runs(readme_server, block: Block):
+    code = client_rewrites(block.code, readme_server.url, f"tcp://127.0.0.1:{readme_server.engine_port}",
+                           readme_server.token)
+    command = [sys.executable, "-c", code] if block.argument == "python-client" else \
+        ["bash", "-euo", "pipefail", "-c", code]
+    env = dict(os.environ, NO_PROXY="127.0.0.1,localhost")
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip(), run.stderr[-3000:]
+    readme_server.wait_idle()      # nothing left running for the next block

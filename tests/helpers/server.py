@@ -65,10 +65,11 @@ class Server:
     stderr of the server and all its children go to one file (a pipe nobody reads would block it).
     """
 
-    def __init__(self, *extra: str, model: str | None = None, api_key: str = API_KEY, token: str | None = TOKEN,
-                 log_level: str = "warning", max_model_len: int | None = 1024, dtype: str | None = "float32",
-                 startup_s: float = 180, tls: tuple[str, str] | None = None) -> None:
-        """token: the engine core's tcp token; None leaves the core on engine-serve's default transport.
+    def __init__(self, *extra: str, model: str | None = None, api_key: str | None = API_KEY,
+                 token: str | None = TOKEN, log_level: str = "warning", max_model_len: int | None = 1024,
+                 dtype: str | None = "float32", startup_s: float = 180, tls: tuple[str, str] | None = None) -> None:
+        """api_key: None serves without one; token: the engine core's tcp token (None leaves the core on
+        engine-serve's default transport).
         max_model_len, dtype: None leaves engine-serve's own default (the model's).
         tls: (certificate, key) files: serve HTTPS, and trust that certificate here."""
         # The engine core listens on PORT and PORT + 1.
@@ -82,7 +83,7 @@ class Server:
         self.tmpdir = tempfile.mkdtemp(prefix="ps-test-srv-")
         self.log_path = os.path.join(self.tmpdir, "server.log")
         cmd = [sys.executable, "-m", "pagedserve.frontend.cli", *([model] if model else []), "--port", str(self.port),
-               "--api-key", api_key, "--log-level", log_level]
+               *(["--api-key", api_key] if api_key is not None else []), "--log-level", log_level]
         if dtype is not None:
             cmd += ["--dtype", dtype]
         if max_model_len is not None:
