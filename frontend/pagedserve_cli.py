@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         cli.main(argv[1:])
         return
     args = make_parser().parse_args(argv)
+    args.command_line = ["pagedserve", *argv]        # what a results line says ran
     run: Callable[[argparse.Namespace], object] = args.run
     run(args)
 

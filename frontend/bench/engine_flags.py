@@ -7,12 +7,15 @@ from typing import Any
 
 from pagedserve.common.arg_utils import add_dataclass_args
 from pagedserve.common.config import EngineArgs
+from pagedserve.frontend.bench.models import MODELS, make_model
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(parser.add_argument_group("engine"), EngineArgs)
     parser.add_argument("--multiprocess-core", action="store_true",
                         help="run the engine core in its own process, as the server does")
+    parser.add_argument("--make-model", default=None, choices=sorted(MODELS),
+                        help="first write a random-weight model of this shape to --model, if that folder is missing")
     # Warm-up and repeated iterations send the same prompts again: with prefix caching they would measure
     # cache hits, not the work (vLLM's latency bench turns it off for the same reason).
     parser.set_defaults(enable_prefix_caching=False)
@@ -21,6 +24,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The LLM(...) keyword arguments the flags describe."""
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
+
+
+def prepare_model(args: argparse.Namespace) -> None:
+    """--make-model: writes the model --model names if it is missing (ValueError without --model)."""
+    if args.make_model is None:
+        return
+    if not args.model:
+        raise ValueError("--make-model needs --model PATH (the folder to write)")
+    if make_model(args.make_model, args.model):
+        print(f"wrote a random-weight {args.make_model} model to {args.model}", flush=True)
 
 
 def make_llm(args: argparse.Namespace) -> Any:
@@ -36,4 +49,5 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     add_engine_args(parser)
     base = parser.parse_args([])
     changed = {k: v for k, v in engine_kwargs(args).items() if k != "model" and getattr(base, k) != v}
-    return {"model": args.model, "engine_args": changed, "multiprocess_core": args.multiprocess_core}
+    return {"model": args.model, "engine_args": changed, "multiprocess_core": args.multiprocess_core,
+            "make_model": args.make_model}

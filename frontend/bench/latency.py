@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedserve.frontend.bench.engine_flags import add_engine_args, engine_settings, make_llm
+from pagedserve.frontend.bench.engine_flags import add_engine_args, engine_settings, make_llm, prepare_model
 from pagedserve.frontend.bench.results import append_result, run_metadata
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -57,6 +57,7 @@ def _check(args: argparse.Namespace) -> None:
 def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         _check(args)
+        prepare_model(args)
         llm = make_llm(args)
     except ValueError as exc:
         raise SystemExit(f"pagedserve bench latency: {exc}") from None
@@ -67,7 +68,8 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
             result = run_batch(llm, args, batch)
             if bound is not None:
                 result.update(bound)
-            record = {**run_metadata("latency", args.label or "pagedserve"), **engine_settings(args), **result}
+            record = {**run_metadata("latency", args.label or "pagedserve", args.command_line),
+                      **engine_settings(args), **result}
             _print(record)
             if args.result_file:
                 append_result(args.result_file, record)

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from typing import Any
@@ -19,14 +20,15 @@ from pagedserve.common.version import __version__
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_metadata(bench: str, label: str, argv: list[str] | None = None) -> dict[str, Any]:
-    """What every line starts with. Versions are those of the modules this process already imported (a bench
-    serve client never imports torch, and its line should not pretend it ran with it)."""
+def run_metadata(bench: str, label: str, command: list[str] | None = None) -> dict[str, Any]:
+    """What every line starts with; `command`: the command line that ran (default: this process's). Versions
+    are those of the modules this process already imported (a bench serve client never imports torch, and
+    its line should not pretend it ran with it)."""
     meta: dict[str, Any] = {
         "bench": bench, "label": label, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "commit": _commit(), "pagedserve_version": __version__, "python": platform.python_version(),
         "machine": platform.machine(), "cpu_count": os.cpu_count(),
-        "command": " ".join(["pagedserve", *(sys.argv[1:] if argv is None else argv)]),
+        "command": shlex.join(sys.argv if command is None else command),
     }
     for name in ("torch", "triton", "transformers"):
         module = sys.modules.get(name)

@@ -123,8 +123,8 @@ async def _main_async(args: argparse.Namespace, metrics: tuple[str, ...], percen
         results = []
         for rate in args.request_rate:
             result = await run_rate(session, inputs, headers, rate, args, tokenizer, metrics, percentiles)
-            result = {**run_metadata("serve", args.label or model), **_settings(args, root, model, len(inputs)),
-                      **result}
+            result = {**run_metadata("serve", args.label or model, args.command_line),
+                      **_settings(args, root, model, len(inputs)), **result}
             for i, error in enumerate(result.get("errors", [])):
                 print(f"Error {i}: {error}")
             print(format_report(result, metrics, percentiles), flush=True)

@@ -19,8 +19,7 @@ import time
 from typing import Any
 
 from pagedserve.frontend.bench import datasets
-from pagedserve.frontend.bench.engine_flags import add_engine_args, engine_settings, make_llm
-from pagedserve.frontend.bench.models import MODELS, make_model
+from pagedserve.frontend.bench.engine_flags import add_engine_args, engine_settings, make_llm, prepare_model
 from pagedserve.frontend.bench.results import append_result, run_metadata
 
 # Long enough documents that constrained requests decode for a while, as the plain ones do.
@@ -43,8 +42,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--structured-output-ratio", type=float, default=0.0,
                         help="share of the requests (spread evenly) generated under --json-schema")
     parser.add_argument("--json-schema", default=None, help="a JSON Schema file (default: a built-in document)")
-    parser.add_argument("--make-model", default=None, choices=sorted(MODELS),
-                        help="first write a random-weight model of this shape to --model, if that folder is missing")
     parser.add_argument("--label", default=None, help="names the engine in results (default: the backend)")
     parser.add_argument("--result-file", default=None, help="append one JSON line to this file")
     add_engine_args(parser)
@@ -62,8 +59,6 @@ def _check(args: argparse.Namespace) -> dict[str, Any] | None:
         raise ValueError("--structured-output-ratio is for --backend pagedserve only")
     if args.num_iters_warmup < 0:
         raise ValueError(f"--num-iters-warmup must be >= 0, got {args.num_iters_warmup}")
-    if args.make_model and not args.model:
-        raise ValueError("--make-model needs --model PATH (the folder to write)")
     if args.json_schema is None:
         return DEFAULT_SCHEMA if args.structured_output_ratio else None
     with open(args.json_schema, encoding="utf-8") as f:
@@ -73,8 +68,7 @@ def _check(args: argparse.Namespace) -> dict[str, Any] | None:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     try:
         schema = _check(args)
-        if args.make_model and make_model(args.make_model, args.model):
-            print(f"wrote a random-weight {args.make_model} model to {args.model}", flush=True)
+        prepare_model(args)
         run = run_hf(args) if args.backend == "hf" else run_pagedserve(args, schema)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"pagedserve bench throughput: {exc}") from None
@@ -87,8 +81,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
           f"{run['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {run['total_prompt_tokens']}")
     print(f"Total num output tokens:  {run['total_output_tokens']}", flush=True)
-    record = {**run_metadata("throughput", args.label or args.backend), "backend": args.backend,
-              **engine_settings(args), **datasets.dataset_settings(args, n), **run}
+    record = {**run_metadata("throughput", args.label or args.backend, args.command_line),
+              "backend": args.backend, **engine_settings(args), **datasets.dataset_settings(args, n), **run}
     if args.result_file:
         append_result(args.result_file, record)
     return record
