@@ -44,10 +44,12 @@ def make_llm(args: argparse.Namespace) -> Any:
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine flags given other values than their defaults, for a results line."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_engine_args(parser)
-    base = parser.parse_args([])
-    changed = {k: v for k, v in engine_kwargs(args).items() if k != "model" and getattr(base, k) != v}
+    """The engine settings that differ from EngineArgs' own defaults (so the benches' prefix caching off
+    shows), for a results line."""
+    changed = {}
+    for f in dataclasses.fields(EngineArgs):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if f.name != "model" and getattr(args, f.name) != default:
+            changed[f.name] = getattr(args, f.name)
     return {"model": args.model, "engine_args": changed, "multiprocess_core": args.multiprocess_core,
             "make_model": args.make_model}

@@ -92,7 +92,7 @@ def _prompts(vocab_size: int, batch: int, input_len: int, seed: int) -> list[dic
 
 def run_batch(llm: Any, args: argparse.Namespace, batch: int) -> dict[str, Any]:
     from pagedserve.common.sampling_params import SamplingParams
-    prompts = _prompts(len(llm.get_tokenizer()), batch, args.input_len, args.seed)
+    prompts = _prompts(llm.info.vocab_size, batch, args.input_len, args.seed)
 
     def timed(n: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -173,7 +173,7 @@ def profile_batch(llm: Any, args: argparse.Namespace, batch: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from pagedserve.common.sampling_params import SamplingParams
-    prompts = _prompts(len(llm.get_tokenizer()), batch, args.input_len, args.seed)
+    prompts = _prompts(llm.info.vocab_size, batch, args.input_len, args.seed)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True),

@@ -99,7 +99,7 @@ def run_pagedserve(args: argparse.Namespace, schema: dict[str, Any] | None) -> d
 
     llm = make_llm(args)
     try:
-        reqs = datasets.sample_requests(args, len(llm.get_tokenizer()), args.seed)
+        reqs = datasets.sample_requests(args, llm.info.vocab_size, args.seed)
         params = [SamplingParams(temperature=0.0, max_tokens=r.expected_output_len, ignore_eos=True,
                                  structured_outputs=StructuredOutputsParams(json=schema)
                                  if schema is not None and constrained(i, args.structured_output_ratio) else None)
