@@ -25,7 +25,8 @@ def load_hf_model(model_path: str | None, dtype_name: str, device_arg: str) -> t
     else:
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
     device = "cuda" if device_arg != "cpu" and torch.cuda.is_available() else "cpu"
-    model.to(device).eval()
+    model.to(device)
+    model.eval()
     model.generation_config.eos_token_id = None
     return model, device
 
