@@ -5,7 +5,8 @@
 - ITL: every gap between two output chunks, of every request, pooled.
 - E2EL: request sent -> last output chunk.
 Output tokens are the server's own count (usage.completion_tokens) where it gives one, else the tokenizer's
-count of the text it streamed (several tokens may share a chunk, so chunks are not counted).
+count of the text it streamed (several tokens may share a chunk, so chunks are not counted); input tokens are
+the server's usage.prompt_tokens where given (a chat template adds some), else the prompt's own.
 Each metric reports mean, median, std and the chosen percentiles, in milliseconds.
 """
 from __future__ import annotations

@@ -105,6 +105,8 @@ async def send_request(req: RequestInput, session: aiohttp.ClientSession,
                     usage = message.get("usage")
                     if usage and usage.get("completion_tokens") is not None:
                         out.output_tokens = int(usage["completion_tokens"])
+                    if usage and usage.get("prompt_tokens") is not None:
+                        out.prompt_len = int(usage["prompt_tokens"])     # chat: the template's tokens too
                     for choice in message.get("choices") or []:
                         piece = _chunk_text(choice, req.chat)
                         if not piece and (piece is None or choice.get("finish_reason") is not None):

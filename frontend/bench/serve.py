@@ -66,9 +66,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         settings = _check(args)
-    except ValueError as exc:
+        return asyncio.run(_main_async(args, *settings))
+    except ValueError as exc:        # a flag's value, or a --tokenizer that names no tokenizer
         raise SystemExit(f"pagedserve bench serve: {exc}") from None
-    return asyncio.run(_main_async(args, *settings))
 
 
 def _check(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float, ...], dict[str, str]]:
