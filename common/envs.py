@@ -50,6 +50,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Defaults of secrets that are also flags (--api-key, --engine-token): never shown in --help.
     "PAGEDSERVE_API_KEY": lambda: os.environ.get("PAGEDSERVE_API_KEY") or None,
     "PAGEDSERVE_ENGINE_TOKEN": lambda: os.environ.get("PAGEDSERVE_ENGINE_TOKEN") or None,
+    # The API key `pagedserve bench serve`, `chat` and `complete` send (the OpenAI clients' variable, as vLLM's).
+    "OPENAI_API_KEY": lambda: os.environ.get("OPENAI_API_KEY") or None,
     # Where scripts/build_llama_server.sh builds llama.cpp's server (the CPU peer of the benchmarks).
     "PAGEDSERVE_LLAMA_CPP_DIR": lambda: os.environ.get("PAGEDSERVE_LLAMA_CPP_DIR")
     or os.path.join(_cache_dir(), "llama.cpp"),

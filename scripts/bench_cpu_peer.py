@@ -1,6 +1,6 @@
 """Side by side on CPU (issue 14): llama.cpp's llama-server, HF transformers and pagedserve on one GGUF file.
 
-Per engine and run: W1 output tok/s (bench_throughput.py's workload: 64 requests, all at once), single-stream
+Per engine and run: W1 output tok/s (pagedserve.frontend.bench.datasets.w1: 64 requests, all at once), single-stream
 decode ms per output token (one request, 128 prompt ids; the wall-clock difference of a 1-token and a
 129-token run, divided by 128, second pass of each kept; llama-server also reports its own
 timings.predicted_per_token_ms), and peak RSS. Every engine runs in its own process, THREADS threads each;
@@ -14,7 +14,9 @@ quantization field):
   pagedserve[-NAME][:k=v,...]   pagedserve's LLM on the GGUF; k=v sets any EngineArgs field (engine-serve's
                                 flag names with _, e.g. pagedserve-int8:quantization=int8,max_num_seqs=64)
 
-    python scripts/bench_cpu_peer.py --repeats 3 --out benchmarks/cpu_peer.md
+Every engine run appends one JSON line to --result-file; the tables are printed.
+
+    python scripts/bench_cpu_peer.py --repeats 3 --result-file benchmarks/results/cpu_peer.jsonl
     python scripts/bench_cpu_peer.py --num-requests 4 --max-tokens 8 --single-out 8   # a quick check
 """
 from __future__ import annotations
@@ -31,9 +33,11 @@ import sys
 import time
 from collections.abc import Callable
 
-from bench_report import emit                 # scripts/ is on sys.path when a script runs
-from bench_throughput import hf_static_generate, load_hf_model, workload_w1
-from llama_server_peer import LlamaServer, version as llama_version
+from llama_server_peer import LlamaServer, version as llama_version  # scripts/ is on sys.path when a script runs
+
+from pagedserve.frontend.bench.datasets import w1
+from pagedserve.frontend.bench.hf_backend import hf_static_generate, load_hf_model
+from pagedserve.frontend.bench.results import append_result, run_metadata
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 PEER = "llama.cpp"
@@ -115,7 +119,7 @@ def default_engines() -> list[str]:
 
 
 def w1_requests(cfg: dict) -> list[tuple[list[int], int]]:
-    reqs = workload_w1(cfg["num_requests"])
+    reqs = [(r.prompt, r.expected_output_len) for r in w1(cfg["num_requests"])]
     cap = cfg["max_tokens"]
     return [(p, min(m, cap)) for p, m in reqs] if cap else reqs
 
@@ -293,6 +297,7 @@ def find_llama_server(cache: str | None) -> str:
 
 
 def parent_main(args: argparse.Namespace) -> None:
+    import torch  # noqa: F401 - imported here so that every results line records its version
     engines = [parse_engine(e) for e in (args.engine or default_engines())]
     names = [e["name"] for e in engines]
     if len(set(names)) != len(names):
@@ -302,15 +307,19 @@ def parent_main(args: argparse.Namespace) -> None:
            "max_tokens": args.max_tokens, "single_in": args.single_in, "single_out": args.single_out,
            "llama_parallel": args.llama_parallel, "llama_ctx": args.llama_ctx,
            "llama_server": (args.llama_server or find_llama_server(args.llama_cache)) if needs_peer else None}
+    peer_version = llama_version(cfg["llama_server"]) if needs_peer else "not run"
     runs: list[list[dict]] = []
     for rep in range(args.repeats):
         results = []
         for engine in engines:
             results.append(run_engine(engine, cfg))
-            print(json.dumps({"run": rep + 1, **results[-1]}), flush=True)
+            record = {**run_metadata("cpu_peer", engine["name"]), "run": rep + 1, "engine_options": engine["options"],
+                      "llama_server_version": peer_version, **cfg, **results[-1]}
+            print(json.dumps(record), flush=True)
+            if args.result_file:
+                append_result(args.result_file, record)
         runs.append(results)
-    peer_version = llama_version(cfg["llama_server"]) if needs_peer else "not run"
-    emit(format_report(cfg, engines, runs, peer_version), args.out)
+    print(format_report(cfg, engines, runs, peer_version))
 
 
 def parse_args() -> argparse.Namespace:
@@ -329,7 +338,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--llama-server", default=None,
                    help="llama-server binary (default: scripts/build_llama_server.sh builds or finds it)")
     p.add_argument("--llama-cache", default=None, help="build_llama_server.sh's cache folder")
-    p.add_argument("--out", default=None, help="append the tables to this markdown file")
+    p.add_argument("--result-file", default=None, help="append one JSON line per engine run to this file")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     for name in ("threads", "repeats", "num_requests", "single_in", "single_out", "llama_parallel", "llama_ctx"):

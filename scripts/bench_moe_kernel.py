@@ -15,7 +15,6 @@ import argparse
 import torch
 
 from bench_kernels import bench, bench_launched, ceilings  # scripts/ is on sys.path when a script runs
-from bench_report import emit
 
 from pagedserve.kernels import moe_reference, triton_moe
 
@@ -74,7 +73,11 @@ def main() -> None:
              "| case | ms | bandwidth floor ms | FLOP floor ms | x max(floor) |", "|---|---:|---:|---:|---:|"]
     for name, ms, bw_ms, fl_ms in rows(bw, flops):
         lines.append(f"| {name} | {ms:.4f} | {bw_ms:.4f} | {fl_ms:.4f} | {ms / max(bw_ms, fl_ms):.2f} |")
-    emit("\n".join(lines), args.out)
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":

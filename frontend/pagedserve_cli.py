@@ -1,0 +1,63 @@
+"""`pagedserve`: one command with vLLM's subcommands.
+
+    pagedserve serve [engine-serve's flags]       the OpenAI-compatible server (the same as `engine-serve`)
+    pagedserve chat | complete [-q TEXT]          interactive clients of a running server
+    pagedserve bench serve | throughput | latency benchmarks (frontend/bench/)
+
+`serve` hands its arguments to engine-serve's own parser untouched, so the two never differ. Each subcommand
+imports what it needs only when it runs: `pagedserve chat` loads no torch.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+
+# bench subcommand -> module under pagedserve.frontend.bench, with add_cli_args(parser) and main(args).
+BENCHES = {"serve": "Load an OpenAI-compatible server over HTTP at given request rates (TTFT, TPOT, ITL, E2EL).",
+           "throughput": "Offline throughput of pagedserve's LLM (or HF transformers) on one set of requests.",
+           "latency": "Offline latency of one batch, per batch size (and decode ms per token)."}
+
+
+def _bench_module(name: str):
+    return importlib.import_module(f"pagedserve.frontend.bench.{name}")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    from pagedserve.frontend import openai_clients
+    parser = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: serve, query and benchmark LLMs.")
+    subs = parser.add_subparsers(dest="command", required=True, metavar="{serve,chat,complete,bench}")
+    # Listed for --help only: main() passes `serve ...` to engine-serve before this parser sees it.
+    subs.add_parser("serve", help="start the OpenAI-compatible server (engine-serve's flags)", add_help=False)
+    chat = subs.add_parser("chat", help="chat with a running server", description="Chat with a running server.")
+    openai_clients.add_chat_args(chat)
+    chat.set_defaults(run=openai_clients.chat)
+    complete = subs.add_parser("complete", help="complete prompts on a running server",
+                               description="Complete prompts on a running server.")
+    openai_clients.add_complete_args(complete)
+    complete.set_defaults(run=openai_clients.complete)
+    bench = subs.add_parser("bench", help="benchmarks", description="Benchmarks, shaped like vllm bench.")
+    bench_subs = bench.add_subparsers(dest="bench", required=True)
+    for name, text in BENCHES.items():
+        sub = bench_subs.add_parser(name, help=text, description=_bench_module(name).__doc__,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        _bench_module(name).add_cli_args(sub)
+        sub.set_defaults(run=_bench_module(name).main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        from pagedserve.frontend import cli
+        cli.main(argv[1:])
+        return
+    args = make_parser().parse_args(argv)
+    args.command_line = ["pagedserve", *argv]        # what a results line says ran
+    run: Callable[[argparse.Namespace], object] = args.run
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
