@@ -18,7 +18,7 @@ from pagedserve.frontend.bench.datasets import random_dataset
 from pagedserve.frontend.bench.results import read_results
 from pagedserve.tests.helpers.server import API_KEY, SMALL_KV, Server
 
-SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 METRICS = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "median", "std", "p50", "p90", "p99")
