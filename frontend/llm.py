@@ -71,7 +71,9 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no sampling params: the model's generation-config
         defaults (temperature, top_p, top_k, min_p, repetition_penalty) over SamplingParams' own."""
-        return SamplingParams(**self.info.default_sampling)
+        params = SamplingParams(**self.info.default_sampling)
+        params.validate()       # the core checked these at startup; this normalizes them (greedy drops top_k)
+        return params
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

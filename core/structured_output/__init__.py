@@ -107,14 +107,14 @@ class StructuredOutputManager:
         if not future.done():
             started, now = future.started, time.monotonic()
             if len(started) > 1 and now - max(started[1], state.submitted) > self.compile_timeout_s:
-                return False, RequestError.at(field, f"the grammar did not compile within "
+                return False, RequestError.at(field, "the grammar did not compile within "
                                               f"{self.compile_timeout_s:g} s (--structured-outputs-compile-timeout)")
             if len(started) == 1 and now - started[0] > BACKEND_LOAD_TIMEOUT_S:
-                return False, RequestError.at(field, f"the grammar backend did not load its view of the tokenizer "
+                return False, RequestError.at(field, "the grammar backend did not load its view of the tokenizer "
                                               f"within {BACKEND_LOAD_TIMEOUT_S:g} s")
             # Still queued: every compile thread is held by slow grammars. Bounded so a request never hangs.
             if not started and now - state.submitted > QUEUE_TIMEOUT_FACTOR * self.compile_timeout_s:
-                return False, RequestError.at(field, f"every grammar compile thread stayed busy for "
+                return False, RequestError.at(field, "every grammar compile thread stayed busy for "
                                               f"{QUEUE_TIMEOUT_FACTOR * self.compile_timeout_s:g} s; try again")
             return False, None
         exc = future.exception()
