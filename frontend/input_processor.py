@@ -127,6 +127,8 @@ class InputProcessor:
 
 
 def _with_text_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A message without content (null, or left out) renders as "", as vLLM renders it: an assistant turn that
-    only calls tools has no content, and a template that concatenates message['content'] must still render."""
-    return [m if m.get("content") is not None else {**m, "content": ""} for m in messages]
+    """An assistant turn that only calls tools has no content (null, or left out): it renders as "", as vLLM
+    renders it, so a template that knows no tools and concatenates message['content'] still renders the
+    conversation. Other messages reach the template as sent."""
+    return [{**m, "content": ""} if m.get("role") == "assistant" and m.get("tool_calls") and m.get("content") is None
+            else m for m in messages]
