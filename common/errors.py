@@ -1,9 +1,27 @@
-"""Why the engine core refused a request: an explicit kind travels with the error, never a message convention."""
+"""Why a request was refused, as data: the request field at fault, and the kind of refusal (never a message
+convention that a reader would have to parse back)."""
 from __future__ import annotations
+
+from typing import Optional
 
 # EngineCoreOutput.error_kind / RequestOutput.error_kind values.
 INVALID = "invalid"          # the request can never run as asked (HTTP 400)
 OVERLOADED = "overloaded"    # refused for load, not queued: retrying later may work (HTTP 429)
+
+
+class RequestError(ValueError):
+    """A request that can never run as asked (HTTP 400). `field` is the request field at fault (what an OpenAI
+    error body's `param` names; None when no single field is), `message` the whole text the user reads."""
+
+    def __init__(self, field: Optional[str], message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+    @classmethod
+    def at(cls, field: str, detail: str) -> "RequestError":
+        """The usual shape, whose message names the field first: `tools[0].function.name: <detail>`."""
+        return cls(field, f"{field}: {detail}")
 
 
 class EngineOverloadedError(ValueError):
@@ -12,3 +30,8 @@ class EngineOverloadedError(ValueError):
 
 def error_kind(exc: ValueError) -> str:
     return OVERLOADED if isinstance(exc, EngineOverloadedError) else INVALID
+
+
+def error_field(exc: BaseException) -> Optional[str]:
+    """The request field an error is about, when it says (a RequestError)."""
+    return exc.field if isinstance(exc, RequestError) else None

@@ -61,7 +61,7 @@ def load_generation_defaults(value: str, model_folder: str | None) -> Generation
 def parse_generation_config(data: dict[str, Any], where: str) -> GenerationDefaults:
     sampling = {k: data[k] for k in SAMPLING_KEYS if data.get(k) is not None}
     try:
-        SamplingParams(**sampling)       # the same rules a request's own values meet
+        SamplingParams(**sampling).validate()      # the same rules a request's own values meet
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
     eos = data.get("eos_token_id")

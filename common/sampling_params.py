@@ -6,6 +6,7 @@ from typing import Optional, Union
 
 import msgspec
 
+from pagedserve.common.errors import RequestError
 from pagedserve.common.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
@@ -48,16 +49,28 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     _bad_words_token_ids: Optional[list[list[int]]] = None
 
     def __post_init__(self) -> None:
+        # Normalization only, and idempotent: this runs at every msgspec decode too (the core's socket, and
+        # every worker rank's SchedulerOutput), where validating again would cost each step. The rules run
+        # once per trust boundary, in validate().
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+
+    def validate(self) -> None:
+        """Every rule of these parameters: RequestError naming the first field at fault. Called where a request
+        enters (the frontend's input processor, the engine core's add_request), never at decode. Then greedy
+        sampling drops the truncations that cannot change its argmax (idempotent), so a batch of greedy rows
+        takes no top-p/top-k path in the worker."""
         self._validate()
         check_constraints(self)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise RequestError("structured_outputs", "structured_outputs must be StructuredOutputsParams")
+            self.structured_outputs.validate()
         if self.temperature < _GREEDY_EPS:
-            # Greedy: the other truncations cannot change the argmax.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def _validate(self) -> None:
@@ -138,4 +151,4 @@ def _is_num(value: object) -> bool:
 
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{field} {message}")
+        raise RequestError(field, f"{field} {message}")

@@ -11,6 +11,8 @@ from typing import Any, Optional, Union
 
 import msgspec
 
+from pagedserve.common.errors import RequestError
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -26,22 +28,31 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     disable_additional_properties: bool = False
     whitespace_pattern: Optional[str] = None
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
+        """The spec's shape: RequestError naming structured_outputs (or its field). Run with the request's
+        other rules (SamplingParams.validate), never at decode; whether it compiles is the core's to find."""
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("structured_outputs must set exactly one of "
-                             f"{', '.join(KINDS)}; got {', '.join(given) or 'none'}")
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
-            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            raise RequestError("structured_outputs", "structured_outputs must set exactly one of "
+                               f"{', '.join(KINDS)}; got {', '.join(given) or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise RequestError("structured_outputs.choice", "structured_outputs.choice must be a non-empty list "
+                               "of strings")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+                raise RequestError(f"structured_outputs.{name}", f"structured_outputs.{name} must be a non-empty "
+                                   "string")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise RequestError("structured_outputs.json", "structured_outputs.json must be a JSON Schema (an "
+                               "object, or its text)")
         if isinstance(self.json, str):
             try:
                 _json.loads(self.json)
             except ValueError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+                raise RequestError("structured_outputs.json", f"structured_outputs.json is not valid JSON: {e}") \
+                    from None
 
     @property
     def kind(self) -> str:

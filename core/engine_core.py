@@ -10,9 +10,9 @@ import msgspec
 
 from pagedserve.core.block_hash import BlockHasher
 from pagedserve.common.config import EngineArgs, EngineConfig
-from pagedserve.common.errors import EngineOverloadedError
 from pagedserve.common.model_files import tokenizer_folder
-from pagedserve.common.request_checks import check_prompt
+from pagedserve.common.request_checks import (check_request, check_request_id, check_waiting_room,
+                                              generation_budget)
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
@@ -83,20 +83,23 @@ class EngineCore:
 
     # ---------------------------------------------------------------- requests
 
-    def add_request(self, req: EngineCoreRequest) -> None:
-        """Validate and queue a request; ValueError (naming the field) if it can never run,
-        EngineOverloadedError if the waiting queue is full."""
+    def add_request(self, req: EngineCoreRequest, checked: bool = False) -> None:
+        """Validate and queue a request: RequestError (naming the field) if it can never run as asked,
+        EngineOverloadedError if the waiting queue is full. The core's trust boundary: any client may send
+        anything. checked: the frontend in this very process already ran check_request on it (InprocClient)."""
         model = self.config.model
-        max_tokens = check_prompt(req.prompt_token_ids, req.sampling_params.max_tokens, model.max_model_len,
-                                  model.vocab_size, req.sampling_params)
-        bound = self.config.scheduler.max_waiting_requests
-        if bound is not None and len(self.scheduler.waiting) >= bound:
-            raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting "
-                                        f"(max_waiting_requests={bound}); retry later")
-        structured = req.sampling_params.structured_outputs
+        check_request_id(req.request_id, self.scheduler.requests)
+        params = req.sampling_params
+        if checked:
+            max_tokens = generation_budget(params, len(req.prompt_token_ids), model.max_model_len)
+        else:
+            max_tokens = check_request(req.prompt_token_ids, params, req.priority, model.max_model_len,
+                                       model.vocab_size)
+        check_waiting_room(len(self.scheduler.waiting), self.config.scheduler.max_waiting_requests)
+        structured = params.structured_outputs
         if structured is not None:
             check_structured_outputs(structured)
-        request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params, self.eos_token_ids,
+        request = Request(req.request_id, list(req.prompt_token_ids), params, self.eos_token_ids,
                           max_tokens, self.block_hasher, req.arrival_time, req.priority, req.client_index)
         if structured is not None:
             request.structured = self.structured_outputs.submit(structured)
@@ -116,8 +119,7 @@ class EngineCore:
         if self.async_scheduling:
             return self._step_async()
         sched = self.scheduler.schedule()
-        outputs: list[EngineCoreOutput] = self.scheduler.grammar_errors
-        self.scheduler.grammar_errors = []
+        outputs = self._take_grammar_errors()
         if _has_work(sched):
             result = self.executor.execute_model(sched)
             outputs += self.scheduler.update_from_output(sched, result)
@@ -129,11 +131,11 @@ class EngineCore:
         """Start step N+1, then take step N's output: the scheduling overlaps step N's run, and the
         output processing overlaps step N+1's. Requests in both steps were given placeholders; a stop
         found in step N's output frees the request, and step N+1's token for it is dropped on arrival."""
-        outputs: list[EngineCoreOutput] = self.scheduler.grammar_errors
-        self.scheduler.grammar_errors = []
+        outputs: list[EngineCoreOutput] = []
         if self._in_flight is not None and self.scheduler.needs_each_output_before_scheduling():
             outputs += self._take_in_flight()
         sched = self.scheduler.schedule()
+        outputs += self._take_grammar_errors()
         started = (sched, self.executor.execute_model_async(sched)) if _has_work(sched) else None
         if self._in_flight is not None:
             outputs += self._take_in_flight()
@@ -141,6 +143,12 @@ class EngineCore:
         if started is None and not outputs:
             self.scheduler.grammar_waiters.wait()   # only compiles pending: do not spin
         return self._outputs(outputs, sched.total_num_scheduled_tokens)
+
+    def _take_grammar_errors(self) -> list[EngineCoreOutput]:
+        """The requests whose grammar failed in the schedule() just run: their error goes out with this step,
+        so a request id is in use exactly while the scheduler holds it (no output pends for a freed one)."""
+        errors, self.scheduler.grammar_errors = self.scheduler.grammar_errors, []
+        return errors
 
     def _take_in_flight(self) -> list[EngineCoreOutput]:
         sched, future = self._in_flight

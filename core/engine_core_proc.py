@@ -21,12 +21,11 @@ import zmq
 
 from pagedserve.common.config import CLIENT_EXPIRY_S, CORE_HEARTBEAT_INTERVAL_S, EngineArgs, EngineConfig
 from pagedserve.core.engine_core import EngineCore, ExecutorLike
-from pagedserve.common.errors import INVALID, error_kind
 from pagedserve.common.process_utils import describe_exception, setup_child_process
 from pagedserve.common.throttled_log import ThrottledLog
 from pagedserve.ipc.messages import (AbortRequests, EngineCoreInput, EngineCoreOutput, EngineCoreOutputs,
                                      EngineCoreRequest, EngineReady, EngineStartupFailed, UtilityCall,
-                                     UtilityResult)
+                                     UtilityResult, refused_output)
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from pagedserve.ipc.sockets import make_socket
 
@@ -154,19 +153,13 @@ class EngineCoreProc:
             self._utility(client, msg)
 
     def _add_request(self, client: bytes, req: EngineCoreRequest) -> None:
-        kind = INVALID
-        if req.request_id in self.owner:
-            error = f"request_id {req.request_id!r} is already in use"
-        else:
-            try:
-                self.core.add_request(req)
-                self.owner[req.request_id] = client
-                return
-            except ValueError as exc:
-                error, kind = str(exc), error_kind(exc)
-        out = EngineCoreOutput(request_id=req.request_id, new_token_ids=[], finish_reason="error", error=error,
-                               error_kind=kind)
-        self.outputs.put((client, EngineCoreOutputs(outputs=[out])))
+        """The socket's requests are validated here, once (decoding them did not): a refusal names the field."""
+        try:
+            self.core.add_request(req)
+        except ValueError as exc:
+            self.outputs.put((client, EngineCoreOutputs(outputs=[refused_output(req.request_id, exc)])))
+            return
+        self.owner[req.request_id] = client
 
     def _utility(self, client: bytes, call: UtilityCall) -> None:
         result = UtilityResult(call_id=call.call_id)

@@ -5,14 +5,13 @@ import logging
 from collections.abc import Iterable
 
 from pagedserve.common.config import SchedulerConfig
-from pagedserve.common.errors import INVALID
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.request_queue import make_queue
 from pagedserve.core.structured_output import StructuredOutputManager
 from pagedserve.core.structured_output.waiting import GrammarWaiters
 from pagedserve.ipc.messages import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                                     NewRequestData, SchedulerOutput, SchedulerStats)
+                                     NewRequestData, SchedulerOutput, SchedulerStats, refused_output)
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +48,7 @@ class Scheduler:
     # ---------------------------------------------------------------- requests in and out
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        """Queue a request the core has checked (EngineCore.add_request: its id is not in `requests`)."""
         self.requests[request.request_id] = request
         if request.structured is not None:
             self._num_structured += 1
@@ -187,8 +185,7 @@ class Scheduler:
         for request, error in failed:
             request.status = RequestStatus.FINISHED_ERROR
             self._free(request)
-            self.grammar_errors.append(EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
-                                                        finish_reason="error", error=error, error_kind=INVALID))
+            self.grammar_errors.append(refused_output(request.request_id, error))
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         pending = request.num_output_placeholders

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from pagedserve.common.errors import EngineOverloadedError
+from pagedserve.common.request_checks import check_waiting_room
 from pagedserve.frontend.async_client import AsyncEngineClient
 from pagedserve.frontend.metrics import Metrics
 
@@ -30,10 +31,13 @@ class Admission:
             raise EngineOverloadedError(f"this server already has {self.in_flight} requests in flight "
                                         f"(max_concurrent_requests={self.max_concurrent}); retry later")
         stats = self.engine.last_stats
-        if self.max_waiting is not None and stats is not None and stats.num_waiting >= self.max_waiting:
+        if stats is None:
+            return
+        try:
+            check_waiting_room(stats.num_waiting, self.max_waiting)    # the core's own rule, on its last count
+        except EngineOverloadedError:
             self.count_refusal("queue")
-            raise EngineOverloadedError(f"{stats.num_waiting} requests are already waiting "
-                                        f"(max_waiting_requests={self.max_waiting}); retry later")
+            raise
 
     def count_refusal(self, reason: str) -> None:
         """reason: "concurrency" (this server's in-flight bound) or "queue" (the engine's waiting bound)."""

@@ -13,6 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedserve.common.errors import RequestError, error_field
 from pagedserve.common.version import __version__
 from pagedserve.frontend.admission import Admission
 from pagedserve.frontend.async_client import AsyncEngineClient
@@ -54,9 +55,7 @@ def response_for(exc: BaseException, retry_after_s: int = RETRY_AFTER_S) -> JSON
     if status == 404:
         return error_response(404, str(exc), kind, "model")
     if status == 400:
-        message = str(exc)      # validation messages start with the field they are about
-        param = message.split(" ", 1)[0].rstrip(":") if message else None
-        return error_response(400, message, kind, param)
+        return error_response(400, str(exc), kind, error_field(exc))
     logger.error("internal error", exc_info=exc)
     return error_response(500, "internal server error", kind)
 
@@ -108,7 +107,7 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
     async def tokenize(body: TokenizeRequest) -> Response:
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
-            raise ValueError("prompt: give exactly one of prompt or messages")
+            raise RequestError.at("prompt", "give exactly one of prompt or messages")
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages, tools=body.tools)
             prompt = await engine.render_chat(chat.text_messages(), body.add_generation_prompt,
@@ -124,7 +123,7 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
         serving.check_model(body.model)
         vocab = engine.info.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
-            raise ValueError(f"tokens must be in [0, {vocab})")
+            raise RequestError("tokens", f"tokens must be in [0, {vocab})")
         return JSONResponse({"prompt": await engine.detokenize(body.tokens)})
 
     return app
@@ -145,8 +144,8 @@ def _add_guards_and_handlers(app: FastAPI, settings: ServerArgs) -> None:
         first = exc.errors()[0] if exc.errors() else {}
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
-        # A model-level check (an unknown field) names the field first in its message.
-        param = loc or (message.split(" ", 1)[0].rstrip(":") if first.get("type") == "extra_forbidden" else None)
+        # A model-level check (an unknown field) has no location of its own: the field is in its context.
+        param = loc or (first.get("ctx") or {}).get("field")
         return error_response(400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -18,13 +18,13 @@ from typing import Any, TypeVar
 import msgspec
 
 from pagedserve.common.config import CORE_HEARTBEAT_INTERVAL_S, EngineArgs
-from pagedserve.common.errors import OVERLOADED, EngineOverloadedError
+from pagedserve.common.errors import OVERLOADED, EngineOverloadedError, RequestError
+from pagedserve.common.request_checks import check_request_id
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.frontend.core_client import AsyncMPClient, CoreProcess, EngineDeadError, split_engine_address
-from pagedserve.frontend.input_processor import InputProcessor, PreparedRequest, ProcessedPrompt, PromptType
-from pagedserve.frontend.output_processor import OutputProcessor
+from pagedserve.frontend.input_processor import PreparedRequest, ProcessedPrompt, PromptType
 from pagedserve.frontend.outputs import RequestOutput
-from pagedserve.frontend.tokenizer import load_tokenizer
+from pagedserve.frontend.processors import Processors
 from pagedserve.ipc.messages import EngineInfo, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -36,9 +36,7 @@ class AsyncEngineClient:
         """info: what the engine core said about itself; chat_template: used instead of the tokenizer's."""
         self.info = info
         self.client = client
-        self.tokenizer = load_tokenizer(info.tokenizer)
-        self.input_processor = InputProcessor(self.tokenizer, info, chat_template)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.processors = Processors.from_info(info, chat_template)
         # Tokenizing a multi-MiB prompt takes seconds; on the event loop it would stall every stream.
         # One thread: calls stay serialized, as they were on the loop.
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
@@ -103,27 +101,25 @@ class AsyncEngineClient:
 
     async def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
         """A text, token-id or dict prompt as token ids (on the tokenizer thread)."""
-        return await self._run_tokenizer(self.input_processor.parse_prompt, prompt, add_special_tokens)
+        return await self._run_tokenizer(self.processors.input.parse_prompt, prompt, add_special_tokens)
 
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                           template_kwargs: dict[str, Any] | None = None,
                           continue_final_message: bool = False,
                           tools: list[dict[str, Any]] | None = None) -> ProcessedPrompt:
-        return await self._run_tokenizer(self.input_processor.apply_chat_template, messages,
+        return await self._run_tokenizer(self.processors.input.apply_chat_template, messages,
                                          add_generation_prompt, template_kwargs=template_kwargs,
                                          continue_final_message=continue_final_message, tools=tools)
 
     async def detokenize(self, token_ids: list[int]) -> str:
-        return await self._run_tokenizer(self.tokenizer.decode, token_ids)
+        return await self._run_tokenizer(self.processors.tokenizer.decode, token_ids)
 
     def prepare(self, prompt: ProcessedPrompt, sampling_params: SamplingParams, request_id: str | None = None,
                 priority: int = 0) -> PreparedRequest:
         """Validate against the engine's limits and fan out n > 1: a bad request fails here, before a
-        stream has answered anything."""
+        stream has answered anything. (Its id is checked when it runs, in `stream`.)"""
         rid = request_id or f"{self._prefix}-{next(self._ids)}"
-        if rid in self._queues:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        return self.input_processor.make_requests(rid, prompt, sampling_params, priority)
+        return self.processors.prepare(rid, prompt, sampling_params, priority)
 
     async def generate(self, prompt: PromptType | ProcessedPrompt, sampling_params: SamplingParams,
                        request_id: str | None = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
@@ -136,13 +132,11 @@ class AsyncEngineClient:
         """Run a prepared request; leaving the generator early aborts it."""
         await self._ensure_handler()
         rid = prepared.request_id
-        if rid in self._queues:
-            raise ValueError(f"request_id {rid!r} is already in use")
+        check_request_id(rid, self._queues)      # this client's own table: a second one would take its queue
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = queue
         self._children[rid] = prepared.child_ids
-        self.output_processor.add_request(rid, prepared.prompt.prompt, prepared.prompt.prompt_token_ids,
-                                          prepared.child_ids, [r.sampling_params for r in prepared.requests])
+        self.processors.track(prepared)
         finished = False
         try:
             for request in prepared.requests:
@@ -159,7 +153,7 @@ class AsyncEngineClient:
             self._queues.pop(rid, None)
             children = self._children.pop(rid, [])
             if not finished:        # cancelled, disconnected or failed: the engine must drop it
-                self.output_processor.abort_request(children)
+                self.processors.output.abort_request(children)
                 if not self.is_dead:
                     await self.client.abort_requests(children)
 
@@ -167,7 +161,7 @@ class AsyncEngineClient:
         queue = self._queues.get(request_id)
         if queue is not None:
             children = self._children.get(request_id, [])
-            self.output_processor.abort_request(children)
+            self.processors.output.abort_request(children)
             await self.client.abort_requests(children)
             queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
 
@@ -209,7 +203,7 @@ class AsyncEngineClient:
                     self._run_hooks(self.step_hooks, outputs.scheduler_stats)
                 # Chunks keep one huge batch from holding the event loop for long.
                 for i in range(0, len(outputs.outputs), 256):
-                    processed = self.output_processor.process_outputs(outputs.outputs[i:i + 256])
+                    processed = self.processors.output.process_outputs(outputs.outputs[i:i + 256])
                     if processed.inter_token_latencies:
                         self._run_hooks(self.inter_token_hooks, processed.inter_token_latencies)
                     for out in processed.request_outputs:
@@ -254,9 +248,10 @@ class AsyncEngineClient:
 
 def _request_error(out: RequestOutput, engine_dead: bool) -> Exception:
     """The exception a caller sees for a request the engine core ended with an error: the engine died
-    (EngineDeadError), its queue is full (EngineOverloadedError) or it refused the request (ValueError)."""
+    (EngineDeadError), its queue is full (EngineOverloadedError) or it refused the request (RequestError,
+    with the field the core named)."""
     if engine_dead:
         return EngineDeadError(out.error)
     if out.error_kind == OVERLOADED:
         return EngineOverloadedError(out.error)
-    return ValueError(out.error)
+    return RequestError(out.error_field, out.error)

@@ -8,7 +8,9 @@ import os
 import secrets
 import time
 import uuid
-from typing import Any
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -28,9 +30,9 @@ from pagedserve.ipc.sockets import IpcPaths, cleanup_ipc_path, make_socket
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
-# A utility call is re-sent this often until answered: the core's output socket drops replies to a peer it
-# has not seen yet, so the first call of a new client may be lost (the repeat is harmless: calls are reads
-# or idempotent).
+# A utility call is re-sent this often until answered (_ClientBase._attempts): the core's output socket drops
+# replies to a peer it has not seen yet, so the first call of a new client may be lost (the repeat is
+# harmless: calls are reads or idempotent).
 UTILITY_RESEND_S = 0.5
 
 
@@ -117,7 +119,22 @@ class CoreProcess:
         self.paths.close()
 
 
+class EngineCoreClient(Protocol):
+    """What LLM drives, whether the core runs in this process (InprocClient) or in its own (SyncMPClient).
+    AsyncMPClient has the same calls, awaitable, and shares SyncMPClient's protocol code (_ClientBase)."""
+
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+    def get_output(self, timeout_s: float | None = None) -> EngineCoreOutputs | None: ...
+    def call_utility(self, method: str, *args: Any) -> Any: ...
+    def close(self) -> None: ...
+
+
 class _ClientBase:
+    """The protocol with an engine core process, for both clients: frames with the token, liveness (process,
+    heartbeats, keepalive), routing utility answers to their callers, and the one utility resend loop. The
+    subclasses only do the socket I/O, blocking or awaited."""
+
     def __init__(self, addresses: CoreAddresses, token: str, proc: CoreProcess | None,
                  heartbeat_timeout_s: float) -> None:
         self.addresses = addresses
@@ -132,6 +149,8 @@ class _ClientBase:
         self.decoder = MsgpackDecoder(EngineCoreOutputs)
         self.dead: str | None = None
         self._call_ids = itertools.count()
+        # Utility calls awaiting their answer: call id -> a future (concurrent or asyncio: the same face).
+        self._calls: dict[int, Any] = {}
 
     def _frames(self, msg: Any) -> list:
         self._sent_at = time.monotonic()
@@ -165,12 +184,21 @@ class _ClientBase:
                              "hung or unreachable")
         self._check_alive()
 
-    def _utility_call(self, method: str, args: tuple[Any, ...]) -> UtilityCall:
-        return UtilityCall(next(self._call_ids), method, list(args))
+    def _start_call(self, method: str, args: tuple[Any, ...], answer: Any) -> UtilityCall:
+        """A utility call whose UtilityResult will be set on `answer` (a future) when it arrives."""
+        call = UtilityCall(next(self._call_ids), method, list(args))
+        self._calls[call.call_id] = answer
+        return call
 
-    @staticmethod
-    def _answer(results: list[UtilityResult], call_id: int) -> UtilityResult | None:
-        return next((r for r in results if r.call_id == call_id), None)
+    def _attempts(self, method: str, timeout_s: float) -> Iterator[float]:
+        """The utility-call resend loop: before each (re)send of the call it checks that the core lives, and
+        yields how long to wait for the answer; TimeoutError once timeout_s passed unanswered."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            self._check_alive()
+            yield min(left, UTILITY_RESEND_S)
+        raise TimeoutError(f"no answer to {method!r} from the engine core at {self.addresses.input} within "
+                           f"{timeout_s:g} s (wrong address or token?)")
 
     @staticmethod
     def _unwrap(result: UtilityResult) -> Any:
@@ -178,12 +206,22 @@ class _ClientBase:
             raise RuntimeError(result.error)
         return result.result
 
-    def _decode(self, frames: list) -> EngineCoreOutputs:
+    def _receive(self, frames: list) -> EngineCoreOutputs:
+        """Decode what the core sent; answers go to the calls awaiting them."""
         self._heard_at = self._listened_at = time.monotonic()
         outputs = self.decoder.decode(frames)
         if outputs.engine_dead:
             self.dead = outputs.engine_dead
+        for result in outputs.utility_results:
+            answer = self._calls.get(result.call_id)
+            if answer is not None and not answer.done():
+                answer.set_result(result)
         return outputs
+
+    @staticmethod
+    def _carries(outputs: EngineCoreOutputs) -> bool:
+        """Whether outputs hold anything for get_output's reader (not only answers, or a heartbeat)."""
+        return bool(outputs.outputs or outputs.scheduler_stats is not None or outputs.engine_dead)
 
 
 class SyncMPClient(_ClientBase):
@@ -214,6 +252,8 @@ class SyncMPClient(_ClientBase):
             self.input.send_multipart(self._frames(AbortRequests(request_ids)), copy=False)
 
     def get_output(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:
+        """The next message from the core (heartbeats too: an idle caller sees the core is alive), or None
+        after timeout_s."""
         if self._pending:
             return self._pending.pop(0)
         return self._recv(timeout_s)
@@ -226,26 +266,29 @@ class SyncMPClient(_ClientBase):
                 self.input.send_multipart(ping, copy=False)
             if self.output.poll(_POLL_MS if deadline is None else
                                 max(1, min(_POLL_MS, int((deadline - time.monotonic()) * 1000)))):
-                return self._decode(self.output.recv_multipart(copy=False))
+                return self._receive(self.output.recv_multipart(copy=False))
             self._check_silence()
         return None
 
     def call_utility(self, method: str, *args: Any, timeout_s: float = 30.0) -> Any:
-        call = self._utility_call(method, args)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self._check_alive()
-            self.input.send_multipart(self._frames(call), copy=False)
-            resend_at = min(deadline, time.monotonic() + UTILITY_RESEND_S)
-            while (left := resend_at - time.monotonic()) > 0:
-                out = self._recv(timeout_s=left)
-                if out is None:
-                    continue
-                if (answer := self._answer(out.utility_results, call.call_id)) is not None:
-                    return self._unwrap(answer)
-                if out.outputs or out.engine_dead:
-                    self._pending.append(out)      # keep request outputs for get_output
-        raise TimeoutError(f"engine core did not answer {method!r} within {timeout_s} s")
+        answer: Future = Future()
+        call = self._start_call(method, args, answer)
+        try:
+            for wait_s in self._attempts(method, timeout_s):
+                self.input.send_multipart(self._frames(call), copy=False)
+                self._read_until(answer, time.monotonic() + wait_s)
+                if answer.done():
+                    return self._unwrap(answer.result())
+        finally:
+            self._calls.pop(call.call_id, None)
+
+    def _read_until(self, answer: Future, deadline: float) -> None:
+        """Read from the core until the answer is in or the deadline passes; what else came (request outputs,
+        stats) is kept for get_output."""
+        while not answer.done() and (left := deadline - time.monotonic()) > 0:
+            out = self._recv(timeout_s=left)
+            if out is not None and self._carries(out):
+                self._pending.append(out)
 
     def close(self) -> None:
         self.input.close(linger=0)
@@ -267,7 +310,6 @@ class AsyncMPClient(_ClientBase):
         self.output = make_socket(self.ctx, addresses.output, zmq.DEALER, bind=False, identity=self.identity)
         self._reader: asyncio.Task | None = None
         self._outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
-        self._calls: dict[int, asyncio.Future] = {}
 
     async def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()
@@ -279,21 +321,16 @@ class AsyncMPClient(_ClientBase):
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float = 10.0) -> Any:
         self._ensure_reader()
-        call = self._utility_call(method, args)
-        future = asyncio.get_running_loop().create_future()
-        self._calls[call.call_id] = future
-        deadline = time.monotonic() + timeout_s
+        answer = asyncio.get_running_loop().create_future()
+        call = self._start_call(method, args, answer)
         try:
-            while (left := deadline - time.monotonic()) > 0:
-                self._check_alive()
+            for wait_s in self._attempts(method, timeout_s):
                 await self.input.send_multipart(self._frames(call), copy=False)
-                done, _ = await asyncio.wait({future}, timeout=min(left, UTILITY_RESEND_S))
+                done, _ = await asyncio.wait({answer}, timeout=wait_s)
                 if done:
-                    return self._unwrap(future.result())
+                    return self._unwrap(answer.result())
         finally:
             self._calls.pop(call.call_id, None)
-        raise TimeoutError(f"no answer to {method!r} from the engine core within {timeout_s} s "
-                           "(wrong address or token?)")
 
     async def get_output(self) -> EngineCoreOutputs:
         """The next outputs that carry anything; EngineDeadError once the core is dead or silent."""
@@ -320,21 +357,17 @@ class AsyncMPClient(_ClientBase):
                 if not await self.output.poll(_POLL_MS):
                     self._check_silence()
                     continue
-                outputs = self._decode(await self.output.recv_multipart(copy=False))
-                for result in outputs.utility_results:
-                    future = self._calls.get(result.call_id)
-                    if future is not None and not future.done():
-                        future.set_result(result)
-                if outputs.outputs or outputs.scheduler_stats is not None or outputs.engine_dead:
+                outputs = self._receive(await self.output.recv_multipart(copy=False))
+                if self._carries(outputs):
                     self._outputs.put_nowait(outputs)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:   # dead, silent, or a bug here: every waiter must hear of it
             error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine client failed: {exc}")
             self._outputs.put_nowait(error)
-            for future in self._calls.values():
-                if not future.done():
-                    future.set_exception(error)
+            for answer in self._calls.values():
+                if not answer.done():
+                    answer.set_exception(error)
 
     def close(self) -> None:
         if self._reader is not None:

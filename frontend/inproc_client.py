@@ -4,10 +4,10 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.common.config import EngineArgs
-from pagedserve.common.errors import error_kind
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.executor.procs.backends import get_executor_class
-from pagedserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from pagedserve.ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo,
+                                     refused_output)
 
 
 class InprocClient:
@@ -18,12 +18,12 @@ class InprocClient:
         self._rejected: list[EngineCoreOutput] = []
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        """A request the input processor in this process built and checked: no socket to cross, so the core
+        does not validate it again (it still refuses a used id or a full queue)."""
         try:
-            self.core.add_request(request)
+            self.core.add_request(request, checked=True)
         except ValueError as exc:
-            self._rejected.append(EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
-                                                   finish_reason="error", error=str(exc),
-                                                   error_kind=error_kind(exc)))
+            self._rejected.append(refused_output(request.request_id, exc))
 
     def get_output(self, timeout_s: float | None = None) -> EngineCoreOutputs:
         if self._rejected:

@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Union
 
-from pagedserve.common.request_checks import check_prompt
+from pagedserve.common.errors import RequestError
+from pagedserve.common.request_checks import check_params, check_prompt
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.frontend.prompt_constraints import bad_words_token_ids, truncated_ids
 from pagedserve.ipc.messages import EngineCoreRequest, EngineInfo
@@ -46,15 +47,16 @@ class InputProcessor:
                 return ProcessedPrompt(prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"]))
             if isinstance(prompt.get("prompt"), str):
                 return self.parse_prompt(prompt["prompt"], add_special_tokens)
-            raise ValueError("prompt: a dict prompt needs 'prompt' (str) or 'prompt_token_ids' (list of int)")
+            raise RequestError.at("prompt", "a dict prompt needs 'prompt' (str) or 'prompt_token_ids' (list of int)")
         if isinstance(prompt, (list, tuple)):
             return ProcessedPrompt(None, self._check_ids(prompt))
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        raise RequestError("prompt", "prompt must be a string, a list of token ids or a dict, got "
+                           f"{type(prompt).__name__}")
 
     def _check_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
+            raise RequestError("prompt_token_ids", "prompt_token_ids must be a list of integers")
         return list(ids)       # their range is checked with the rest, in check_prompt
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -66,27 +68,28 @@ class InputProcessor:
         left open (no end of turn) for the model to continue."""
         kwargs = dict(template_kwargs or {})
         if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=true "
-                             "(set add_generation_prompt to false)")
+            raise RequestError.at("continue_final_message", "cannot be combined with add_generation_prompt=true "
+                                  "(set add_generation_prompt to false)")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+            raise RequestError("messages", "messages must be a list of {'role': ..., 'content': ...} dicts")
         chat_template = chat_template if chat_template is not None else self.chat_template
         if getattr(self.tokenizer, "chat_template", None) is None and chat_template is None:
-            raise ValueError("messages: this model's tokenizer has no chat template; pass chat_template")
+            raise RequestError.at("messages", "this model's tokenizer has no chat template; pass chat_template")
         # Template variables only: a request must not swap the template, or change what the call returns.
         reserved = sorted(set(kwargs) & self._reserved_template_args())
         if reserved:
-            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set per request")
+            raise RequestError.at("chat_template_kwargs", f"{', '.join(reserved)} cannot be set per request")
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
+            text = self.tokenizer.apply_chat_template(_with_text_content(messages), tokenize=False,
+                                                      chat_template=chat_template,
                                                       add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message,
                                                       tools=tools, **kwargs)
         except Exception as exc:   # the template is fixed, so a failure to render comes from the messages
-            raise ValueError(f"messages: the chat template cannot render them: {type(exc).__name__}: {exc}") \
-                from exc
+            raise RequestError.at("messages", f"the chat template cannot render them: {type(exc).__name__}: "
+                                  f"{exc}") from exc
         if not isinstance(text, str):
-            raise ValueError("messages: the chat template did not render to text")
+            raise RequestError.at("messages", "the chat template did not render to text")
         # The template already placed any BOS: do not add special tokens again.
         return ProcessedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -103,17 +106,14 @@ class InputProcessor:
 
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                       priority: int = 0, arrival_time: float | None = None) -> PreparedRequest:
-        """Validate (check_prompt, the core's own check, run early) and build one engine request per
-        sample: n > 1 fans out into children that share the prompt's blocks through the prefix cache."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(priority, int) or not -(1 << 63) <= priority < (1 << 63):
-            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
+        """Validate (the rules the core runs again at its socket, run here once and early) and build one
+        engine request per sample: n > 1 fans out into children that share the prompt's blocks through the
+        prefix cache. truncate_prompt_tokens is applied here, and only here."""
+        check_params(params, priority)
         prompt = self.truncate(prompt, params.truncate_prompt_tokens)
         if params.bad_words:
             params = params.clone(_bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words))
-        check_prompt(prompt.prompt_token_ids, params.max_tokens, self.info.max_model_len, self.info.vocab_size,
-                     params)
+        check_prompt(prompt.prompt_token_ids, params, self.info.max_model_len, self.info.vocab_size)
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
             children = [(request_id, params)]
@@ -124,3 +124,11 @@ class InputProcessor:
                 prompt_logprobs=params.prompt_logprobs if i == 0 else None)) for i in range(params.n)]
         requests = [EngineCoreRequest(cid, prompt.prompt_token_ids, p, arrival, priority) for cid, p in children]
         return PreparedRequest(request_id, prompt, params, [c for c, _ in children], requests)
+
+
+def _with_text_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant turn that only calls tools has no content (null, or left out): it renders as "", as vLLM
+    renders it, so a template that knows no tools and concatenates message['content'] still renders the
+    conversation. Other messages reach the template as sent."""
+    return [{**m, "content": ""} if m.get("role") == "assistant" and m.get("tool_calls") and m.get("content") is None
+            else m for m in messages]

@@ -5,17 +5,22 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
 from pagedserve.common.config import EngineArgs
+from pagedserve.common.errors import RequestError
+from pagedserve.common.request_checks import has_waiting_room
 from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.frontend.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
-from pagedserve.frontend.tokenizer import load_tokenizer
+from pagedserve.frontend.processors import Processors
 from pagedserve.ipc.messages import EngineCoreRequest
+
+if TYPE_CHECKING:
+    from pagedserve.frontend.core_client import EngineCoreClient
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +34,7 @@ class LLM:
         if unknown:
             raise ValueError(f"LLM got unknown argument(s): {', '.join(sorted(unknown))}")
         self.engine_args = EngineArgs(model=model, **kwargs)
+        self.client: EngineCoreClient
         if multiprocess_core:
             from pagedserve.frontend.core_client import CoreProcess, SyncMPClient
             proc = CoreProcess(self.engine_args, logging.getLogger().getEffectiveLevel())
@@ -39,10 +45,20 @@ class LLM:
             from pagedserve.frontend.inproc_client import InprocClient
             self.client = InprocClient(self.engine_args)
             self.info = self.client.info
-        self.tokenizer = load_tokenizer(self.info.tokenizer)
-        self.input_processor = InputProcessor(self.tokenizer, self.info)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.processors = Processors.from_info(self.info)
         self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processors.tokenizer
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        return self.processors.input
+
+    @property
+    def output_processor(self) -> OutputProcessor:
+        return self.processors.output
 
     @property
     def engine(self):
@@ -55,7 +71,9 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no sampling params: the model's generation-config
         defaults (temperature, top_p, top_k, min_p, repetition_penalty) over SamplingParams' own."""
-        return SamplingParams(**self.info.default_sampling)
+        params = SamplingParams(**self.info.default_sampling)
+        params.validate()       # the core checked these at startup; this normalizes them (greedy drops top_k)
+        return params
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -83,12 +101,9 @@ class LLM:
         for prompt, p, prio in zip(prompts, params, priorities):
             # Offline callers want one result per prompt: only the final output is needed.
             p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-            rid = str(next(self._ids))
-            batch.append(self.input_processor.make_requests(rid, prompt, p, prio))
+            batch.append(self.processors.prepare(str(next(self._ids)), prompt, p, prio))
         for prepared in batch:   # validated all before queueing any
-            self.output_processor.add_request(prepared.request_id, prepared.prompt.prompt,
-                                              prepared.prompt.prompt_token_ids, prepared.child_ids,
-                                              [r.sampling_params for r in prepared.requests])
+            self.processors.track(prepared)
         backlog = deque(request for prepared in batch for request in prepared.requests)
         return self._run_engine([prepared.request_id for prepared in batch], backlog, use_tqdm)
 
@@ -99,7 +114,7 @@ class LLM:
         bound = self.info.max_waiting_requests
         # The output processor tracks every request of this call; those not yet sent are the backlog.
         in_flight = self.output_processor.num_unfinished() - len(backlog)
-        while backlog and (bound is None or in_flight < bound):
+        while backlog and has_waiting_room(in_flight, bound):
             self.client.add_request(backlog.popleft())
             in_flight += 1
 
@@ -119,7 +134,7 @@ class LLM:
                     self.client.abort_requests(processed.reqs_to_abort)
                 for output in processed.request_outputs:
                     if output.error:
-                        raise ValueError(f"request {output.request_id} failed: {output.error}")
+                        raise RequestError(output.error_field, f"request {output.request_id} failed: {output.error}")
                     if output.finished:
                         results[output.request_id] = output
                         out_tokens += sum(len(c.token_ids) for c in output.outputs)

@@ -42,6 +42,7 @@ class _Parent:
     queue_time: float | None = None           # measured by the engine core, sent with the first token
     error: str | None = None
     error_kind: str | None = None
+    error_field: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     sent_prompt_logprobs: bool = False      # delta outputs carry them once, when complete
 
@@ -106,7 +107,7 @@ class OutputProcessor:
             elif out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
                 if out.error:
-                    parent.error, parent.error_kind = out.error, out.error_kind
+                    parent.error, parent.error_kind, parent.error_field = out.error, out.error_kind, out.error_field
             if seq.finish_reason is not None:
                 del self._seqs[out.request_id]
             touched[id(parent)] = parent
@@ -155,7 +156,7 @@ class OutputProcessor:
             metrics["queue_time"] = parent.queue_time
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
                              parent.num_cached_tokens, metrics, parent.error, parent.error_kind,
-                             self._prompt_logprobs(parent, delta))
+                             self._prompt_logprobs(parent, delta), parent.error_field)
 
     @staticmethod
     def _prompt_logprobs(parent: _Parent, delta: bool) -> list[dict[int, Logprob] | None] | None:

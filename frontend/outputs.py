@@ -38,3 +38,4 @@ class RequestOutput:
     error_kind: str | None = None          # with error: "invalid" (never runnable) | "overloaded" (retry later)
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per prompt token.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error_field: str | None = None         # with error: the request field at fault, when one is

@@ -6,6 +6,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedserve.common.errors import RequestError
 from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.frontend.protocol_extras import (ExtraChatFields, ExtraCompletionFields, ExtraRequestFields,
                                                  StrictModel, text_content)
@@ -78,10 +79,11 @@ class CompletionRequest(_SamplingFields, ExtraCompletionFields):
 
     def to_sampling_params(self, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+            raise RequestError("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
         self.check_supported(self.n)
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens must be at least 1 (0 is allowed only with echo=true: the prompt alone)")
+            raise RequestError("max_tokens", "max_tokens must be at least 1 (0 is allowed only with echo=true: the "
+                               "prompt alone)")
         # echo with logprobs shows the prompt's tokens with their logprobs (what evaluation harnesses read).
         echoed = max(self.logprobs, self.prompt_logprobs or 0) if self.echo and self.logprobs is not None else None
         return self._params(self.max_tokens, self.logprobs, defaults, echoed)
@@ -102,17 +104,17 @@ class ChatCompletionRequest(ToolFields, _SamplingFields, ExtraChatFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
-    def to_sampling_params(self, default_max_tokens: int,
-                           defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
+    def to_sampling_params(self, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
+        """max_tokens left unset stays None: the request may fill what its prompt (once truncated) leaves."""
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise RequestError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
-            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+            raise RequestError("top_logprobs", f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+            raise RequestError("max_tokens", f"max_tokens must be at least 1, got {max_tokens}")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(default_max_tokens if max_tokens is None else max_tokens, logprobs, defaults)
+        return self._params(max_tokens, logprobs, defaults)
 
     def text_messages(self) -> list[dict[str, Any]]:
         return template_messages(text_content(self.messages))

@@ -17,6 +17,8 @@ from typing import Any, Optional
 from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 
+from pagedserve.common.errors import RequestError
+
 # Accepted and ignored: they describe the request to OpenAI's platform, never the tokens it gets.
 METADATA_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
                    "prompt_cache_retention", "prompt_cache_options")
@@ -76,7 +78,7 @@ class ExtraRequestFields(StrictModel):
             try:
                 bias[int(key)] = value
             except ValueError:
-                raise ValueError(f"logit_bias: keys must be token ids (integers), got {key!r}") from None
+                raise RequestError.at("logit_bias", f"keys must be token ids (integers), got {key!r}") from None
         return bias
 
     def constraint_params(self) -> dict[str, Any]:
@@ -91,9 +93,9 @@ class ExtraCompletionFields(ExtraRequestFields):
 
     def check_supported(self, n: int) -> None:
         if self.best_of is not None and self.best_of != n:
-            raise ValueError(f"best_of: only best_of equal to n ({n}) is supported, got {self.best_of}")
+            raise RequestError.at("best_of", f"only best_of equal to n ({n}) is supported, got {self.best_of}")
         if self.suffix:
-            raise ValueError("suffix: insertion (text after the completion) is not supported")
+            raise RequestError.at("suffix", "insertion (text after the completion) is not supported")
 
 
 # Chat content parts taken as text; any other type (image_url, input_audio, file, ...) is refused.
@@ -113,12 +115,12 @@ class ExtraChatFields(ExtraRequestFields):
 
     def check_supported(self) -> None:
         if self.audio is not None:
-            raise ValueError("audio: audio output is not supported (this server generates text only)")
+            raise RequestError.at("audio", "audio output is not supported (this server generates text only)")
         if self.modalities is not None and any(m != "text" for m in self.modalities):
-            raise ValueError(f"modalities: only ['text'] is supported, got {self.modalities}")
+            raise RequestError.at("modalities", f"only ['text'] is supported, got {self.modalities}")
         for name in ("verbosity", "web_search_options", "moderation"):
             if getattr(self, name) is not None:
-                raise ValueError(f"{name}: not supported by this server")
+                raise RequestError.at(name, "not supported by this server")
 
     def template_variables(self, chat_template_kwargs: Optional[dict[str, Any]]) -> dict[str, Any]:
         """The request's chat template variables; reasoning_effort is one (as in vLLM), for templates
@@ -136,13 +138,13 @@ def text_content(messages: list[Any]) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         d = message.model_dump(exclude_none=True)
         if "audio" in d:
-            raise ValueError(f"messages[{i}].audio: audio is not supported (this model takes text only)")
+            raise RequestError.at(f"messages[{i}].audio", "audio is not supported (this model takes text only)")
         if isinstance(message.content, list):
             for j, part in enumerate(message.content):
                 kind = part.get("type")
                 if kind not in _TEXT_PARTS:
-                    raise ValueError(f"messages[{i}].content[{j}].type: content parts of type {kind!r} are "
-                                     "not supported (this model takes text only)")
+                    raise RequestError.at(f"messages[{i}].content[{j}].type", f"content parts of type {kind!r} "
+                                          "are not supported (this model takes text only)")
             d["content"] = "".join(str(p.get(p["type"], "")) for p in message.content)
         out.append(d)
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
+from pagedserve.common.errors import RequestError
 from pagedserve.common.structured_outputs import StructuredOutputsParams
 from pagedserve.frontend.protocol_extras import StrictModel
 
@@ -33,25 +34,29 @@ class StructuredOutputFields(StrictModel):
         if fmt is not None and fmt.get("type") != "text":
             given.insert(0, "response_format")
         if len(given) > 1:
-            raise ValueError(f"{given[1]}: give one of {', '.join(given)}, not several")
+            raise RequestError.at(given[1], f"give one of {', '.join(given)}, not several")
         return given[0] if given else None
 
     def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
-        """The request's constraint as StructuredOutputsParams; ValueError naming the field when malformed."""
+        """The request's constraint as StructuredOutputsParams; RequestError naming the field when malformed."""
         source = self.structured_outputs_source()
         if source is None:
             return None
         try:
             if source == "response_format":
-                return _from_response_format(self.response_format)
-            if source == "structured_outputs":
+                params = _from_response_format(self.response_format)
+            elif source == "structured_outputs":
                 if not isinstance(self.structured_outputs, dict):
                     raise ValueError("must be an object")
-                return StructuredOutputsParams(**self.structured_outputs)
-            extra = {"whitespace_pattern": self.guided_whitespace_pattern} if self.guided_whitespace_pattern else {}
-            return StructuredOutputsParams(**{_GUIDED[source]: getattr(self, source)}, **extra)
+                params = StructuredOutputsParams(**self.structured_outputs)
+            else:
+                extra = {"whitespace_pattern": self.guided_whitespace_pattern} if self.guided_whitespace_pattern \
+                    else {}
+                params = StructuredOutputsParams(**{_GUIDED[source]: getattr(self, source)}, **extra)
+            params.validate()
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"{source}: {_strip(str(exc))}") from None
+            raise RequestError.at(source, _strip(str(exc))) from None
+        return params
 
 
 def _from_response_format(fmt: dict[str, Any]) -> StructuredOutputsParams:
@@ -77,9 +82,9 @@ def _strip(message: str) -> str:
 
 
 def name_field(exc: ValueError, source: Optional[str]) -> ValueError:
-    """An engine error about the compiled spec ("structured_outputs.json does not compile: ...") with the
-    request field it came from, so a 400 names what the user sent."""
-    message = str(exc)
-    if source is None or source == _CORE_PREFIX or not message.startswith(_CORE_PREFIX):
+    """An engine error about the compiled spec (field structured_outputs.json: "... does not compile") as an
+    error about the request field it came from, so a 400 names what the user sent."""
+    field = getattr(exc, "field", None)
+    if source is None or source == _CORE_PREFIX or field is None or not field.startswith(_CORE_PREFIX):
         return exc
-    return ValueError(f"{source}: {_strip(message)}")
+    return RequestError.at(source, _strip(str(exc)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, Union
 
+from pagedserve.common.errors import RequestError
 from pagedserve.common.structured_outputs import StructuredOutputsParams
 from pagedserve.frontend.protocol_structured import StructuredOutputFields
 
@@ -29,7 +30,7 @@ class ToolFields(StructuredOutputFields):
     def tool_list(self) -> list[dict[str, Any]]:
         """The tools as OpenAI's tools list (legacy `functions` wrapped), checked; [] without any."""
         if self.tools and self.functions:
-            raise ValueError("functions: give tools or the legacy functions, not both")
+            raise RequestError.at("functions", "give tools or the legacy functions, not both")
         field = "tools" if self.tools else "functions"
         raw = self.tools or [{"type": "function", "function": f} for f in self.functions or []]
         for i, tool in enumerate(raw):
@@ -56,19 +57,20 @@ class ToolFields(StructuredOutputFields):
             field = "functions" if self.functions else "tools"    # auto is their default: name what was sent
         if isinstance(choice, str):
             if choice not in _CHOICES:
-                raise ValueError(f"{field}: must be one of {', '.join(_CHOICES)} or a named function, got {choice!r}")
+                raise RequestError.at(field, f"must be one of {', '.join(_CHOICES)} or a named function, "
+                                             f"got {choice!r}")
             if not tools:
                 if choice == "required":
-                    raise ValueError(f"{field}: 'required' needs tools")
+                    raise RequestError.at(field, "'required' needs tools")
                 return None          # none/auto with no tools: plain text
             if choice == "auto" and not auto_enabled:
-                raise ValueError(f"{field}: {AUTO_NEEDS_FLAGS}")
+                raise RequestError.at(field, AUTO_NEEDS_FLAGS)
             return None if choice == "none" else choice
         name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
         if not isinstance(name, str) or not name:
-            raise ValueError(f'{field}: a named choice is {{"type": "function", "function": {{"name": ...}}}}')
+            raise RequestError.at(field, 'a named choice is {"type": "function", "function": {"name": ...}}')
         if name not in {t["function"]["name"] for t in tools}:
-            raise ValueError(f"{field}: function {name!r} is not in tools")
+            raise RequestError.at(field, f"function {name!r} is not in tools")
         return name
 
     # ---------------------------------------------------------------- the forcing grammar
@@ -95,7 +97,7 @@ class ToolFields(StructuredOutputFields):
         if self.forced_call_schema() is None:
             return source
         if source is not None:
-            raise ValueError(f"{source}: cannot be combined with a forced tool call (tool_choice)")
+            raise RequestError.at(source, "cannot be combined with a forced tool call (tool_choice)")
         return "function_call" if self.function_call is not None and self.tool_choice is None else "tool_choice"
 
     def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
@@ -119,7 +121,7 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         calls = message.get("tool_calls")
         if message.get("role") == "assistant" and calls is not None:
             if not isinstance(calls, list):
-                raise ValueError(f"messages[{i}].tool_calls: must be a list")
+                raise RequestError.at(f"messages[{i}].tool_calls", "must be a list")
             message = {**message, "tool_calls": [_template_call(c, f"messages[{i}].tool_calls[{j}]")
                                                  for j, c in enumerate(calls)]}
         out.append(message)
@@ -129,13 +131,13 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _template_call(call: Any, where: str) -> dict[str, Any]:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise ValueError(f"{where}.function: an object with a name is required")
+        raise RequestError.at(f"{where}.function", "an object with a name is required")
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
         except ValueError:
-            raise ValueError(f"{where}.function.arguments: not valid JSON") from None
+            raise RequestError.at(f"{where}.function.arguments", "not valid JSON") from None
     return {**call, "function": {**fn, "arguments": args}}
 
 
@@ -146,17 +148,17 @@ def _parameters(function: dict[str, Any]) -> dict[str, Any]:
 def _check_tool(tool: Any, where: str, wrapped: bool) -> None:
     import jsonschema      # checks schemas only; cheap, and never torch
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-        raise ValueError(f'{where}: must be {{"type": "function", "function": {{"name": ..., ...}}}}')
+        raise RequestError.at(where, 'must be {"type": "function", "function": {"name": ..., ...}}')
     fn = tool["function"]
     prefix = f"{where}.function" if wrapped else where
     if not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise ValueError(f"{prefix}.name: a non-empty string is required")
+        raise RequestError.at(f"{prefix}.name", "a non-empty string is required")
     params = fn.get("parameters")
     if params is None:
         return
     if not isinstance(params, dict):
-        raise ValueError(f"{prefix}.parameters: must be a JSON Schema object")
+        raise RequestError.at(f"{prefix}.parameters", "must be a JSON Schema object")
     try:
         jsonschema.validators.validator_for(params).check_schema(params)
     except jsonschema.SchemaError as exc:
-        raise ValueError(f"{prefix}.parameters: not a valid JSON Schema: {exc.message}") from None
+        raise RequestError.at(f"{prefix}.parameters", f"not a valid JSON Schema: {exc.message}") from None

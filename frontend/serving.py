@@ -17,7 +17,7 @@ from typing import Any, Union
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedserve.common.errors import EngineOverloadedError
+from pagedserve.common.errors import EngineOverloadedError, RequestError, error_field
 from pagedserve.frontend.admission import Admission, CountedStreamingResponse
 from pagedserve.frontend.async_client import AsyncEngineClient
 from pagedserve.frontend.chat_output import chat_parser_factory
@@ -79,7 +79,7 @@ class OpenAIServing:
         params = body.to_sampling_params(defaults=self.engine.info.default_sampling)
         prompts = body.prompt_list()
         if not prompts:
-            raise ValueError("prompt must not be empty")
+            raise RequestError("prompt", "prompt must not be empty")
         return [self.engine.prepare(await self.engine.tokenize(p), params, f"{rid}-{i}", body.priority)
                 for i, p in enumerate(prompts)]
 
@@ -89,11 +89,8 @@ class OpenAIServing:
         prompt = await self.engine.render_chat(body.text_messages(), body.add_generation_prompt,
                                                body.template_variables(body.chat_template_kwargs),
                                                body.continue_final_message, tools=body.template_tools())
-        # The default max_tokens fills what the (possibly truncated) prompt leaves.
-        prompt = self.engine.input_processor.truncate(prompt, body.truncate_prompt_tokens)
-        room = self.engine.info.max_model_len - len(prompt.prompt_token_ids)
-        params = body.to_sampling_params(default_max_tokens=max(room, 1),
-                                         defaults=self.engine.info.default_sampling)
+        # max_tokens unset stays None: the request fills what its prompt, once truncated in prepare, leaves.
+        params = body.to_sampling_params(defaults=self.engine.info.default_sampling)
         if tool_mode == "auto" and TOOL_PARSERS[self.tool_parser].keeps_special_tokens:
             params = params.clone(skip_special_tokens=False)     # its call marker is a special token
         return [self.engine.prepare(prompt, params, rid, body.priority)]
@@ -212,7 +209,7 @@ def error_body(exc: BaseException) -> dict[str, Any]:
     if status == 500:
         logger.error("internal error in a stream", exc_info=exc)
         return error_payload(status, "internal server error", kind)
-    return error_payload(status, str(exc), kind)
+    return error_payload(status, str(exc), kind, error_field(exc))
 
 
 async def run_until_disconnect(work: Awaitable[Any], is_disconnected: Callable[[], Awaitable[bool]],

@@ -5,6 +5,7 @@ from typing import Optional, Union
 
 import msgspec
 
+from pagedserve.common.errors import error_field, error_kind
 from pagedserve.common.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- frontend -> engine core
@@ -49,14 +50,21 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: Optional[list[LogprobsEntry]] = None
     num_cached_tokens: int = 0
     error: Optional[str] = None
-    error_kind: Optional[str] = None        # with error: core.errors.INVALID | OVERLOADED
+    error_kind: Optional[str] = None        # with error: common.errors.INVALID | OVERLOADED
     queue_time: Optional[float] = None      # on a request's first token: seconds from arrival to first scheduled
     # Prompt positions scored this step, in order (entry j: the logprob of prompt token p+1 given 0..p).
     new_prompt_logprobs: Optional[list[LogprobsEntry]] = None
+    error_field: Optional[str] = None       # with error: the request field at fault (RequestError.field)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def refused_output(request_id: str, exc: ValueError) -> EngineCoreOutput:
+    """The output that ends a request the core refused or failed: its message, kind and field, as data."""
+    return EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason="error", error=str(exc),
+                            error_kind=error_kind(exc), error_field=error_field(exc))
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

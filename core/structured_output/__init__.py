@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from pagedserve.common.errors import RequestError
 from pagedserve.common.reasoning import REASONING_PARSERS
 from pagedserve.common.structured_outputs import StructuredOutputsParams
 from pagedserve.core.structured_output.backend_xgrammar import XgrammarBackend
@@ -99,26 +100,27 @@ class StructuredOutputManager:
 
     # ---------------------------------------------------------------- the busy loop's side
 
-    def poll(self, state: StructuredOutputRequest, prompt_token_ids: list[int]) -> tuple[bool, Optional[str]]:
+    def poll(self, state: StructuredOutputRequest, prompt_token_ids: list[int]) -> tuple[bool, Optional[RequestError]]:
         """(ready, error) for a request waiting for its grammar; starts its matcher once ready."""
         future = state.compiled
+        field = f"structured_outputs.{state.params.kind}"
         if not future.done():
             started, now = future.started, time.monotonic()
             if len(started) > 1 and now - max(started[1], state.submitted) > self.compile_timeout_s:
-                return False, (f"structured_outputs.{state.params.kind}: the grammar did not compile within "
-                               f"{self.compile_timeout_s:g} s (--structured-outputs-compile-timeout)")
+                return False, RequestError.at(field, "the grammar did not compile within "
+                                              f"{self.compile_timeout_s:g} s (--structured-outputs-compile-timeout)")
             if len(started) == 1 and now - started[0] > BACKEND_LOAD_TIMEOUT_S:
-                return False, (f"structured_outputs.{state.params.kind}: the grammar backend did not load its "
-                               f"view of the tokenizer within {BACKEND_LOAD_TIMEOUT_S:g} s")
+                return False, RequestError.at(field, "the grammar backend did not load its view of the tokenizer "
+                                              f"within {BACKEND_LOAD_TIMEOUT_S:g} s")
             # Still queued: every compile thread is held by slow grammars. Bounded so a request never hangs.
             if not started and now - state.submitted > QUEUE_TIMEOUT_FACTOR * self.compile_timeout_s:
-                return False, (f"structured_outputs.{state.params.kind}: every grammar compile thread stayed "
-                               f"busy for {QUEUE_TIMEOUT_FACTOR * self.compile_timeout_s:g} s; try again")
+                return False, RequestError.at(field, "every grammar compile thread stayed busy for "
+                                              f"{QUEUE_TIMEOUT_FACTOR * self.compile_timeout_s:g} s; try again")
             return False, None
         exc = future.exception()
         if exc is not None:
-            return False, str(exc) if isinstance(exc, ValueError) else \
-                f"structured_outputs.{state.params.kind} does not compile: {type(exc).__name__}: {exc}"
+            return False, exc if isinstance(exc, RequestError) else \
+                RequestError(field, f"{field} does not compile: {type(exc).__name__}: {exc}")
         state.start(self._backend.matcher(future.result()), self._end_marker, prompt_token_ids)
         return True, None
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedserve.common.errors import RequestError
 from pagedserve.common.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ class XgrammarBackend:
                 return self._compiler.compile_grammar(self._xgr.Grammar.from_ebnf(_choice_ebnf(params.choice)))
             return self._compiler.compile_grammar(params.grammar)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise ValueError(f"structured_outputs.{kind} does not compile: {_short(exc)}") from None
+            raise RequestError(f"structured_outputs.{kind}", f"structured_outputs.{kind} does not compile: "
+                               f"{_short(exc)}") from None
 
     def _json_options(self, params: StructuredOutputsParams) -> dict[str, Any]:
         if params.disable_any_whitespace:

@@ -5,6 +5,7 @@ import json
 from typing import Any
 
 from pagedserve.common.config import EngineConfig
+from pagedserve.common.errors import RequestError
 from pagedserve.common.model_files import tokenizer_folder
 from pagedserve.common.structured_outputs import StructuredOutputsParams
 from pagedserve.core.structured_output import DEFAULT_COMPILE_TIMEOUT_S, StructuredOutputManager
@@ -28,7 +29,7 @@ def check_structured_outputs(params: StructuredOutputsParams) -> None:
         return
     schema: Any = json.loads(params.json) if isinstance(params.json, str) else params.json
     if not isinstance(schema, dict):
-        raise ValueError("structured_outputs.json must be a JSON Schema object")
+        raise RequestError("structured_outputs.json", "structured_outputs.json must be a JSON Schema object")
     try:
         import jsonschema
     except ImportError:      # optional: the compile catches what it would have
@@ -37,5 +38,5 @@ def check_structured_outputs(params: StructuredOutputsParams) -> None:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
-        raise ValueError(f"structured_outputs.json is not a valid JSON Schema: {exc.message}"
-                         + (f" (at {where})" if where else "")) from None
+        raise RequestError("structured_outputs.json", f"structured_outputs.json is not a valid JSON Schema: "
+                           f"{exc.message}" + (f" (at {where})" if where else "")) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pagedserve.common.errors import RequestError
 from pagedserve.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -28,11 +29,11 @@ class GrammarWaiters:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def take_ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+    def take_ready(self) -> tuple[list[Request], list[tuple[Request, RequestError]]]:
         """(requests whose grammar is ready, (request, error) for those whose compile failed or timed out);
         both leave this set."""
         ready: list[Request] = []
-        failed: list[tuple[Request, str]] = []
+        failed: list[tuple[Request, RequestError]] = []
         for rid, request in list(self._requests.items()):
             ok, error = self.manager.poll(request.structured, request.prompt_token_ids)
             if ok:

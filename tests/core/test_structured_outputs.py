@@ -107,9 +107,9 @@ def test_same_schema_compiles_once(llm):
 
 def test_offline_validation_names_the_field():
     with pytest.raises(ValueError, match="structured_outputs"):
-        StructuredOutputsParams(json={"type": "object"}, regex="a+")
+        StructuredOutputsParams(json={"type": "object"}, regex="a+").validate()
     with pytest.raises(ValueError, match="structured_outputs.choice"):
-        StructuredOutputsParams(choice=[])
+        StructuredOutputsParams(choice=[]).validate()
 
 
 def test_bad_specs_fail_the_request_and_engine_keeps_serving(llm):

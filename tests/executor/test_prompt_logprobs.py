@@ -102,7 +102,7 @@ def test_max_tokens_zero_scores_prompt_only(tiny_llama_dir, hf_tiny_llama):
 @pytest.mark.parametrize("value", [-1, 21, 1.5, True])
 def test_prompt_logprobs_validation(value):
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=value)
+        SamplingParams(prompt_logprobs=value).validate()
 
 
 # ---------------------------------------------------------------- over HTTP
