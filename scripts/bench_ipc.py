@@ -82,7 +82,8 @@ def _fake_update(sched: Scheduler, so: SchedulerOutput, rng: random.Random) -> N
 
 def _scheduler(max_seqs: int) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=max_seqs,
-                             max_model_len=8192)
+                             max_model_len=8192, policy="fcfs", enable_chunked_prefill=True,
+                             max_waiting_requests=None, async_scheduling=False)
     return Scheduler(config, KVCacheManager(40000, BLOCK_SIZE, enable_caching=True))
 
 
