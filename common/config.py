@@ -243,14 +243,14 @@ class EngineArgs:
         processes as data (common/config_wire.py), so none of them repeats this."""
         self.validate()
         model = self._model_config()
-        weight_only = model.quantization is not None and model.quantization.method in WEIGHT_ONLY_METHODS
         cache = CacheConfig(
             block_size=self.block_size,
             kv_cache_memory_gib=DEFAULT_CPU_KV_CACHE_GIB if self.kv_cache_memory is None else self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
             num_blocks_override=self.num_gpu_blocks_override,
-            cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model.device, model.dtype, weight_only))
+            cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model.device, model.dtype,
+                                               _weight_only(model.quantization)))
         parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                   distributed_executor_backend=self.executor_backend(),
                                   worker_heartbeat_timeout_s=self.resolved_worker_heartbeat_timeout())
@@ -267,8 +267,8 @@ class EngineArgs:
         device = _resolve_device(self.device)
         quantization = resolve_quantization(self.quantization, checkpoint_quant_spec(hf_config),
                                             source.format == "gguf")
-        weight_only = quantization is not None and quantization.method in WEIGHT_ONLY_METHODS
-        dtype = resolve_dtype(self.dtype, device, checkpoint_dtype(hf_config), weight_only_quantized=weight_only)
+        dtype = resolve_dtype(self.dtype, device, checkpoint_dtype(hf_config),
+                              weight_only_quantized=_weight_only(quantization))
         return ModelConfig(
             source=source, hf_config=hf_config, dtype=dtype, device=device,
             max_model_len=_resolve_max_model_len(self.max_model_len, hf_config), seed=self.seed,
@@ -343,6 +343,10 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+def _weight_only(quantization: QuantSpec | None) -> bool:
+    return quantization is not None and quantization.method in WEIGHT_ONLY_METHODS
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 
+import pagedserve
 from pagedserve.common import envs
 from pagedserve.common.arg_utils import add_dataclass_args, dataclass_from, setting
 from pagedserve.common.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -22,11 +23,11 @@ from pagedserve.common.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_
                                       CacheConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig,
                                       SchedulerConfig, StructuredOutputsConfig)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.abspath(pagedserve.__file__))         # the package: the repository root
 DEFAULTS = EngineArgs()
 
-# EngineArgs field -> where create_engine_config puts it, unchanged when it is set (None: resolved from
-# model files or by a documented unset rule, checked separately below).
+# EngineArgs field -> where create_engine_config puts it, unchanged (RESOLVED: from model files or a
+# documented rule for unset, checked below; ELSEWHERE: not part of the EngineConfig).
 WHERE = {
     "block_size": "cache.block_size", "gpu_memory_utilization": "cache.gpu_memory_utilization",
     "enable_prefix_caching": "cache.enable_prefix_caching", "num_gpu_blocks_override": "cache.num_blocks_override",
