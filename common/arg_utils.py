@@ -23,16 +23,18 @@ _SCALARS = (str, int, float, bool)
 
 
 def setting(default: Any = None, *, help: str, choices: Sequence[str] | None = None,
-            aliases: Sequence[str] = (), store_true: bool = False, env: str | None = None) -> Any:
+            aliases: Sequence[str] = (), store_true: bool = False, env: str | None = None,
+            append: bool = False) -> Any:
     """A dataclass field that is also a flag `--field-name`.
 
     choices: the allowed values (the same tuple the dataclass validates against); aliases: more spellings
     of the flag (`-tp`); store_true: a bool that is a plain switch (`--enforce-eager`) instead of
     `--x/--no-x`; env: the default is this environment variable, read when the dataclass (or the parser)
-    is made, and never shown in --help (it is usually a secret).
+    is made, and never shown in --help (it is usually a secret); append: a tuple[str, ...] given one
+    value per flag, the flag repeated (`--prompt a --prompt b`), instead of as one JSON list.
     """
     metadata = {"help": help, "choices": tuple(choices) if choices is not None else None,
-                "aliases": tuple(aliases), "store_true": store_true, "env": env}
+                "aliases": tuple(aliases), "store_true": store_true, "env": env, "append": append}
     if env is not None:
         return dataclasses.field(default_factory=lambda: getattr(envs, env), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -48,7 +50,12 @@ def add_dataclass_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         default = _default(f)
         kind = _flag_type(hints[f.name], f"{cls.__name__}.{f.name}")
         flags = [f"--{f.name.replace('_', '-')}", *meta["aliases"]]
-        if kind is bool:
+        if meta["append"]:
+            if kind is not json_str_list:
+                raise TypeError(f"{cls.__name__}.{f.name}: an append flag must be a tuple[str, ...]")
+            action = parser.add_argument(*flags, dest=f.name, default=tuple(default), action=_AppendToTuple,
+                                         choices=meta["choices"])
+        elif kind is bool:
             if meta["store_true"] and default is not False:
                 raise TypeError(f"{cls.__name__}.{f.name}: a store_true flag must default to False")
             action = parser.add_argument(*flags, dest=f.name, default=default,
@@ -59,6 +66,15 @@ def add_dataclass_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
                                          choices=meta["choices"])
         # Set after construction: some Python versions' BooleanOptionalAction append their own default.
         action.help = _help_text(meta, default)
+
+
+class _AppendToTuple(argparse.Action):
+    """Each use of the flag adds its value: the default tuple is never mutated (argparse's own "append"
+    would try to, and fails on a tuple)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, (*getattr(namespace, self.dest), values))
 
 
 def dataclass_from(ns: argparse.Namespace, cls: type[T], **overrides: Any) -> T:
@@ -106,6 +122,8 @@ def _help_text(meta: Mapping[str, Any], default: Any) -> str:
     text = meta["help"].replace("%", "%%")       # argparse formats help with %
     if meta["env"] is not None:
         return f"{text} (default: env {meta['env']})"
+    if meta["append"]:
+        return f"{text} (repeatable)"
     if default is None or meta["store_true"]:
         return text                                # the help says what unset means
     if isinstance(default, tuple):

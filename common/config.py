@@ -27,9 +27,14 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # "uni" (in-process) | "mp" (one process per rank) | "torchrun" (ranks started by torchrun)
 EXECUTOR_BACKENDS = ("uni", "mp", "torchrun")
-# What an unset kv_cache_memory (CPU) and max_num_batched_tokens (with chunked prefill) become.
+# What an unset kv_cache_memory (CPU) and max_num_batched_tokens (with chunked prefill) become: the unset
+# values are resolved once, in create_engine_config.
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# What an unset worker_heartbeat_timeout becomes: worker processes beat at least every second; torchrun ranks
+# wait for each other in collectives, and at start-up one rank may load its model long after another.
+DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S = 30.0
+DEFAULT_TORCHRUN_COLLECTIVE_TIMEOUT_S = 300.0
 # The engine core sends every live client something at least this often, an empty message if idle.
 CORE_HEARTBEAT_INTERVAL_S = 1.0
 # A client that is listening sends the core something (a ping if nothing else) at least this often; the core
@@ -45,14 +50,14 @@ class ModelConfig:
     dtype: str                      # resolved: "float32" | "bfloat16" | "float16"
     device: str                     # "cpu" | "cuda"
     max_model_len: int
-    seed: int = 0
-    served_model_name: str = ""
-    enforce_eager: bool = False     # CUDA: no decode graphs
-    tokenizer: str | None = None    # a tokenizer folder other than the model's own
+    seed: int
+    served_model_name: str
+    enforce_eager: bool             # CUDA: no decode graphs
+    tokenizer: str | None           # a local tokenizer folder other than the model's own
     # From generation_config.json (--generation-config): defaults for unset request fields, extra EOS ids.
-    default_sampling: dict = field(default_factory=dict, compare=False)
-    generation_eos_token_ids: tuple[int, ...] = ()
-    quantization: QuantSpec | None = None   # resolved from --quantization and the checkpoint; None: float
+    default_sampling: dict = field(compare=False)
+    generation_eos_token_ids: tuple[int, ...]
+    quantization: QuantSpec | None  # resolved from --quantization and the checkpoint; None: float
 
     @property
     def num_layers(self) -> int:
@@ -83,46 +88,53 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    kv_cache_memory_gib: float | None = None    # CPU budget; None = default
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    num_blocks_override: int | None = None
+    block_size: int
+    kv_cache_memory_gib: float                  # the KV cache's size on CPU (CUDA sizes it from memory)
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+    num_blocks_override: int | None
     # "auto" (the model dtype) | "bfloat16" | "float32" | "fp8" (e4m3): dtype.resolve_kv_cache_dtype
-    cache_dtype: str = "auto"
+    cache_dtype: str
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    max_num_seqs: int = 128
-    max_model_len: int = 8192
-    policy: str = "fcfs"             # "fcfs" | "priority"
-    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    policy: str                      # "fcfs" | "priority"
+    enable_chunked_prefill: bool
     # New requests beyond this many waiting are refused (EngineOverloadedError); None = unbounded.
-    max_waiting_requests: int | None = None
+    max_waiting_requests: int | None
     # Schedule step N+1 while step N runs: requests carry output placeholders until the sampled ids arrive.
-    async_scheduling: bool = False
+    async_scheduling: bool
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"     # one of EXECUTOR_BACKENDS
+    tensor_parallel_size: int
+    distributed_executor_backend: str     # one of EXECUTOR_BACKENDS
     # A worker process whose heartbeat thread is silent this long is hung (or SIGSTOPped): the engine
-    # fails. The beat comes from its own thread, so a long step does not count against it.
-    worker_heartbeat_timeout_s: float = 30.0
+    # fails. The beat comes from its own thread, so a long step does not count against it. Under torchrun
+    # it bounds every collective instead.
+    worker_heartbeat_timeout_s: float
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    reasoning_parser: str | None     # a grammar constrains only the answer after the reasoning's end marker
+    compile_timeout_s: float         # a grammar that takes longer to compile fails its request
 
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Everything resolved: no field has a default (EngineArgs holds the one default of each setting), and
+    no process that receives it reads a model file or the Hub to rebuild it (common/config_wire.py)."""
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
-    # The EngineArgs this was built from, as plain data: another process rebuilds the same config
-    # from it (configs hold a transformers object, which must not cross a socket).
-    source_args: dict = field(default_factory=dict, compare=False)
+    structured_outputs: StructuredOutputsConfig
 
 
 @dataclass
@@ -216,56 +228,64 @@ class EngineArgs:
     structured_outputs_compile_timeout: float = setting(
         10.0, help="seconds a request's grammar (response_format, structured_outputs, guided_*) may take to "
                    "compile before the request fails with a 400; compiles run beside the engine loop")
-    worker_heartbeat_timeout: float = setting(
-        30.0, help="seconds a worker process may go without a heartbeat before the engine fails (TP > 1); "
-                   "its own thread beats, so a long step does not count")
+    worker_heartbeat_timeout: float | None = setting(
+        None, help=f"seconds a worker process may go without a heartbeat before the engine fails (TP > 1); its "
+                   f"own thread beats, so a long step does not count; under torchrun, how long a rank may keep the "
+                   f"others waiting in a collective (unset: {DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S:g} s, under "
+                   f"torchrun {DEFAULT_TORCHRUN_COLLECTIVE_TIMEOUT_S:g} s, to allow for start-up skew)")
     engine_heartbeat_timeout: float = setting(
         30.0, help=f"seconds a client may hear nothing from the engine core (it beats every "
                    f"{CORE_HEARTBEAT_INTERVAL_S:g} s) before it declares the core dead: the server then ends "
                    "open streams with an error and turns /health 503")
 
     def create_engine_config(self) -> EngineConfig:
+        """Resolve every setting (model files, the Hub, the device) once; the result crosses to other
+        processes as data (common/config_wire.py), so none of them repeats this."""
         self.validate()
-        source = resolve_model(self.model, self.revision, self.download_dir)
-        tokenizer = self._resolve_tokenizer(source)
-        hf_config = load_hf_config(source)
-        gen = load_generation_defaults(self.generation_config, source.path if source.format == "hf" else None)
-        device = _resolve_device(self.device)
-        max_len = _resolve_max_model_len(self.max_model_len, hf_config)
-        quantization = resolve_quantization(self.quantization, checkpoint_quant_spec(hf_config),
-                                            source.format == "gguf")
-        weight_only = quantization is not None and quantization.method in WEIGHT_ONLY_METHODS
-        dtype = resolve_dtype(self.dtype, device, checkpoint_dtype(hf_config), weight_only_quantized=weight_only)
-        model = ModelConfig(
-            source=source, hf_config=hf_config, dtype=dtype,
-            device=device, max_model_len=max_len, seed=self.seed,
-            served_model_name=self.served_model_name or source.name, enforce_eager=self.enforce_eager,
-            tokenizer=tokenizer, default_sampling=gen.sampling, generation_eos_token_ids=gen.eos_token_ids,
-            quantization=quantization)
+        model = self._model_config()
         cache = CacheConfig(
-            block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory,
+            block_size=self.block_size,
+            kv_cache_memory_gib=DEFAULT_CPU_KV_CACHE_GIB if self.kv_cache_memory is None else self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
             num_blocks_override=self.num_gpu_blocks_override,
-            cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, device, dtype, weight_only))
+            cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model.device, model.dtype,
+                                               _weight_only(model.quantization)))
+        parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                  distributed_executor_backend=self.executor_backend(),
+                                  worker_heartbeat_timeout_s=self.resolved_worker_heartbeat_timeout())
+        _check_parallel(parallel, model)
+        structured = StructuredOutputsConfig(reasoning_parser=self.reasoning_parser,
+                                             compile_timeout_s=float(self.structured_outputs_compile_timeout))
+        return EngineConfig(model=model, cache=cache, scheduler=self._scheduler_config(model.max_model_len),
+                            parallel=parallel, structured_outputs=structured)
+
+    def _model_config(self) -> ModelConfig:
+        source = resolve_model(self.model, self.revision, self.download_dir)
+        hf_config = load_hf_config(source)
+        gen = load_generation_defaults(self.generation_config, source.path if source.format == "hf" else None)
+        device = _resolve_device(self.device)
+        quantization = resolve_quantization(self.quantization, checkpoint_quant_spec(hf_config),
+                                            source.format == "gguf")
+        dtype = resolve_dtype(self.dtype, device, checkpoint_dtype(hf_config),
+                              weight_only_quantized=_weight_only(quantization))
+        return ModelConfig(
+            source=source, hf_config=hf_config, dtype=dtype, device=device,
+            max_model_len=_resolve_max_model_len(self.max_model_len, hf_config), seed=self.seed,
+            served_model_name=self.served_model_name or source.name, enforce_eager=self.enforce_eager,
+            tokenizer=self._resolve_tokenizer(source), default_sampling=gen.sampling,
+            generation_eos_token_ids=gen.eos_token_ids, quantization=quantization)
+
+    def _scheduler_config(self, max_len: int) -> SchedulerConfig:
         unset_batched = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill else max_len
         batched = self.max_num_batched_tokens or unset_batched
         if not self.enable_chunked_prefill and batched < max_len:
             raise ValueError(f"max_num_batched_tokens ({batched}) must be >= max_model_len ({max_len}) "
                              "when chunked prefill is disabled")
-        scheduler = SchedulerConfig(
+        return SchedulerConfig(
             max_num_batched_tokens=batched, max_num_seqs=self.max_num_seqs, max_model_len=max_len,
             policy=self.scheduling_policy, enable_chunked_prefill=self.enable_chunked_prefill,
             max_waiting_requests=self.max_waiting_requests, async_scheduling=self.async_scheduling)
-        parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                                  distributed_executor_backend=self.executor_backend(),
-                                  worker_heartbeat_timeout_s=float(self.worker_heartbeat_timeout))
-        _check_parallel(parallel, model)
-        # Other processes rebuild this config from local paths: the Hub is asked once, here.
-        resolved = dict(model=source.path, tokenizer=tokenizer, revision=None, tokenizer_revision=None,
-                        served_model_name=model.served_model_name)
-        return EngineConfig(model=model, cache=cache, scheduler=scheduler, parallel=parallel,
-                            source_args={**dataclasses.asdict(self), **resolved})
 
     def _resolve_tokenizer(self, source: ModelSource) -> str | None:
         """A local folder for --tokenizer or --tokenizer-revision; None: the model's own files."""
@@ -280,6 +300,15 @@ class EngineArgs:
     def executor_backend(self) -> str:
         """The executor backend to build: the one asked for, else in-process for one rank."""
         return self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "mp")
+
+    def resolved_worker_heartbeat_timeout(self) -> float:
+        """worker_heartbeat_timeout, or its default for the executor backend (a torchrun launcher needs it
+        for its process group before any config exists)."""
+        if self.worker_heartbeat_timeout is not None:
+            return float(self.worker_heartbeat_timeout)
+        if self.executor_backend() == "torchrun":
+            return DEFAULT_TORCHRUN_COLLECTIVE_TIMEOUT_S
+        return DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S
 
     def validate(self) -> None:
         """The checks that need no model files: cheap, so a launcher can fail fast before starting anything."""
@@ -298,7 +327,8 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        _timeout("worker_heartbeat_timeout", self.worker_heartbeat_timeout, 0)
+        if self.worker_heartbeat_timeout is not None:
+            _timeout("worker_heartbeat_timeout", self.worker_heartbeat_timeout, 0)
         _timeout("structured_outputs_compile_timeout", self.structured_outputs_compile_timeout, 0)
         _timeout("engine_heartbeat_timeout", self.engine_heartbeat_timeout, 2 * CORE_HEARTBEAT_INTERVAL_S)
         _one_of("dtype", self.dtype, DTYPES)
@@ -307,10 +337,16 @@ class EngineArgs:
         _one_of("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if self.distributed_executor_backend is not None:
             _one_of("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
+        if self.reasoning_parser is not None:
+            _one_of("reasoning_parser", self.reasoning_parser, tuple(REASONING_PARSERS))
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+def _weight_only(quantization: QuantSpec | None) -> bool:
+    return quantization is not None and quantization.method in WEIGHT_ONLY_METHODS
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -175,7 +175,7 @@ class EngineCore:
                 eos_token_ids=list(cfg.model.eos_token_ids),
                 max_waiting_requests=cfg.scheduler.max_waiting_requests, block_size=cfg.cache.block_size,
                 num_blocks=self.num_blocks, default_sampling=dict(cfg.model.default_sampling),
-                reasoning_parser=cfg.source_args.get("reasoning_parser"))
+                reasoning_parser=cfg.structured_outputs.reasoning_parser)
         return self._info
 
     def call_utility(self, method: str, args: Sequence[Any] = ()) -> Any:

@@ -67,7 +67,7 @@ class AsyncEngineClient:
 
     @classmethod
     async def connect(cls, address: str, token: str, timeout_s: float = 30.0,
-                      heartbeat_timeout_s: float = 30.0) -> "AsyncEngineClient":
+                      heartbeat_timeout_s: float = EngineArgs.engine_heartbeat_timeout) -> "AsyncEngineClient":
         """Attach to the engine core of a running `engine-serve` (its --engine-address and --engine-token).
         This client tokenizes and detokenizes for itself; the core serves every client. A core silent
         for heartbeat_timeout_s (stopped, killed, unreachable) fails every pending request with

@@ -228,7 +228,7 @@ class SyncMPClient(_ClientBase):
     """Blocking client (offline LLM)."""
 
     def __init__(self, addresses: CoreAddresses, token: str, proc: CoreProcess | None = None,
-                 heartbeat_timeout_s: float = 30.0) -> None:
+                 heartbeat_timeout_s: float = EngineArgs.engine_heartbeat_timeout) -> None:
         super().__init__(addresses, token, proc, heartbeat_timeout_s)
         ctx = zmq.Context.instance()
         self.input = make_socket(ctx, addresses.input, zmq.DEALER, bind=False, identity=self.identity)
@@ -303,7 +303,7 @@ class AsyncMPClient(_ClientBase):
     consumer of request outputs."""
 
     def __init__(self, addresses: CoreAddresses, token: str, proc: CoreProcess | None = None,
-                 heartbeat_timeout_s: float = 30.0) -> None:
+                 heartbeat_timeout_s: float = EngineArgs.engine_heartbeat_timeout) -> None:
         super().__init__(addresses, token, proc, heartbeat_timeout_s)
         self.ctx = zmq.asyncio.Context()
         self.input = make_socket(self.ctx, addresses.input, zmq.DEALER, bind=False, identity=self.identity)

@@ -1,34 +1,56 @@
-"""Offline generation from the command line: `python -m pagedserve.frontend.generate --prompt "..."`."""
+"""Offline generation from the command line: `python -m pagedserve.frontend.generate --prompt "..."`.
+
+Its engine flags are engine-serve's (generated from EngineArgs: --model, --dtype, --seed, ...); its own are
+GenerateArgs."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+from dataclasses import dataclass
 
+from pagedserve.common.arg_utils import add_dataclass_args, dataclass_from, setting
+from pagedserve.common.config import EngineArgs
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.frontend.server_args import LOG_LEVELS
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    prompt: tuple[str, ...] = setting((), append=True, help="a prompt (at least one)")
+    chat: bool = setting(False, store_true=True, help="wrap each prompt as a user message (chat template)")
+    max_tokens: int = setting(64, help="tokens to generate for each prompt")
+    temperature: float = setting(0.0, help="sampling temperature (0: greedy)")
+    top_p: float = setting(1.0, help="nucleus sampling: the smallest set of tokens holding this probability")
+    log_level: str = setting("warning", choices=LOG_LEVELS, help="log messages of this level and above")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Generate text offline with pagedserve.")
+    add_dataclass_args(p.add_argument_group("engine"), EngineArgs)
+    add_dataclass_args(p.add_argument_group("generate"), GenerateArgs)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, GenerateArgs]:
+    p = make_parser()
+    ns = p.parse_args(argv)
+    if not ns.prompt:
+        p.error("the following arguments are required: --prompt")
+    return dataclass_from(ns, EngineArgs), dataclass_from(ns, GenerateArgs)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Generate text offline with pagedserve.")
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--log-level", default="warning")
-    args = p.parse_args(argv)
+    engine_args, args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
 
     from pagedserve.frontend.llm import LLM
-    llm = LLM(args.model, dtype=args.dtype)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed)
+    llm = LLM(**dataclasses.asdict(engine_args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": q}] for q in args.prompt], params)
     else:
-        outs = llm.generate(args.prompt, params)
+        outs = llm.generate(list(args.prompt), params)
     for prompt, out in zip(args.prompt, outs):
         print(f"--- {prompt!r}\n{out.outputs[0].text}")
 

@@ -290,7 +290,8 @@ def cpu_name() -> str:
 
 
 def find_llama_server(cache: str | None) -> str:
-    cmd = ["bash", os.path.join(SCRIPTS, "build_llama_server.sh")] + ([cache] if cache else [])
+    from pagedserve.common import envs
+    cmd = ["bash", os.path.join(SCRIPTS, "build_llama_server.sh"), cache or envs.PAGEDSERVE_LLAMA_CPP_DIR]
     env = {**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)}
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=True)
     return out.stdout.strip().splitlines()[-1]

@@ -4,17 +4,17 @@
 # Idempotent: an existing binary is reused. Prints the binary's path as the last line of stdout.
 #
 # Usage: scripts/build_llama_server.sh [CACHE_DIR]
-#   CACHE_DIR (or $PAGEDSERVE_LLAMA_CPP_DIR), default ~/.cache/pagedserve/llama.cpp
+#   CACHE_DIR: default envs.PAGEDSERVE_LLAMA_CPP_DIR (common/envs.py reads that variable and its default)
 #   $PYTHON: the interpreter whose pip downloads the sdist (default: .venv/bin/python, else python3)
 #   $LLAMA_CPP_PYTHON_VERSION: pin the sdist version (default: the newest on the index)
 #   $JOBS: parallel compile jobs (default 2)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-CACHE="${1:-${PAGEDSERVE_LLAMA_CPP_DIR:-$HOME/.cache/pagedserve/llama.cpp}}"
 JOBS="${JOBS:-2}"
 if [ -z "${PYTHON:-}" ]; then
   if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
 fi
+CACHE="${1:-$("$PYTHON" -c 'from pagedserve.common import envs; print(envs.PAGEDSERVE_LLAMA_CPP_DIR)')}"
 BIN="$CACHE/build/bin/llama-server"
 if [ -x "$BIN" ]; then
   echo "$BIN"

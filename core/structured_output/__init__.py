@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from pagedserve.common.config import StructuredOutputsConfig
 from pagedserve.common.errors import RequestError
 from pagedserve.common.reasoning import REASONING_PARSERS
 from pagedserve.common.structured_outputs import StructuredOutputsParams
@@ -25,7 +26,6 @@ from pagedserve.ipc.messages import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_COMPILE_TIMEOUT_S = 10.0
 # Compiled grammars kept for reuse: clients that send a fresh schema per request must not grow the core.
 MAX_CACHED_GRAMMARS = 256
 # Compile threads. A compile past its timeout cannot be interrupted and keeps its thread until it ends, so
@@ -42,13 +42,12 @@ BACKEND_LOAD_TIMEOUT_S = 120.0
 
 class StructuredOutputManager:
     def __init__(self, tokenizer_dir: Callable[[], str], vocab_size: int, stop_token_ids: list[int],
-                 reasoning_parser: Optional[str] = None, compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
-                 max_workers: int = COMPILE_THREADS) -> None:
+                 config: StructuredOutputsConfig, max_workers: int = COMPILE_THREADS) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
-        self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
-        self.compile_timeout_s = compile_timeout_s
+        self.reasoning = REASONING_PARSERS[config.reasoning_parser] if config.reasoning_parser else None
+        self.compile_timeout_s = config.compile_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
         self._backend: Optional[XgrammarBackend] = None

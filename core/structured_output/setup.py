@@ -8,18 +8,16 @@ from pagedserve.common.config import EngineConfig
 from pagedserve.common.errors import RequestError
 from pagedserve.common.model_files import tokenizer_folder
 from pagedserve.common.structured_outputs import StructuredOutputsParams
-from pagedserve.core.structured_output import DEFAULT_COMPILE_TIMEOUT_S, StructuredOutputManager
+from pagedserve.core.structured_output import StructuredOutputManager
 
 
 def make_structured_output_manager(config: EngineConfig) -> StructuredOutputManager:
-    args = config.source_args
     model = config.model
     # model_files caches the folder (a GGUF vocabulary is converted once), so resolving it here is cheap
     # after the first start; the tokenizer itself loads in the pool, on the first structured request.
     return StructuredOutputManager(
         lambda: tokenizer_folder(model.source, model.tokenizer), model.vocab_size, list(model.eos_token_ids),
-        reasoning_parser=args.get("reasoning_parser"),
-        compile_timeout_s=float(args.get("structured_outputs_compile_timeout") or DEFAULT_COMPILE_TIMEOUT_S))
+        config.structured_outputs)
 
 
 def check_structured_outputs(params: StructuredOutputsParams) -> None:

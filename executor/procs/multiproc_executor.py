@@ -13,6 +13,7 @@ import zmq
 
 from pagedserve.common import envs
 from pagedserve.common.config import EngineConfig
+from pagedserve.common.config_wire import config_to_builtins
 from pagedserve.common.process_utils import ModuleProcess, stop_at_exit
 from pagedserve.common.throttled_log import ThrottledLog
 from pagedserve.executor.procs.executor import Executor, OutputToCome
@@ -64,9 +65,10 @@ class MultiProcExecutor(Executor):
     def _start_workers(self) -> None:
         # `python -m` children, not multiprocessing: they never re-import the user's __main__.
         init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+        engine_config = config_to_builtins(self.config)      # resolved once, in this (the core's) process
         for rank in range(self.world_size):
             launch = WorkerLaunch(
-                engine_args=msgspec.to_builtins(self.config.source_args), rank=rank, init_method=init_method,
+                engine_config=engine_config, rank=rank, init_method=init_method,
                 broadcast_handle=msgspec.msgpack.encode(self.writer.handle()),
                 response_addr=self.responses.getsockopt_string(zmq.LAST_ENDPOINT), parent_pid=os.getpid(),
                 log_level=logging.getLogger().getEffectiveLevel(),

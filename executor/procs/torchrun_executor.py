@@ -1,7 +1,9 @@
 """Executor for a torchrun launch: every torchrun rank is a worker, rank 0 also runs the engine core.
 
 Control messages (scheduler outputs, calls) go from rank 0 to every rank as msgpack bytes over a gloo
-broadcast, so multi-node works through torchrun's own rendezvous and needs no extra sockets.
+broadcast, so multi-node works through torchrun's own rendezvous and needs no extra sockets. The first
+broadcast is the EngineConfig rank 0 resolved (JSON, common/config_wire.py): the other ranks never read a
+model config or ask the Hub.
 
 Liveness: torchrun's agent ends the job when a rank exits. A rank that is stopped or hung instead leaves
 the others waiting in a collective; every collective here is bounded by `worker_heartbeat_timeout`
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.common.config import EngineConfig
+from pagedserve.common.config_wire import decode_engine_config, encode_engine_config
 from pagedserve.executor.procs.executor import Executor
 from pagedserve.executor.worker.worker import Worker
 from pagedserve.ipc.messages import (ExecuteModel, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerInput,
@@ -37,13 +40,20 @@ class ControlChannel:
 
     def broadcast(self, msg: Any | None) -> Any:
         """Rank 0 passes the message; other ranks pass None and get it back."""
+        if dist.get_rank() == 0:
+            self.broadcast_bytes(self.encoder.encode(msg))
+            return msg
+        return self.decoder.decode(self.broadcast_bytes(None))
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0 passes the bytes (a byte tensor on the wire, never a pickled object); other ranks pass None."""
         size = torch.zeros(1, dtype=torch.int64)
-        data = self.encoder.encode(msg) if dist.get_rank() == 0 else b""
-        size[0] = len(data)
+        size[0] = len(data) if data is not None else 0
         dist.broadcast(size, 0, group=self.group)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
+               else torch.empty(int(size), dtype=torch.uint8))
         dist.broadcast(buf, 0, group=self.group)
-        return msg if dist.get_rank() == 0 else self.decoder.decode(buf.numpy().tobytes())
+        return data if data is not None else buf.numpy().tobytes()
 
     def gather_results(self, result: Any) -> list[Any]:
         data = msgspec.msgpack.encode(result)
@@ -67,6 +77,7 @@ class TorchrunExecutor(Executor):
             raise ValueError(f"tensor_parallel_size ({config.parallel.tensor_parallel_size}) must equal the "
                              f"torchrun world size ({dist.get_world_size()})")
         self.channel = ControlChannel(config.parallel.worker_heartbeat_timeout_s)
+        self.channel.broadcast_bytes(encode_engine_config(config))      # serve_torchrun_worker's first receive
         self.worker = Worker(config, rank=0)
         self.worker.init_device()
         self.worker.load_model()
@@ -84,10 +95,12 @@ class TorchrunExecutor(Executor):
             self.channel.broadcast(WorkerShutdown())
 
 
-def serve_torchrun_worker(config: EngineConfig) -> None:
-    """The loop of ranks > 0: follow rank 0's broadcasts until it says shut down."""
+def serve_torchrun_worker(timeout_s: float) -> None:
+    """The loop of ranks > 0: take the EngineConfig rank 0 resolved, then follow rank 0's broadcasts until it
+    says shut down. timeout_s: the bound on each collective (rank 0's worker_heartbeat_timeout)."""
     rank = dist.get_rank()
-    channel = ControlChannel(config.parallel.worker_heartbeat_timeout_s)
+    channel = ControlChannel(timeout_s)
+    config = decode_engine_config(channel.broadcast_bytes(None))
     worker = Worker(config, rank=rank)
     worker.init_device()
     worker.load_model()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
-from pagedserve.common.config import EngineArgs
+from pagedserve.common.config_wire import config_from_builtins
 from pagedserve.common.process_utils import (describe_exception, exit_without_teardown, read_launch_payload,
                                              setup_child_process)
 from pagedserve.common.throttled_log import ThrottledLog
@@ -31,7 +31,8 @@ _bad_frame_log = ThrottledLog(logger)
 
 class WorkerLaunch(msgspec.Struct, frozen=True):
     """Everything a worker process needs, written by the executor to its stdin (see ModuleProcess)."""
-    engine_args: dict[str, Any]      # EngineArgs fields, as the user gave them
+    # The resolved EngineConfig (common/config_wire.py): the worker reads no model config or Hub to rebuild it.
+    engine_config: dict[str, Any]
     rank: int
     init_method: str                 # torch.distributed rendezvous
     broadcast_handle: bytes          # msgpack of the executor's BroadcastWriter handle
@@ -58,7 +59,7 @@ def run_worker(launch: WorkerLaunch) -> None:
 
     try:
         from pagedserve.executor.worker.worker import Worker    # here, not at import: see backends.py
-        config = EngineArgs(**launch.engine_args).create_engine_config()
+        config = config_from_builtins(launch.engine_config)
         worker = Worker(config, rank=rank, distributed_init_method=launch.init_method)
         worker.init_device()
         worker.load_model()

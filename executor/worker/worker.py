@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from pagedserve.common import envs
-from pagedserve.common.config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
+from pagedserve.common.config import EngineConfig
 from pagedserve.executor.worker.model_runner import ModelRunner
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
@@ -85,8 +85,7 @@ class Worker:
             return cache.num_blocks_override
         if self.device.type == "cuda":
             return self._profile_gpu_blocks()
-        gib = cache.kv_cache_memory_gib or DEFAULT_CPU_KV_CACHE_GIB
-        return max(1, int(gib * (1 << 30)) // self.kv_bytes_per_block())
+        return max(1, int(cache.kv_cache_memory_gib * (1 << 30)) // self.kv_bytes_per_block())
 
     def _profile_gpu_blocks(self) -> int:
         """What is left of the utilization budget after weights, the peak of the largest mixed step and

@@ -9,6 +9,7 @@ import jsonschema
 import pytest
 
 from pagedserve import LLM, SamplingParams, StructuredOutputsParams
+from pagedserve.common.config import EngineArgs, StructuredOutputsConfig
 from pagedserve.tests.helpers.schemas import SCHEMAS
 
 pytestmark = pytest.mark.slow
@@ -151,7 +152,9 @@ def test_grammar_cache_is_bounded(tmp_path, monkeypatch):
     from pagedserve.tests.helpers.tiny_models import make_tiny_serving_model
     folder = make_tiny_serving_model(str(tmp_path))
     monkeypatch.setattr(so, "MAX_CACHED_GRAMMARS", 3)
-    manager = so.StructuredOutputManager(lambda: folder, vocab_size=49152, stop_token_ids=[2])
+    config = StructuredOutputsConfig(reasoning_parser=None,
+                                     compile_timeout_s=EngineArgs.structured_outputs_compile_timeout)
+    manager = so.StructuredOutputManager(lambda: folder, vocab_size=49152, stop_token_ids=[2], config=config)
     try:
         def compile_choice(word: str) -> None:
             manager.submit(StructuredOutputsParams(choice=[word])).compiled.result(timeout=120)
@@ -180,7 +183,7 @@ def test_the_backend_load_is_not_the_grammars_compile_time(tmp_path):
         time.sleep(1.5)                                # a loaded machine: longer than the timeout below
         return folder
     manager = so.StructuredOutputManager(slow_tokenizer_dir, vocab_size=49152, stop_token_ids=[2],
-                                         compile_timeout_s=1.0)
+                                         config=StructuredOutputsConfig(reasoning_parser=None, compile_timeout_s=1.0))
     try:
         state = manager.submit(StructuredOutputsParams(choice=["yes", "no"]))
         deadline = time.monotonic() + 60

@@ -139,7 +139,9 @@ def _act_order_config(path: str):
     hf_config = load_hf_config(source)
     spec = resolve_quantization(None, checkpoint_quant_spec(hf_config), is_gguf=False)
     return ModelConfig(source=source, hf_config=hf_config, dtype="float32", device="cpu",
-                       max_model_len=hf_config.max_position_embeddings, quantization=spec)
+                       max_model_len=hf_config.max_position_embeddings, seed=0, served_model_name=source.name,
+                       enforce_eager=False, tokenizer=None, default_sampling={}, generation_eos_token_ids=(),
+                       quantization=spec)
 
 
 def _tp_worker(rank: int, world: int, init_method: str, path: str, prompt: list[int], out: str) -> None:

@@ -41,7 +41,9 @@ def model_config(path: str, dtype: str = "float32") -> ModelConfig:
     source = resolve_model(path)
     hf_config = load_hf_config(source)
     return ModelConfig(source=source, hf_config=hf_config, dtype=dtype, device="cpu",
-                       max_model_len=hf_config.max_position_embeddings)
+                       max_model_len=hf_config.max_position_embeddings, seed=0, served_model_name=source.name,
+                       enforce_eager=False, tokenizer=None, default_sampling={}, generation_eos_token_ids=(),
+                       quantization=None)
 
 
 def hf_model(path: str) -> torch.nn.Module:
