@@ -2,7 +2,7 @@
 
 At batches of more than 8 sequences the PyTorch layers run (the one-call C step takes 1-8), and between the
 linears and the attention (C kernels, reached through ctypes: graph breaks) the ops left to fuse are the
-add+RMSNorm pairs, the q/k rotary and SiLU*up. This swaps `kernels/reference.py`'s three functions for
+add+RMSNorm pairs, the q/k rotary and SiLU*up. This swaps `kernels/torch_fused.py`'s three functions for
 `torch.compile(..., dynamic=True)` versions of themselves in one process, and alternates eager and compiled
 runs: ms per decode step = (t(steps + 1 tokens) - t(1 token)) / steps, best of `--repeats` pairs. It also
 reports the compile time the first compiled run paid.
@@ -41,15 +41,15 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from pagedserve import LLM
-    from pagedserve.kernels import reference
-    eager = {name: getattr(reference, name) for name in OPS}
+    from pagedserve.kernels import torch_fused
+    eager = {name: getattr(torch_fused, name) for name in OPS}
     compiled = {name: torch.compile(fn, dynamic=True) for name, fn in eager.items()}
     llm = LLM(max_model_len=1024)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         step_ms(llm, batch, 2)                                     # eager warm-up
         for name, fn in compiled.items():
-            setattr(reference, name, fn)
+            setattr(torch_fused, name, fn)
         start = time.perf_counter()
         step_ms(llm, batch, 2)                                     # compiles (prefill and decode shapes)
         compile_s = time.perf_counter() - start
@@ -57,10 +57,10 @@ def main() -> None:
         for _ in range(args.repeats):
             for label, fns in (("eager", eager), ("compiled", compiled)):
                 for name, fn in fns.items():
-                    setattr(reference, name, fn)
+                    setattr(torch_fused, name, fn)
                 times[label].append(step_ms(llm, batch, args.steps))
         for name, fn in eager.items():
-            setattr(reference, name, fn)
+            setattr(torch_fused, name, fn)
         e, c = min(times["eager"]), min(times["compiled"])
         rows.append(f"| {batch} | {e:.1f} | {c:.1f} | {e / c:.2f}x | {compile_s:.0f} |")
         print(rows[-1], times, flush=True)

@@ -1,4 +1,4 @@
-"""The non-GEMM work of decode layers on CPU, before (the old ops, kept below) vs after (kernels.reference).
+"""The non-GEMM work of decode layers on CPU, before (the old ops, kept below) vs after (the CPU attention backend's kernels/cpu_attention.py, kernels/torch_fused.py).
 
     python scripts/bench_cpu_layer_ops.py --out benchmarks/cpu_attention.md
 
@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import reference
+from pagedserve.kernels import cpu_attention, torch_fused
 from pagedserve.kernels.metadata import AttentionMetadata
 
 HIDDEN, HQ, HKV, D, INTER, BS = 576, 9, 3, 64, 1536, 16
@@ -104,8 +104,8 @@ def old_qk_rope(qk, cos, sin, num_q_heads):
 
 
 OLD = {"write": old_write_kv_cache, "attn": old_paged_attention, "rope": old_qk_rope}
-NEW = {"write": reference.write_kv_cache, "attn": reference.paged_attention,
-       "rope": lambda qk, cos, sin, nq: reference.qk_norm_rope(qk, cos, sin, nq)}
+NEW = {"write": lambda k, v, kc, vc, slots: cpu_attention.write_kv_cache(k, v, kc, vc, cpu_attention.write_plan(slots, kc)),
+       "attn": cpu_attention.attend, "rope": lambda qk, cos, sin, nq: torch_fused.qk_norm_rope(qk, cos, sin, nq)}
 
 
 # ---- the workload ----
@@ -143,7 +143,7 @@ def layer_ops(ops: dict, s: dict, kv: torch.Tensor, attention_only: bool) -> Non
     """One layer's non-GEMM ops (GEMM outputs replaced by the fixed random tensors in s)."""
     meta, qkv, tokens = s["meta"], s["qkv"], s["qkv"].shape[0]
     if not attention_only:
-        reference.rms_norm(s["h"], s["norm_w"], 1e-5, s["h"])
+        torch_fused.rms_norm(s["h"], s["norm_w"], 1e-5, s["h"])
         qk = ops["rope"](qkv[:, :(HQ + HKV) * D].view(tokens, HQ + HKV, D), s["cos"], s["sin"], HQ)
         q, k = qk[:, :HQ], qk[:, HQ:]
     else:
@@ -152,8 +152,8 @@ def layer_ops(ops: dict, s: dict, kv: torch.Tensor, attention_only: bool) -> Non
     ops["write"](k, v, kv[0], kv[1], meta.slot_mapping)
     ops["attn"](q, kv[0], kv[1], meta, D ** -0.5)
     if not attention_only:
-        reference.rms_norm(s["h"], s["norm_w"], 1e-5, s["h"])
-        reference.silu_and_mul(s["gate_up"])
+        torch_fused.rms_norm(s["h"], s["norm_w"], 1e-5, s["h"])
+        torch_fused.silu_and_mul(s["gate_up"])
 
 
 def time_steps(ops: dict, steps: list[dict], kv: torch.Tensor, layers: int, attention_only: bool) -> float:
