@@ -12,7 +12,7 @@ import functools
 import torch
 
 from pagedserve.common import envs
-from pagedserve.kernels import moe_reference, torch_fused
+from pagedserve.kernels import torch_moe, torch_fused
 
 
 @functools.cache
@@ -60,7 +60,7 @@ def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_h
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router: (weights [T, k] float32, expert ids [T, k]) from logits [T, E]."""
-    return moe_reference.topk_softmax(router_logits, top_k, renormalize)
+    return torch_moe.topk_softmax(router_logits, top_k, renormalize)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -69,4 +69,4 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if use_triton(x) and x.dim() == 2:
         from pagedserve.kernels import triton_moe
         return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
-    return moe_reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    return torch_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)

@@ -68,12 +68,12 @@ def instrument(timers: Timers, llm) -> None:
     import pagedserve.executor.model.models.llama as llama
     import pagedserve.executor.model.models.qwen_moe as qwen_moe
     from pagedserve.executor.model.layers.attention import PagedAttention
-    from pagedserve.kernels import moe_reference, ops
+    from pagedserve.kernels import torch_moe, ops
 
     runner = llm.engine.executor.worker.runner
     timers.wrap(fused_moe.Router, "forward", "router: gate linears (and the shared-expert gate)")
     timers.wrap(ops, "topk_softmax", "router: softmax + top-k")
-    timers.wrap(moe_reference, "sort_by_expert", "experts: sort by expert")
+    timers.wrap(torch_moe, "sort_by_expert", "experts: sort by expert")
     timers.wrap(ops, "fused_moe", "experts: grouped GEMMs (incl. sort, weighted sum)")
     timers.wrap(qwen_moe.SharedExpertMLP, "forward", "shared expert")
     timers.wrap(llama.LlamaAttention, "forward", "attention: block (qkv, rope, kernel, o_proj)")

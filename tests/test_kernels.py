@@ -54,6 +54,19 @@ def test_attention_mixed_batch(block_size, hq, hkv):
     assert rel_err(out, ref) < 1e-3
 
 
+def test_attention_multi_token_decodes():
+    """Decodes of several query tokens each (a draft being verified, meta.decode_query_len > 1) beside a
+    prefill: causal inside each draft, against the reference."""
+    gen = torch.Generator().manual_seed(11)
+    k_cache, v_cache, _, meta = make_batch([(30, 4), (17, 4), (50, 4), (20, 20)], 16, 2, 64, gen)
+    meta.num_decodes, meta.decode_query_len = 3, 4
+    q = torch.randn(meta.query_start_loc_cpu[-1], 6, 64, generator=gen)
+    ref = attention_reference.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    out = triton_attention.paged_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), to_device(meta),
+                                           0.125)
+    assert rel_err(out.float().cpu(), ref) < 1e-3
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_attention_decodes_split_kv(num_splits):
     seqs = [(n, 1) for n in (1, 17, 64, 100, 150)]

@@ -58,6 +58,7 @@ class ModelRunner:
         # One attention backend for every layer (one device, one cache dtype): its impls are bound with the
         # caches, its builder makes each step's metadata.
         self.attn_backend = get_attn_backend(device, self.kv_dtype)
+        logger.info("attention backend: %s", self.attn_backend.name)
         sched = config.scheduler
         self.buffers = StepBuffers(max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs,
                                    -(-config.model.max_model_len // self.block_size), device,
@@ -76,8 +77,7 @@ class ModelRunner:
             layer.bind_kv_cache(cache, self.attn_backend)
         make_step = getattr(self.model, "make_decode_step", None)
         self.decode_step = make_step() if make_step is not None else None
-        logger.info("attention backend %s%s", self.attn_backend.name,
-                    ", whole-decoder decode step " + type(self.decode_step).__name__ if self.decode_step else "")
+        logger.debug("whole-decoder decode step: %s", type(self.decode_step).__name__ if self.decode_step else None)
 
     def capture_cuda_graphs(self) -> int:
         """Capture decode graphs (CUDA only); returns the bytes their memory pool took."""

@@ -39,8 +39,12 @@ class LlamaCpuDecodeStep:
         """The step over the model's current weights and KV caches, or None where it does not apply."""
         if not envs.PAGEDSERVE_CPU_DECODE_STEP:
             return None
-        weights = model.cpu_step_weights()      # None unless every tensor is float32 on CPU, as the C code reads
-        c_step = None if weights is None else CpuDecodeStep.build(weights)
+        weights = model.cpu_step_weights()
+        # A float32 CPU model only (what the C code reads); asked before CpuDecodeStep.build, which compiles the
+        # C kernels on first use, so other models never build them.
+        if weights is None or weights.final_norm.device.type != "cpu" or weights.final_norm.dtype != torch.float32:
+            return None
+        c_step = CpuDecodeStep.build(weights)
         return None if c_step is None else cls(model, c_step)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
