@@ -148,10 +148,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; the partial products are summed with an all-reduce."""
+    """Input features split across ranks; the partial products are summed with an all-reduce.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+    reduce_results=False: forward returns this rank's partial product (rank 0's with the bias), for a caller
+    that adds more partial sums and reduces once (vLLM's flag)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
+                 reduce_results: bool = True) -> None:
         super().__init__(split_evenly(in_features, tp, "input features"), out_features, bias, tp)
+        self.reduce_results = reduce_results
 
     def shard(self, loaded_weight, shard_id: int | str | None) -> tuple[int, object]:
         if loaded_weight.dim() == 1:    # the bias is whole on every rank: added once, after the reduce
@@ -162,5 +167,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return self.method.apply(self, x, self.bias)
+        if not self.reduce_results:
+            return self.method.apply(self, x, self.bias if self.tp.rank == 0 else None)
         out = self.tp.all_reduce(self.method.apply(self, x, None))
         return out if self.bias is None else out + self.bias
