@@ -1,4 +1,4 @@
-"""Paged attention and the cache write for the PyTorch path, reading the cache blocks in place.
+"""Paged attention and the cache write of the CPU backend, reading the cache blocks in place.
 
 Cache layout: [num_blocks, num_kv_heads, block_size, head_dim] per K and V. Viewed as rows of
 [num_blocks * num_kv_heads, block_size * head_dim], one row is one KV head's whole block, so a single
@@ -138,8 +138,11 @@ def _build_plan(meta: AttentionMetadata, num_blocks: int, num_kv_heads: int, blo
 
     decodes = []
     lens = meta.seq_lens_cpu
-    for lo in range(0, meta.num_decodes if with_decodes else 0, DECODE_GROUP):
-        hi = min(lo + DECODE_GROUP, meta.num_decodes)
+    # Decodes of several tokens (a draft being verified) are planned as chunks with cached context: their
+    # masks are causal inside the new tokens, which the one-token decode groups have no need of.
+    first_chunk = meta.num_decodes if meta.decode_query_len == 1 else 0
+    for lo in range(0, first_chunk if with_decodes else 0, DECODE_GROUP):
+        hi = min(lo + DECODE_GROUP, first_chunk)
         length = max(lens[lo:hi])
         mask = None
         if min(lens[lo:hi]) != length:
@@ -148,7 +151,7 @@ def _build_plan(meta: AttentionMetadata, num_blocks: int, num_kv_heads: int, blo
         decodes.append(DecodeGroup(lo, hi, length, rows(meta.block_tables[lo:hi], length), mask))
     prefills = []
     starts = meta.query_start_loc_cpu
-    for i in range(meta.num_decodes, meta.num_seqs):
+    for i in range(first_chunk, meta.num_seqs):
         lo, hi, length = starts[i], starts[i + 1], lens[i]
         if hi == lo:
             continue
@@ -199,12 +202,13 @@ def decode_native(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   scale: float) -> torch.Tensor | None:
     """Attention of the step's decodes (its first meta.num_decodes tokens) through the C kernel, which reads
     the blocks in place: [num_decodes, Hq, D]; None where the kernel does not apply (no compiler, another
-    device or cache dtype, shapes past its limits), and the PyTorch path below serves them."""
+    device or cache dtype, shapes past its limits, decodes of several tokens), and the PyTorch path below
+    serves them."""
     n = meta.num_decodes
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     num_heads = query.shape[1]
     tables, lens = meta.block_tables[:n], meta.seq_lens[:n]
-    if (n == 0 or query.device.type != "cpu" or k_cache.dtype not in (torch.float32, torch.bfloat16)
+    if (n == 0 or meta.decode_query_len != 1 or query.device.type != "cpu" or k_cache.dtype not in (torch.float32, torch.bfloat16)
             or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or num_heads % num_kv_heads or num_heads // num_kv_heads > _NATIVE_MAX_GROUP
             or head_dim > _NATIVE_MAX_HEAD_DIM or block_size > _NATIVE_MAX_BLOCK
@@ -224,6 +228,16 @@ def decode_native(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                           _NATIVE_MIN_ROWS_PER_THREAD)),
           "paged decode")
     return out.to(query.dtype)
+
+
+def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+           scale: float) -> torch.Tensor:
+    """Causal attention of query [T, Hq, D] over a float cache read in place: the step's decodes through the
+    C kernel where it applies, the rest through SDPA on the step's shared plan."""
+    kv_rows = stacked_rows(k_cache, v_cache)
+    decoded = decode_native(query, k_cache, v_cache, meta, scale)
+    plan = step_plan(meta, k_cache, kv_rows is not None, decodes=decoded is None)
+    return paged_attention(query, k_cache, v_cache, kv_rows, plan, scale, decoded)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

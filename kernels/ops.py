@@ -1,21 +1,23 @@
-"""One entry point per op: the model calls these and gets Triton on CUDA, the PyTorch reference elsewhere.
+"""The fused elementwise ops and the MoE experts, one entry point each: Triton on CUDA, PyTorch elsewhere.
 
-`PAGEDSERVE_KERNELS=torch` forces the reference on CUDA too (for A/B checks against the kernels).
+Linears and attention are not here: a linear layer's method (executor/model/layers/linear_method.py) and an
+attention layer's backend (kernels/attention_backends.py) are picked once, at load. These ops are cheap to
+route (one device test) and shared by every model family, so they route per call.
+`PAGEDSERVE_KERNELS=torch` forces PyTorch on CUDA too (for A/B checks against the kernels).
 """
 from __future__ import annotations
 
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from pagedserve.common import envs
-from pagedserve.kernels import moe_reference, reference
-from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels import torch_moe, torch_fused
 
 
 @functools.cache
-def _triton_usable() -> bool:
+def triton_usable() -> bool:
+    """Whether CUDA tensors take the Triton kernels in this process (asked once)."""
     if envs.PAGEDSERVE_KERNELS == "torch":
         return False
     try:
@@ -26,47 +28,7 @@ def _triton_usable() -> bool:
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda and _triton_usable()
-
-
-@functools.cache
-def _skinny_chooser():
-    # One memo per process, like Triton's own autotuning cache: the choice depends only on the shape
-    # and the device.
-    from pagedserve.kernels.triton_gemm import SkinnyGemmChooser
-    return SkinnyGemmChooser()
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias; decode-sized batches on CUDA may take the skinny Triton GEMM where it is faster."""
-    if use_triton(x) and x.dim() == 2 and x.shape[0] <= 16 and x.stride(-1) == 1 and weight.is_contiguous():
-        from pagedserve.kernels import triton_gemm
-        if _skinny_chooser().use_skinny(x, weight, bias):
-            return triton_gemm.skinny_gemm(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
-                   v_scale: float = 1.0) -> None:
-    """k_scale / v_scale: what an fp8 cache divides by before storing (other caches ignore them)."""
-    if use_triton(key):
-        from pagedserve.kernels import triton_cache
-        triton_cache.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    else:
-        reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-
-
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """window: keys at positions > query position - window only (None: global); softcap: tanh capping;
-    k_scale / v_scale: an fp8 cache's scales (codes * scale are the values)."""
-    if use_triton(query):
-        from pagedserve.kernels import triton_attention
-        return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale, window=window,
-                                                softcap=softcap, k_scale=k_scale, v_scale=v_scale)
-    return reference.paged_attention(query, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale)
+    return x.is_cuda and triton_usable()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -75,14 +37,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
         from pagedserve.kernels import triton_fused
         return triton_fused.rms_norm(x, weight, eps, residual)
-    return reference.rms_norm(x, weight, eps, residual)
+    return torch_fused.rms_norm(x, weight, eps, residual)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
         from pagedserve.kernels import triton_fused
         return triton_fused.silu_and_mul(x)
-    return reference.silu_and_mul(x)
+    return torch_fused.silu_and_mul(x)
 
 
 def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
@@ -93,12 +55,12 @@ def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_h
     if use_triton(qk) and qk.stride(-1) == 1 and dim % 2 == 0 and dim & (dim - 1) == 0:
         from pagedserve.kernels import triton_fused
         return triton_fused.qk_norm_rope(qk, cos, sin, num_q_heads, q_weight, k_weight, eps)
-    return reference.qk_norm_rope(qk, cos, sin, num_q_heads, q_weight, k_weight, eps)
+    return torch_fused.qk_norm_rope(qk, cos, sin, num_q_heads, q_weight, k_weight, eps)
 
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router: (weights [T, k] float32, expert ids [T, k]) from logits [T, E]."""
-    return moe_reference.topk_softmax(router_logits, top_k, renormalize)
+    return torch_moe.topk_softmax(router_logits, top_k, renormalize)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -107,4 +69,4 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if use_triton(x) and x.dim() == 2:
         from pagedserve.kernels import triton_moe
         return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
-    return moe_reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    return torch_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)

@@ -5,7 +5,7 @@ every expert's segment is a whole number of BLOCK_M rows (`align_block_size`); s
 belongs to one expert, and a program multiplies its tile by that expert's weights only. Two launches:
 x @ w13[e]^T -> SiLU(gate) * up -> @ w2[e]^T scaled by the routing weight; the k rows of each token are then
 summed. The alignment is built on the device with shapes fixed by T, E and BLOCK_M (no host sync), so a
-decode step can be captured in a CUDA graph. Same contract as kernels/moe_reference.fused_moe.
+decode step can be captured in a CUDA graph. Same contract as kernels/torch_moe.fused_moe.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H] (see moe_reference.fused_moe)."""
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H] (see torch_moe.fused_moe)."""
     tokens, top_k = topk_ids.shape
     num_experts, hidden = w13.shape[0], x.shape[1]
     if tokens == 0:

@@ -17,7 +17,7 @@ import sys
 import torch
 import triton
 
-from pagedserve.kernels import reference, triton_attention, triton_cache, triton_fused, triton_gemm
+from pagedserve.kernels import cpu_attention, torch_fused, triton_attention, triton_cache, triton_fused, triton_gemm
 from pagedserve.kernels.metadata import AttentionMetadata
 
 HQ, HKV, D, BS = 16, 8, 128, 16
@@ -111,11 +111,11 @@ def elementwise_rows(bw: float) -> list[tuple]:
     nbytes = 4 * x.numel() * 2
     rows.append(("rms_norm+residual T=256 (Triton)", bench(lambda: triton_fused.rms_norm(x, w, 1e-6, res)),
                  nbytes / bw * 1e3, 0.0))
-    rows.append(("  eager PyTorch", bench(lambda: reference.rms_norm(x, w, 1e-6, res)), nbytes / bw * 1e3, 0.0))
+    rows.append(("  eager PyTorch", bench(lambda: torch_fused.rms_norm(x, w, 1e-6, res)), nbytes / bw * 1e3, 0.0))
     g = torch.randn(t, 2 * inter, device="cuda", dtype=DT)
     nbytes = 3 * t * inter * 2
     rows.append(("silu_and_mul T=256 (Triton)", bench(lambda: triton_fused.silu_and_mul(g)), nbytes / bw * 1e3, 0.0))
-    rows.append(("  eager PyTorch", bench(lambda: reference.silu_and_mul(g)), nbytes / bw * 1e3, 0.0))
+    rows.append(("  eager PyTorch", bench(lambda: torch_fused.silu_and_mul(g)), nbytes / bw * 1e3, 0.0))
     qkv = torch.randn(t, (HQ + 2 * HKV) * D, device="cuda", dtype=DT)
     qk = qkv[:, :(HQ + HKV) * D].view(t, HQ + HKV, D)
     cos, sin = torch.randn(t, 1, D, device="cuda", dtype=DT), torch.randn(t, 1, D, device="cuda", dtype=DT)
@@ -123,7 +123,7 @@ def elementwise_rows(bw: float) -> list[tuple]:
     nbytes = 2 * qk.numel() * 2
     rows.append(("qk_norm+rope T=256 (Triton)", bench(lambda: triton_fused.qk_norm_rope(qk, cos, sin, HQ, qw, kw)),
                  nbytes / bw * 1e3, 0.0))
-    rows.append(("  eager PyTorch", bench(lambda: reference.qk_norm_rope(qk, cos, sin, HQ, qw, kw)),
+    rows.append(("  eager PyTorch", bench(lambda: torch_fused.qk_norm_rope(qk, cos, sin, HQ, qw, kw)),
                  nbytes / bw * 1e3, 0.0))
     for tokens in (256, 4096):
         key = torch.randn(tokens, HKV, D, device="cuda", dtype=DT)
@@ -134,7 +134,7 @@ def elementwise_rows(bw: float) -> list[tuple]:
         nbytes = 4 * key.numel() * 2
         rows.append((f"write_kv_cache T={tokens} (Triton)",
                      bench(lambda: triton_cache.write_kv_cache(key, val, kc, vc, slots)), nbytes / bw * 1e3, 0.0))
-        rows.append(("  PyTorch index_put (syncs: timed with launches)", bench_launched(lambda: reference.write_kv_cache(key, val, kc, vc, slots)),
+        rows.append(("  PyTorch index_put (syncs: timed with launches)", bench_launched(lambda: cpu_attention.write_kv_cache(key, val, kc, vc, cpu_attention.write_plan(slots, kc))),
                      nbytes / bw * 1e3, 0.0))
     return rows
 

@@ -16,7 +16,7 @@ import torch
 
 from bench_kernels import bench, bench_launched, ceilings  # scripts/ is on sys.path when a script runs
 
-from pagedserve.kernels import moe_reference, triton_moe
+from pagedserve.kernels import torch_moe, triton_moe
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 1024, 64, 8
 DT = torch.bfloat16
@@ -28,7 +28,7 @@ def moe_inputs(tokens: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", dtype=DT, generator=gen) / HIDDEN ** 0.5
     w2 = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", dtype=DT, generator=gen) / INTER ** 0.5
     logits = torch.randn(tokens, EXPERTS, device="cuda", generator=gen)
-    weights, ids = moe_reference.topk_softmax(logits, TOP_K, renormalize=False)
+    weights, ids = torch_moe.topk_softmax(logits, TOP_K, renormalize=False)
     return x, w13, w2, weights, ids
 
 
@@ -45,7 +45,7 @@ def rows(bw: float, flops: float) -> list[tuple]:
     out = []
     for tokens in (1, 8, 64, 256, 1024, 4096):
         x, w13, w2, weights, ids = moe_inputs(tokens)
-        ref = moe_reference.fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
+        ref = torch_moe.fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
         got = triton_moe.fused_moe(x, w13, w2, weights, ids).float()
         err = ((got - ref).norm() / ref.norm()).item()
         if err > 2e-2:
@@ -56,7 +56,7 @@ def rows(bw: float, flops: float) -> list[tuple]:
                     *floors))
         if tokens <= 1024:
             out.append(("  grouped PyTorch reference (syncs: timed with launches)",
-                        bench_launched(lambda: moe_reference.fused_moe(x, w13, w2, weights, ids)), *floors))
+                        bench_launched(lambda: torch_moe.fused_moe(x, w13, w2, weights, ids)), *floors))
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,9 +19,16 @@ from pagedserve.executor.worker.sampler import Sampler
 from pagedserve.executor.worker.sampling_inputs import build_sampling_metadata
 from pagedserve.executor.worker.step_buffers import PreparedBatch, StepBuffers
 from pagedserve.ipc.messages import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from pagedserve.kernels.attention_backends import get_attn_backend
 from pagedserve.kernels.kv_quant import kv_cache_torch_dtype
+from pagedserve.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+# A model's whole-decoder step for the steps it takes (input_ids, positions, meta -> hidden states), None for
+# the rest: built once the KV cache is bound (the model's make_decode_step), e.g. the C step of quantized
+# CPU Llama models.
+DecodeStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], "torch.Tensor | None"]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -47,10 +55,16 @@ class ModelRunner:
         self.sampler = Sampler()
         self.states: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        # One attention backend for every layer (one device, one cache dtype): its impls are bound with the
+        # caches, its builder makes each step's metadata.
+        self.attn_backend = get_attn_backend(device, self.kv_dtype)
+        logger.info("attention backend: %s", self.attn_backend.name)
         sched = config.scheduler
         self.buffers = StepBuffers(max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs,
-                                   -(-config.model.max_model_len // self.block_size), device)
+                                   -(-config.model.max_model_len // self.block_size), device,
+                                   self.attn_backend.get_builder_cls()(self.attn_backend))
         self.graphs: CudaGraphRunner | None = None
+        self.decode_step: DecodeStep | None = None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
@@ -60,7 +74,10 @@ class ModelRunner:
         # still poisons the output (0 * NaN).
         self.kv_caches = [_zeros(shape, self.kv_dtype, self.device) for _ in layers]
         for layer, cache in zip(layers, self.kv_caches):
-            layer.kv_cache = cache
+            layer.bind_kv_cache(cache, self.attn_backend)
+        make_step = getattr(self.model, "make_decode_step", None)
+        self.decode_step = make_step() if make_step is not None else None
+        logger.debug("whole-decoder decode step: %s", type(self.decode_step).__name__ if self.decode_step else None)
 
     def capture_cuda_graphs(self) -> int:
         """Capture decode graphs (CUDA only); returns the bytes their memory pool took."""
@@ -86,6 +103,10 @@ class ModelRunner:
         batch = self.buffers.commit(host, pad_to=size)
         if size is not None:
             return batch, self.graphs.replay(size)
+        if self.decode_step is not None:
+            hidden = self.decode_step(batch.input_ids, batch.positions, batch.meta)
+            if hidden is not None:
+                return batch, hidden
         return batch, self.model(batch.input_ids, batch.positions, batch.meta)
 
     @torch.inference_mode()

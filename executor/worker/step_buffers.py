@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedserve.kernels.attention_interface import AttentionMetadataBuilder
 from pagedserve.kernels.metadata import AttentionMetadata
 
 _SPECS = {   # name -> (dtype, shape kind): "tok" = per token, "seq" = per sequence, "seq1" = num_seqs + 1
@@ -49,8 +50,10 @@ class PreparedBatch:
 
 
 class StepBuffers:
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
+                 builder: AttentionMetadataBuilder) -> None:
         self.device = device
+        self.builder = builder
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks_per_seq
         self.host: dict[str, torch.Tensor] = {}
         self.dev: dict[str, torch.Tensor] = {}
@@ -99,7 +102,7 @@ class StepBuffers:
         """The fixed device tensors of a decode-only step of num_seqs rows (what a CUDA graph captures)."""
         arrays = {name: self.dev[name][:num_seqs + 1 if name == "query_start_loc" else num_seqs]
                   for name in list(_SPECS) + ["block_tables"]}
-        meta = AttentionMetadata(
+        meta = self.builder.build(
             slot_mapping=arrays["slot_mapping"], query_start_loc=arrays["query_start_loc"],
             seq_lens=arrays["seq_lens"], block_tables=arrays["block_tables"], num_decodes=num_seqs,
             max_query_len=1, max_seq_len=0, query_start_loc_cpu=[], seq_lens_cpu=[])
@@ -108,7 +111,7 @@ class StepBuffers:
 
     def _prepared(self, batch: HostBatch, arrays: dict[str, torch.Tensor], seqs: int, tokens: int) -> PreparedBatch:
         counts = np.diff(batch.query_start_loc)
-        meta = AttentionMetadata(
+        meta = self.builder.build(
             slot_mapping=arrays["slot_mapping"], query_start_loc=arrays["query_start_loc"],
             seq_lens=arrays["seq_lens"], block_tables=arrays["block_tables"],
             num_decodes=batch.num_decodes + (seqs - batch.num_seqs),

@@ -4,7 +4,6 @@ tiny model; `serve` is engine-serve's parser; `chat -q` / `complete -q` answer f
 No timing is asserted: only counts, the presence and order of the metrics, and the files written."""
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import subprocess

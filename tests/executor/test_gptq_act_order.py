@@ -17,7 +17,8 @@ from pagedserve.executor.model.layers.linear import (ColumnParallelLinear, Merge
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.executor.model.quant.awq_gptq import gptq_to_group_quant
 from pagedserve.executor.model.quant.group_quant import GroupQuantWeight
-from pagedserve.executor.model.quant.packing import PermutedInput, apply_linear
+from pagedserve.executor.model.layers.linear_method import apply_linear
+from pagedserve.executor.model.quant.packing import PermutedInput
 from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
 from pagedserve.tests.helpers.quant_packers import pack_gptq
 from pagedserve.tests.helpers.tp_ranks import run_ranks
@@ -101,7 +102,7 @@ def test_row_parallel_act_order_splits_exactly(tp, cols, g):
         assert isinstance(layer.packed, PermutedInput) and isinstance(layer.packed.inner, Int4Weight)
         assert layer.packed.inner.in_features % 128 == 0          # the CUDA kernel's K multiple
         part = slice(rank * cols // tp, (rank + 1) * cols // tp)
-        local = layer.matmul(x[:, part], None)
+        local = layer.method.apply(layer, x[:, part], None)
         assert ((local - x[:, part] @ ref_w[:, part].T).abs() <= _bound(x[:, part], ref_w[:, part])).all()
         total += local
     assert ((total - x @ ref_w.T).abs() <= _bound(x, ref_w)).all()
@@ -124,7 +125,7 @@ def test_row_parallel_plain_g_idx_splits_by_group():
     assert isinstance(layer.packed, Int4Weight)
     x = torch.randn(2, IN // 2)
     ref_w = plain.dequantize()[:, IN // 2:]
-    assert ((layer.matmul(x, None) - x @ ref_w.T).abs() <= _bound(x, ref_w)).all()
+    assert ((layer.method.apply(layer, x, None) - x @ ref_w.T).abs() <= _bound(x, ref_w)).all()
 
 
 # ------------------------------------------------------------------- two real ranks over gloo

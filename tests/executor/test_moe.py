@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.parallel_state import TPGroup
-from pagedserve.kernels import moe_reference
+from pagedserve.kernels import torch_moe
 from pagedserve.tests.helpers.tiny_models import make_tiny_model, prefill_logits, random_prompts
 from pagedserve.tests.helpers.tp_ranks import run_ranks
 from pagedserve.tests.executor.test_model import hf_model, model_config
@@ -49,7 +49,7 @@ def dense_moe(x, w13, w2, weights, ids) -> torch.Tensor:
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_topk_softmax_renormalisation(renormalize):
     logits = torch.randn(9, 6, generator=torch.Generator().manual_seed(0))
-    weights, ids = moe_reference.topk_softmax(logits, 2, renormalize)
+    weights, ids = torch_moe.topk_softmax(logits, 2, renormalize)
     probs = torch.softmax(logits, -1)
     assert torch.equal(ids, probs.topk(2, -1).indices)
     want = probs.gather(1, ids)
@@ -67,17 +67,17 @@ def test_grouped_reference_equals_dense_and_skips_unchosen_experts():
     x = torch.randn(tokens, hidden, generator=gen)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=gen)
     w2 = torch.randn(experts, hidden, inter, generator=gen)
-    weights, ids = moe_reference.topk_softmax(torch.randn(tokens, experts, generator=gen), 2, True)
+    weights, ids = torch_moe.topk_softmax(torch.randn(tokens, experts, generator=gen), 2, True)
     want = dense_moe(x, w13, w2, weights, ids)
-    torch.testing.assert_close(moe_reference.fused_moe(x, w13, w2, weights, ids), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(moe_reference.masked_moe(x, w13, w2, weights, ids), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch_moe.fused_moe(x, w13, w2, weights, ids), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch_moe.masked_moe(x, w13, w2, weights, ids), want, rtol=1e-5, atol=1e-5)
     # Experts 3 and 4, which no token chose, are never read: NaN weights there leave the output finite.
     ids = torch.stack([torch.randperm(3, generator=gen)[:2] for _ in range(tokens)])
     poisoned13, poisoned2 = w13.clone(), w2.clone()
     poisoned13[3:], poisoned2[3:] = float("nan"), float("nan")
-    torch.testing.assert_close(moe_reference.fused_moe(x, poisoned13, poisoned2, weights, ids),
+    torch.testing.assert_close(torch_moe.fused_moe(x, poisoned13, poisoned2, weights, ids),
                                dense_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
-    assert moe_reference.fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, hidden)
+    assert torch_moe.fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, hidden)
 
 
 def test_moe_logits_match_hf(moe_dir):

@@ -19,7 +19,8 @@ from gguf.quants import quantize
 from pagedserve.executor.model.quant.awq_gptq import awq_to_group_quant, gptq_to_group_quant
 from pagedserve.executor.model.quant.gguf_blocks import decode_gguf_tensor
 from pagedserve.executor.model.quant.group_quant import GroupQuantWeight
-from pagedserve.executor.model.quant.packing import apply_linear, pack_linear
+from pagedserve.executor.model.layers.linear_method import apply_linear
+from pagedserve.executor.model.quant.packing import pack_linear
 from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
 from pagedserve.tests.helpers.gguf_blocks import random_k_blocks
 from pagedserve.tests.helpers.quant_packers import pack_awq, pack_gptq

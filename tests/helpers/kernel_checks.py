@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from pagedserve.kernels import reference
+from pagedserve.kernels import attention_reference
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.tests.helpers.attention_cases import make_batch
 
@@ -35,7 +35,7 @@ def run_both(seqs, block_size, hq, hkv, d, seed, num_splits=None, share_prefix=0
     wide = torch.randn(meta.query_start_loc_cpu[-1], hq + 2, d, generator=gen).to(dtype)
     q = wide[:, :hq]
     scale = 1 / math.sqrt(d)
-    ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale, window, softcap)
+    ref = attention_reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale, window, softcap)
     out = triton_attention.paged_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), to_device(meta),
                                            scale, num_splits=num_splits, window=window, softcap=softcap)
     return out.float().cpu(), ref

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_attention, cpu_native, reference
+from pagedserve.kernels import cpu_attention, cpu_native, torch_fused
 from pagedserve.tests.helpers.attention_cases import dense_attention, gather, make_batch
 
 
@@ -18,7 +18,7 @@ needs_native = pytest.mark.skipif(cpu_native.library() is None, reason="no C com
 
 def _attention(q, k_cache, v_cache, meta, scale, native: bool):
     if native:
-        return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+        return cpu_attention.attend(q, k_cache, v_cache, meta, scale)
     kv_rows = cpu_attention.stacked_rows(k_cache, v_cache)
     plan = cpu_attention.step_plan(meta, k_cache, kv_rows is not None)
     return cpu_attention.paged_attention(q, k_cache, v_cache, kv_rows, plan, scale)
@@ -102,7 +102,7 @@ def test_decodes_take_the_c_kernel_within_its_limits():
         q = torch.randn(meta.query_start_loc_cpu[-1], hq, d, generator=gen)
         decoded = cpu_attention.decode_native(q, k_cache, v_cache, meta, 0.1)
         assert (decoded is not None) == taken
-        out = reference.paged_attention(q, k_cache, v_cache, meta, 0.1)
+        out = cpu_attention.attend(q, k_cache, v_cache, meta, 0.1)
         if taken:
             assert torch.equal(out[:2], decoded)
         _check(out, q, k_cache, v_cache, tables, meta, seqs, 0.1, rtol=1e-4, atol=1e-5)
@@ -115,11 +115,11 @@ def test_plan_follows_each_step_not_a_stale_one():
     seqs = [(40, 1), (7, 1)]
     k_cache, v_cache, tables, meta = make_batch(seqs, 4, 2, 8, gen)
     q = torch.randn(2, 4, 8, generator=gen)
-    first = reference.paged_attention(q, k_cache, v_cache, meta, 0.3)
-    assert torch.equal(reference.paged_attention(q, k_cache, v_cache, meta, 0.3), first)
+    first = cpu_attention.attend(q, k_cache, v_cache, meta, 0.3)
+    assert torch.equal(cpu_attention.attend(q, k_cache, v_cache, meta, 0.3), first)
     meta.seq_lens[1] = 5                       # in place: the plan's mask must change
     meta.seq_lens_cpu[1] = 5
-    out = reference.paged_attention(q, k_cache, v_cache, meta, 0.3)
+    out = cpu_attention.attend(q, k_cache, v_cache, meta, 0.3)
     _check(out, q, k_cache, v_cache, tables, meta, [(40, 1), (5, 1)], 0.3, rtol=1e-4, atol=1e-5)
     assert not torch.equal(out[1], first[1])
 
@@ -130,7 +130,7 @@ def test_write_kv_cache_skips_padding_and_follows_new_slots(stacked):
     k_cache, v_cache = (kv[0], kv[1]) if stacked else (kv[0].clone(), kv[1].clone())
     key, value = torch.randn(5, 3, 8), torch.randn(5, 3, 8)
     slots = torch.tensor([3, -1, 9, -1, 15])
-    reference.write_kv_cache(key, value, k_cache, v_cache, slots)
+    cpu_attention.write_kv_cache(key, value, k_cache, v_cache, cpu_attention.write_plan(slots, k_cache))
     flat_k = k_cache.transpose(1, 2).reshape(-1, 3, 8)      # slot-major view
     flat_v = v_cache.transpose(1, 2).reshape(-1, 3, 8)
     torch.testing.assert_close(flat_k[[3, 9, 15]], key[[0, 2, 4]])
@@ -138,7 +138,7 @@ def test_write_kv_cache_skips_padding_and_follows_new_slots(stacked):
     untouched = [s for s in range(16) if s not in (3, 9, 15)]
     assert flat_k[untouched].abs().sum() == 0 and flat_v[untouched].abs().sum() == 0
     slots[1] = 4                               # changed in place: written now, not skipped by a stale plan
-    reference.write_kv_cache(key, value, k_cache, v_cache, slots)
+    cpu_attention.write_kv_cache(key, value, k_cache, v_cache, cpu_attention.write_plan(slots, k_cache))
     torch.testing.assert_close(k_cache.transpose(1, 2).reshape(-1, 3, 8)[4], key[1])
 
 
@@ -151,7 +151,7 @@ def test_rotary_matches_rotate_half_bit_for_bit():
     sin = torch.cat((angles.sin(), angles.sin()), -1).to(torch.bfloat16)
     rotate_half = torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
     want = x * cos + rotate_half * sin
-    assert torch.equal(reference.apply_rotary(x, cos, sin), want)
-    assert torch.equal(reference.qk_norm_rope(x, cos, sin, 9), want)
+    assert torch.equal(torch_fused.apply_rotary(x, cos, sin), want)
+    assert torch.equal(torch_fused.qk_norm_rope(x, cos, sin, 9), want)
     sin2 = sin * 0.5                           # a new step's sin: a new signed copy, not the cached one
-    assert torch.equal(reference.qk_norm_rope(x, cos, sin2, 9), x * cos + rotate_half * sin2)
+    assert torch.equal(torch_fused.qk_norm_rope(x, cos, sin2, 9), x * cos + rotate_half * sin2)

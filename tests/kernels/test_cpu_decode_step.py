@@ -137,7 +137,7 @@ def test_c_step_matches_the_pytorch_path(tiny_model, monkeypatch):
 def test_c_step_refuses_bad_inputs_by_name(tiny_model):
     with LLM(tiny_model, dtype="float32", quantization="int8", max_model_len=256) as llm:
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3), use_tqdm=False)
-        step = llm.engine.executor.worker.runner.model.model.cpu_step._step
+        step = llm.engine.executor.worker.runner.decode_step.c_step
     assert step is not None
     hidden, cos = torch.zeros(1, 64), torch.zeros(1, 16)
     ok = dict(slots=torch.zeros(1, dtype=torch.int64), tables=torch.zeros(1, 4, dtype=torch.int32),

@@ -16,7 +16,8 @@ from gguf.quants import quantize
 
 from pagedserve.common.dtype import cpu_has_native_bf16
 from pagedserve.executor.model.quant.gguf_blocks import decode_gguf_tensor
-from pagedserve.executor.model.quant.packing import apply_linear, pack_linear
+from pagedserve.executor.model.layers.linear_method import apply_linear
+from pagedserve.executor.model.quant.packing import pack_linear
 from pagedserve.kernels import cpu_dequant, cpu_native
 from pagedserve.kernels.weight_only import (INT8_DENSE_BLOCK_ROWS, INT8_DENSE_MIN_ROWS, Int4Weight, Int8Weight,
                                             dense_path, int4_dense_min_rows, int4_linear, int8_linear, pack_int4,

@@ -18,7 +18,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")      # before the kernel modules are imported
 
-from pagedserve.kernels import reference  # noqa: E402
+from pagedserve.kernels import attention_reference as reference  # noqa: E402
 from pagedserve.kernels.kv_quant import FP8_KV_DTYPE, dequantize_kv, quantize_kv  # noqa: E402
 from pagedserve.tests.helpers.attention_cases import make_batch  # noqa: E402
 

@@ -11,8 +11,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from pagedserve.kernels import reference, triton_cache, triton_fused, triton_gemm  # noqa: E402
-from pagedserve.tests.helpers.kernel_checks import DEVICE, rel_err, run_both  # noqa: E402
+from pagedserve.kernels import attention_reference, torch_fused  # noqa: E402
+from pagedserve.kernels import triton_attention, triton_cache, triton_fused, triton_gemm  # noqa: E402
+from pagedserve.tests.helpers.attention_cases import make_batch  # noqa: E402
+from pagedserve.tests.helpers.kernel_checks import DEVICE, rel_err, run_both, to_device  # noqa: E402
 
 MIXED = [(1 + (7 * i) % 45, 1) for i in range(5)] + [(20, 20), (50, 13), (9, 2), (33, 17)]
 
@@ -22,6 +24,19 @@ MIXED = [(1 + (7 * i) % 45, 1) for i in range(5)] + [(20, 20), (50, 13), (9, 2),
 def test_attention_mixed_batch(block_size, hq, hkv):
     out, ref = run_both(MIXED, block_size, hq, hkv, 64, seed=block_size + hq)
     assert rel_err(out, ref) < 1e-3
+
+
+def test_attention_multi_token_decodes():
+    """Decodes of several query tokens each (a draft being verified, meta.decode_query_len > 1) beside a
+    prefill: causal inside each draft, against the reference."""
+    gen = torch.Generator().manual_seed(11)
+    k_cache, v_cache, _, meta = make_batch([(30, 4), (17, 4), (50, 4), (20, 20)], 16, 2, 64, gen)
+    meta.num_decodes, meta.decode_query_len = 3, 4
+    q = torch.randn(meta.query_start_loc_cpu[-1], 6, 64, generator=gen)
+    ref = attention_reference.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    out = triton_attention.paged_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), to_device(meta),
+                                           0.125)
+    assert rel_err(out.float().cpu(), ref) < 1e-3
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -76,7 +91,7 @@ def test_write_kv_cache_matches_reference_and_skips_padding():
     slots = torch.tensor([3, -1, 9, 40, -1, 15, 47, 0, -1, 22])
     sentinel = 1234.5
     ref_k, ref_v = (torch.full((blocks, hkv, bs, d), sentinel) for _ in range(2))
-    reference.write_kv_cache(key, value, ref_k, ref_v, slots)
+    attention_reference.write_kv_cache(key, value, ref_k, ref_v, slots)
     k_cache, v_cache = (torch.full((blocks, hkv, bs, d), sentinel, device=DEVICE) for _ in range(2))
     triton_cache.write_kv_cache(key.to(DEVICE), value.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
     torch.testing.assert_close(k_cache.cpu(), ref_k, rtol=0, atol=0)
@@ -93,7 +108,7 @@ def test_rms_norm(with_residual):
     x = torch.randn(7, 96, generator=gen)
     w = torch.randn(96, generator=gen)
     res = torch.randn(7, 96, generator=gen) if with_residual else None
-    ref = reference.rms_norm(x, w, 1e-6, res)
+    ref = torch_fused.rms_norm(x, w, 1e-6, res)
     out = triton_fused.rms_norm(x.to(DEVICE), w.to(DEVICE), 1e-6, res.to(DEVICE) if with_residual else None)
     if with_residual:
         assert rel_err(out[0].cpu(), ref[0]) < 1e-5 and rel_err(out[1].cpu(), ref[1]) < 1e-6
@@ -103,7 +118,7 @@ def test_rms_norm(with_residual):
 
 def test_silu_and_mul():
     x = torch.randn(5, 2 * 300, generator=torch.Generator().manual_seed(2))
-    assert rel_err(triton_fused.silu_and_mul(x.to(DEVICE)).cpu(), reference.silu_and_mul(x)) < 1e-5
+    assert rel_err(triton_fused.silu_and_mul(x.to(DEVICE)).cpu(), torch_fused.silu_and_mul(x)) < 1e-5
 
 
 @pytest.mark.parametrize("with_norm", [False, True])
@@ -115,7 +130,7 @@ def test_qk_norm_rope(with_norm):
     angles = torch.rand(tokens, d // 2, generator=gen) * 10
     cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
     qw, kw = (torch.randn(d, generator=gen), torch.randn(d, generator=gen)) if with_norm else (None, None)
-    ref = reference.qk_norm_rope(qk, cos, sin, hq, qw, kw, 1e-6)
+    ref = torch_fused.qk_norm_rope(qk, cos, sin, hq, qw, kw, 1e-6)
     dev = (lambda t: t.to(DEVICE) if t is not None else None)
     out = triton_fused.qk_norm_rope(dev(qkv)[:, :(hq + hkv) * d].view(tokens, hq + hkv, d), dev(cos), dev(sin),
                                     hq, dev(qw), dev(kw), 1e-6)

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from pagedserve.kernels import moe_reference, triton_moe  # noqa: E402
+from pagedserve.kernels import torch_moe, triton_moe  # noqa: E402
 from pagedserve.tests.helpers.kernel_checks import DEVICE, rel_err  # noqa: E402
 
 
@@ -24,7 +24,7 @@ def moe_case(tokens: int, hidden: int, inter: int, experts: int, top_k: int, see
     if skewed:                     # most tokens to expert 0, some experts get none
         logits[:, 0] += 4.0
         logits[:, experts // 2:] -= 8.0
-    weights, ids = moe_reference.topk_softmax(logits, top_k, renormalize=True)
+    weights, ids = torch_moe.topk_softmax(logits, top_k, renormalize=True)
     return x, w13, w2, weights, ids
 
 
@@ -54,7 +54,7 @@ def test_align_block_size_pads_each_expert_to_whole_tiles(tokens, experts, top_k
 ])
 def test_fused_moe_matches_reference(tokens, hidden, inter, experts, top_k, skewed, block_m):
     x, w13, w2, weights, ids = moe_case(tokens, hidden, inter, experts, top_k, seed=hidden + tokens, skewed=skewed)
-    want = moe_reference.fused_moe(x, w13, w2, weights, ids)
+    want = torch_moe.fused_moe(x, w13, w2, weights, ids)
     dev = (lambda t: t.to(DEVICE))
     out = triton_moe.fused_moe(dev(x), dev(w13), dev(w2), dev(weights), dev(ids), block_m=block_m)
     assert out.shape == want.shape and rel_err(out.cpu(), want) < 1e-5

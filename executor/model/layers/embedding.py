@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.executor.model.layers.linear_method import LinearMethod, dense_linear_method, linear_method_for
 from pagedserve.executor.model.parallel_state import TPGroup
-from pagedserve.executor.model.quant.packing import (Packed, Piece, apply_linear, pack_embedding,
-                                                     pack_linear)
+from pagedserve.executor.model.quant.packing import Packed, Piece, pack_embedding, pack_linear
 from pagedserve.kernels.weight_only import Int8Weight, int8_embedding
 
 
@@ -49,6 +49,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight, self._pieces = placeholder, []
 
     def finish_packed_load(self, method: str, device: torch.device, dtype: torch.dtype) -> None:
+        if self._pieces is None:             # packed already (a tied head asked for it first)
+            return
         packed = pack_embedding(self._pieces or [], self.shard_size, method, device, dtype, type(self).__name__)
         self._set_packed(packed)
         self.out_dtype = dtype
@@ -76,7 +78,14 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """hidden -> logits over the full vocabulary (each rank computes its slice, then all_gather)."""
+    """hidden -> logits over the full vocabulary (each rank computes its slice, then all_gather).
+
+    A linear layer too: its method (layers/linear_method.py) is picked when it is built and again when its
+    weight is packed; a tied head runs the embedding's table (`weight` / `packed` are the embedding's)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__(vocab_size, hidden_size, tp)
+        self.method: LinearMethod = dense_linear_method(self.weight.device)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tie_word_embeddings): one tensor, loaded once."""
@@ -96,15 +105,18 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = source.weight          # still one shared (placeholder) parameter
 
     def finish_packed_load(self, method: str, device: torch.device, dtype: torch.dtype) -> None:
-        if getattr(self, "tied_to", None) is not None:
-            return                           # the embedding packs the one shared table
-        packed = pack_linear(self._pieces or [], self.shard_size, method, device, dtype, type(self).__name__)
-        self._set_packed(packed)
+        source = getattr(self, "tied_to", None)
+        if source is None:
+            packed = pack_linear(self._pieces or [], self.shard_size, method, device, dtype, type(self).__name__)
+            self._set_packed(packed)
+        else:                                # the embedding packs the one shared table
+            source.finish_packed_load(method, device, dtype)
+            self.weight, self.packed = source.weight, source.packed
+        self.method = linear_method_for(self.weight if self.packed is None else self.packed, device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size], identical on every rank."""
-        source = getattr(self, "tied_to", self)
-        logits = apply_linear(hidden, source.packed if source.packed is not None else source.weight)
+        logits = self.method.apply(self, hidden, None)
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)[:, :self.vocab_size]
         return logits.float()

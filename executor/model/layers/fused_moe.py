@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagedserve.executor.model.layers.linear import copy_weight
+from pagedserve.executor.model.layers.linear_method import dense_linear_method
 from pagedserve.executor.model.parallel_state import TPGroup, split_evenly
 from pagedserve.kernels import ops
 
@@ -49,9 +50,11 @@ class Router(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int) -> None:
         super().__init__()
         self.weight = _empty_param(num_experts, hidden_size)
+        self.packed = None                   # never quantized
+        self.method = dense_linear_method(self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight)
+        return self.method.apply(self, x, None)
 
 
 class FusedMoE(nn.Module):

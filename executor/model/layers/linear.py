@@ -4,16 +4,23 @@ Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`: th
 full checkpoint tensor and the layer copies out the slice this rank owns. Each layer knows its slice once
 (`shard`); a dense layer copies it into its weight, a quantized one (after `begin_packed_load`) keeps the
 pieces, which may be quantized (GroupQuantWeight slices like a tensor), and packs them for its kernel in
-`finish_packed_load`.
+`finish_packed_load`, which also picks the layer's linear method (layers/linear_method.py).
+
+The contract a wrapper (LoRA) can rely on: `forward(x [..., in_features]) -> [..., out_features]` and
+`method.apply(self, x, bias)` computes this rank's x @ W_local^T (+ bias) with no communication.
+in_features / out_features are this rank's sizes: a column-parallel layer's output is its slice of the
+output features (`output_partition_sizes`: its sub-projections' local sizes, e.g. q, k, v), a row-parallel
+layer's input is its slice of the input features and its forward all-reduces the partial products before
+adding the bias once.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from pagedserve.executor.model.layers.linear_method import LinearMethod, dense_linear_method, linear_method_for
 from pagedserve.executor.model.parallel_state import TPGroup, split_evenly
-from pagedserve.executor.model.quant.packing import Packed, Piece, apply_linear, pack_linear
-from pagedserve.kernels import ops
+from pagedserve.executor.model.quant.packing import Packed, Piece, pack_linear
 
 
 def copy_weight(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -43,6 +50,8 @@ class LinearBase(nn.Module):
                 param.weight_loader = self.weight_loader
         self.packed: Packed | None = None        # the kernel's form, for quantized layers
         self._pieces: list[Piece] | None = None   # while a quantized layer loads
+        self.output_partition_sizes = [out_features]
+        self.method: LinearMethod = dense_linear_method(self.weight.device)
 
     def shard(self, loaded_weight, shard_id: int | str | None) -> tuple[int, object]:
         """(first row of this rank's weight it fills, the checkpoint rows/columns this rank owns)."""
@@ -71,14 +80,10 @@ class LinearBase(nn.Module):
             self.weight = nn.Parameter(packed, requires_grad=False)
         else:
             self.packed = packed
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None:
-            return apply_linear(x, self.packed, bias)
-        return ops.linear(x, self.weight, bias)
+        self.method = linear_method_for(packed, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return self.method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -98,6 +103,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup) -> None:
         self.local_sizes = [split_evenly(size, tp, "merged output features") for size in output_sizes]
         super().__init__(in_features, sum(output_sizes), bias, tp)
+        self.output_partition_sizes = list(self.local_sizes)
 
     def shard(self, loaded_weight, shard_id: int | str | None) -> tuple[int, object]:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.local_sizes):
@@ -127,6 +133,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = self.num_kv_heads * head_dim
         out = (num_heads + 2 * self.num_kv_heads * tp.size) * head_dim   # split back to q + 2 kv per rank
         super().__init__(hidden_size, out, bias, tp)
+        self.output_partition_sizes = [self.q_size, self.kv_size, self.kv_size]
 
     def shard(self, loaded_weight, shard_id: int | str | None) -> tuple[int, object]:
         if shard_id == "q":
@@ -141,10 +148,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; the partial products are summed with an all-reduce."""
+    """Input features split across ranks; the partial products are summed with an all-reduce.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+    reduce_results=False: forward returns this rank's partial product (rank 0's with the bias), for a caller
+    that adds more partial sums and reduces once (vLLM's flag)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
+                 reduce_results: bool = True) -> None:
         super().__init__(split_evenly(in_features, tp, "input features"), out_features, bias, tp)
+        self.reduce_results = reduce_results
 
     def shard(self, loaded_weight, shard_id: int | str | None) -> tuple[int, object]:
         if loaded_weight.dim() == 1:    # the bias is whole on every rank: added once, after the reduce
@@ -154,6 +166,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self.matmul(x, self.bias)
-        out = self.tp.all_reduce(self.matmul(x, None))
+            return self.method.apply(self, x, self.bias)
+        if not self.reduce_results:
+            return self.method.apply(self, x, self.bias if self.tp.rank == 0 else None)
+        out = self.tp.all_reduce(self.method.apply(self, x, None))
         return out if self.bias is None else out + self.bias

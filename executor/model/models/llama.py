@@ -15,7 +15,7 @@ from pagedserve.executor.model.layers.layernorm import RMSNorm
 from pagedserve.executor.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                                copy_weight)
 from pagedserve.executor.model.layers.rotary import get_rope
-from pagedserve.executor.model.models.llama_cpu_step import CpuStepCache
+from pagedserve.executor.model.models.llama_cpu_step import LlamaCpuDecodeStep
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.kernels import ops
 from pagedserve.kernels.cpu_decode_step import DecoderWeights, LayerWeights
@@ -108,13 +108,9 @@ class LlamaModel(nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = get_rope(cfg, _head_dim(cfg))     # shared by all layers
-        self.cpu_step = CpuStepCache()      # quantized CPU decode steps of a few sequences, in one C call
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        done = self.cpu_step.run(self, h, positions, meta)
-        if done is not None:
-            return done
         rope = self.rotary_emb.cos_sin(positions, h.dtype)
         residual = None
         for layer in self.layers:
@@ -183,6 +179,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size], full vocabulary on every rank."""
         return self.lm_head.compute_logits(hidden)
+
+    def make_decode_step(self) -> LlamaCpuDecodeStep | None:
+        """A decode step that runs the whole decoder at once (the C step of quantized CPU models), for the model
+        runner to build once its KV caches are bound; None where none applies."""
+        return LlamaCpuDecodeStep.build(self.model)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -1,8 +1,11 @@
 """Decode steps of a few sequences of a weight-only quantized Llama-family model, in one C call on CPU.
 
-The PyTorch path stays the reference and serves every other step: prefills, mixed steps, more sequences
-than the C step takes, other devices and dtypes, tensor parallelism, MoE blocks, sliding windows.
-PAGEDSERVE_CPU_DECODE_STEP=0 keeps it for every step (for A/B runs against it).
+The model runner asks the model for this step once, when the KV cache is bound (LlamaForCausalLM
+.make_decode_step), and offers it every step; the step takes the ones it can (`__call__`, the one
+eligibility test) and the model's own layers run the rest: prefills, mixed steps, more sequences than the
+C step takes, multi-token decodes. Models outside what it takes (other devices and dtypes, tensor
+parallelism, MoE blocks, sliding windows, unquantized or fp8 linears) get no step at all.
+PAGEDSERVE_CPU_DECODE_STEP=0 keeps the layers for every step (for A/B runs against them).
 """
 from __future__ import annotations
 
@@ -17,42 +20,42 @@ from pagedserve.kernels.cpu_decode_step import MAX_ROWS, CpuDecodeStep, DecoderW
 from pagedserve.kernels.metadata import AttentionMetadata
 
 
-
 class SteppedModel(Protocol):
-    """What the cache needs of a model (LlamaModel)."""
-    layers: nn.ModuleList
+    """What the step needs of a model (LlamaModel)."""
+    embed_tokens: nn.Module
     rotary_emb: RotaryEmbedding
 
     def cpu_step_weights(self) -> DecoderWeights | None: ...
 
 
-class CpuStepCache:
-    """The model's C step, built at its first eligible step and again if the KV cache is re-bound."""
+class LlamaCpuDecodeStep:
+    """The whole decoder (embedding excepted) of a decode-only step in one C call."""
 
-    def __init__(self) -> None:
-        self.enabled = envs.PAGEDSERVE_CPU_DECODE_STEP
-        self._key: tuple | None = None
-        self._step: CpuDecodeStep | None = None
+    def __init__(self, model: SteppedModel, c_step: CpuDecodeStep) -> None:
+        self.model, self.c_step = model, c_step
 
-    def run(self, model: SteppedModel, h: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor | None:
-        """The final-normed hidden states of a decode-only CPU step, or None: the PyTorch path runs it."""
-        rows = h.shape[0]
-        if (not self.enabled or h.device.type != "cpu" or h.dtype != torch.float32 or not 1 <= rows <= MAX_ROWS
-                or meta.num_decodes != rows or meta.num_seqs != rows):
+    @classmethod
+    def build(cls, model: SteppedModel) -> LlamaCpuDecodeStep | None:
+        """The step over the model's current weights and KV caches, or None where it does not apply."""
+        if not envs.PAGEDSERVE_CPU_DECODE_STEP:
             return None
-        step = self._get(model)
-        if step is None or int(meta.slot_mapping.min()) < 0:
+        weights = model.cpu_step_weights()
+        # A float32 CPU model only (what the C code reads); asked before CpuDecodeStep.build, which compiles the
+        # C kernels on first use, so other models never build them.
+        if weights is None or weights.final_norm.device.type != "cpu" or weights.final_norm.dtype != torch.float32:
             return None
-        cos, sin = model.rotary_emb.cos_sin(positions, torch.float32)
-        return step(h, cos.view(rows, -1), sin.view(rows, -1), meta.slot_mapping, meta.block_tables[:rows],
-                    meta.seq_lens)
+        c_step = CpuDecodeStep.build(weights)
+        return None if c_step is None else cls(model, c_step)
 
-    def _get(self, model: SteppedModel) -> CpuDecodeStep | None:
-        cache = model.layers[0].self_attn.attn.kv_cache
-        key = None if cache is None else (cache.data_ptr(), tuple(cache.shape), cache.dtype)
-        if key != self._key:
-            weights = model.cpu_step_weights()
-            self._step = None if weights is None else CpuDecodeStep.build(weights)
-            self._key = key
-        return self._step
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor | None:
+        """The final-normed hidden states of a step of 1..MAX_ROWS one-token decodes, every one with a cache
+        slot; None for any other step (the layers run it)."""
+        rows = input_ids.shape[0]
+        if not 1 <= rows <= MAX_ROWS or meta.num_decodes != rows or meta.num_seqs != rows \
+                or int(meta.slot_mapping.min()) < 0:
+            return None
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb.cos_sin(positions, torch.float32)
+        return self.c_step(h, cos.view(rows, -1), sin.view(rows, -1), meta.slot_mapping, meta.block_tables[:rows],
+                           meta.seq_lens)

@@ -26,11 +26,11 @@ class SharedExpertMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, False, tp)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, tp, reduce_results=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.matmul(self.act_fn(self.gate_up_proj(h)), None)
+        return self.down_proj(self.act_fn(self.gate_up_proj(h)))
 
 
 class QwenSparseMoe(nn.Module):

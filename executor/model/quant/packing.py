@@ -1,4 +1,5 @@
-"""From the pieces a layer was loaded in to the one form its kernel reads.
+"""From the pieces a layer was loaded in to the one form its kernel reads (the layer then picks the linear
+method that runs that form: layers/linear_method.py).
 
 A merged layer (q/k/v, gate/up) arrives in pieces, and in a GGUF file they need not share a format: a Q4_K_M
 file stores v in Q6_K beside q and k in Q4_K. So a layer collects (first row, piece) pairs while loading and
@@ -25,13 +26,15 @@ from pagedserve.kernels.weight_only import (INT4_GROUP_SIZES, Int4Weight, Int8We
                                             quantize_int8)
 
 Piece = tuple[int, Union[torch.Tensor, GroupQuantWeight]]     # (first output row, rows)
+# The kernel forms a layer's weight may take (fp8's Fp8Weight too); layers/linear_method.py runs each.
 Packed = Union[Int4Weight, Int8Weight, torch.Tensor, "PermutedInput"]
 
 
 @dataclass
 class PermutedInput:
-    """A kernel form whose input columns are in act-order: it computes inner(x[..., perm]); with
-    zero_input, perm entries equal to x's width read a zero (a tensor-parallel slice's padding)."""
+    """A kernel form whose input columns are in act-order: y = inner(x[..., perm]); with zero_input, perm
+    entries equal to x's width read a zero (a tensor-parallel slice's padding). Run by
+    layers/linear_method.py:ActOrderInt4LinearMethod."""
     inner: Int4Weight
     perm: torch.Tensor       # int64 [kernel in]
     zero_input: bool = False
@@ -39,12 +42,6 @@ class PermutedInput:
     @property
     def nbytes(self) -> int:
         return self.inner.nbytes + self.perm.numel() * self.perm.element_size()
-
-    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        from pagedserve.kernels.weight_only import int4_linear
-        if self.zero_input:
-            x = torch.nn.functional.pad(x, (0, 1))
-        return int4_linear(x.index_select(-1, self.perm), self.inner, bias)
 
 
 def _check_rows(pieces: Sequence[Piece], rows: int, what: str) -> None:
@@ -155,15 +152,3 @@ def packed_nbytes(packed: Packed) -> int:
     if isinstance(packed, torch.Tensor):
         return packed.numel() * packed.element_size()
     return packed.nbytes
-
-
-def apply_linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    from pagedserve.kernels import ops
-    from pagedserve.kernels.weight_only import int4_linear, int8_linear
-    if isinstance(packed, torch.Tensor):
-        return ops.linear(x, packed, bias)
-    if isinstance(packed, Int4Weight):
-        return int4_linear(x, packed, bias)
-    if isinstance(packed, Int8Weight):
-        return int8_linear(x, packed, bias)
-    return packed.apply(x, bias)         # fp8 and other packed forms carry their own matmul

@@ -1,5 +1,10 @@
-"""PyTorch ops: the CPU path and the oracle for the Triton kernels (paged attention, cache write,
-RMSNorm, SiLU*mul, q/k norm + rotary).
+"""Paged attention and the cache write, done the plain way: the oracle every attention backend is tested
+against, and the backend of last resort (kernels/attention_backends.py: CUDA without Triton, or
+PAGEDSERVE_KERNELS=torch; on CPU the layers that the in-place path does not take: sliding windows,
+soft-capping, an fp8 cache).
+
+Each sequence's context is gathered into a dense tensor and masked: simple, and correct for every mix of
+decodes (one query token, or several when verifying a draft: meta.decode_query_len) and prefill chunks.
 
 Cache layout: [num_blocks, num_kv_heads, block_size, head_dim] per K and V. Head-major blocks let one
 KV head's context be gathered as whole contiguous rows (index_select, i.e. memcpy) straight into the
@@ -10,20 +15,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import cpu_attention
-from pagedserve.kernels.cpu_attention import DECODE_GROUP
 from pagedserve.kernels.kv_quant import dequantize_kv, quantize_kv
 from pagedserve.kernels.metadata import AttentionMetadata
+
+DECODE_GROUP = 16       # one-token decodes attended together, their contexts padded to the group's longest
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
                    v_scale: float = 1.0) -> None:
     """Scatter key/value [T, Hkv, D] into the caches at slot_mapping (block * block_size + offset; -1 skipped).
-    An fp8 cache stores key / k_scale and value / v_scale (kernels/kv_quant.py)."""
-    if k_cache.dtype.itemsize > 1:       # a float cache: the in-place path of cpu_attention
-        cpu_attention.write_kv_cache(key, value, k_cache, v_cache, cpu_attention.write_plan(slot_mapping, k_cache))
-        return
+    An fp8 cache stores key / k_scale and value / v_scale (kernels/kv_quant.py); a float cache ignores them."""
     block_size = k_cache.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping
@@ -42,24 +44,19 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     window: a query at position p sees only keys at positions > p - window (None: all earlier keys).
     softcap: scores become tanh(scores / softcap) * softcap before the softmax (Gemma 2).
     k_scale / v_scale: an fp8 cache's scales; its gathered rows are dequantized to float32 before attending.
-    A float cache without window or cap takes the in-place path of cpu_attention (blocks read in place, plans
-    shared by layers); the rest take the straightforward gather-and-mask path below.
     """
-    if window is None and softcap is None and k_cache.dtype.itemsize > 1:
-        kv_rows = cpu_attention.stacked_rows(k_cache, v_cache)
-        decoded = cpu_attention.decode_native(query, k_cache, v_cache, meta, scale)
-        plan = cpu_attention.step_plan(meta, k_cache, kv_rows is not None, decodes=decoded is None)
-        return cpu_attention.paged_attention(query, k_cache, v_cache, kv_rows, plan, scale, decoded)
     out = torch.empty_like(query)
-    # Decodes in groups: each group gathers its context padded only to its own longest member
-    # (the runner sorts decodes by length, so groups are tight).
-    for lo in range(0, meta.num_decodes, DECODE_GROUP):
-        hi = min(lo + DECODE_GROUP, meta.num_decodes)
+    # One-token decodes in groups: each group gathers its context padded only to its own longest member
+    # (the runner sorts decodes by length, so groups are tight). Decodes of several tokens (a draft being
+    # verified) are attended one sequence at a time below, causal inside the draft, like prefill chunks.
+    grouped = meta.num_decodes if meta.decode_query_len == 1 else 0
+    for lo in range(0, grouped, DECODE_GROUP):
+        hi = min(lo + DECODE_GROUP, grouped)
         out[lo:hi] = _decode_attention(query[lo:hi], k_cache, v_cache, meta.block_tables[lo:hi],
                                        meta.seq_lens[lo:hi], max(meta.seq_lens_cpu[lo:hi]), scale,
                                        window, softcap, k_scale, v_scale)
     starts = meta.query_start_loc_cpu
-    for i in range(meta.num_decodes, meta.num_seqs):
+    for i in range(grouped, meta.num_seqs):
         lo, hi = starts[i], starts[i + 1]
         if hi > lo:
             out[lo:hi] = _prefill_attention(query[lo:hi], k_cache, v_cache, meta.block_tables[i:i + 1],
@@ -135,42 +132,3 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(scores.softmax(-1), values)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """norm(x) * weight, or with a residual (norm(x + residual) * weight, x + residual)."""
-    if residual is None:
-        return _rms_norm(x, weight, eps)
-    x = x + residual
-    return _rms_norm(x, weight, eps), x
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same op order as transformers' LlamaRMSNorm: normalise in float32, cast back, then scale.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2 * d] = [gate | up] -> silu(gate) * up [..., d]."""
-    half = x.shape[-1] // 2
-    return F.silu(x[..., :half]) * x[..., half:]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] (any strides) rotated, neox layout; cos/sin [T, 1, D] in x's dtype. Returns a new tensor."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
-                 q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                 eps: float = 1e-6) -> torch.Tensor:
-    """qk [T, Hq + Hkv, D]: optional per-head RMSNorm (Qwen3), then rotary; cos/sin [T, 1, D]."""
-    if q_weight is not None:
-        qk = torch.cat((_rms_norm(qk[:, :num_q_heads], q_weight, eps),
-                        _rms_norm(qk[:, num_q_heads:], k_weight, eps)), dim=1)
-    return apply_rotary(qk, cos.view(cos.shape[0], 1, -1), sin.view(sin.shape[0], 1, -1))
