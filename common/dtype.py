@@ -43,7 +43,7 @@ def resolve_dtype(requested: str, device: str, config_dtype: str | None,
     if cpu_native_bf16 is None:
         cpu_native_bf16 = cpu_has_native_bf16()
     # Without AMX or AVX512-BF16 torch emulates bf16: measured on such a CPU, bf16 matmuls ran at
-    # ~40 GFLOP/s against ~140 for float32 (benchmarks/throughput_cpu.md).
+    # ~40 GFLOP/s against ~140 for float32 (docs/cpu_performance.md).
     return "bfloat16" if cpu_native_bf16 else "float32"
 
 
@@ -53,7 +53,7 @@ def resolve_kv_cache_dtype(requested: str, device: str, model_dtype: str, weight
     auto on CPU with int4/int8 weights: bfloat16. Such a model runs float32 activations only for the sake of
     its GEMVs and residual stream (resolve_dtype); a decode step reads every sequence's whole cache, so at a
     64-sequence W1 step of ~340-token contexts a float32 cache is ~1 GB of reads a step (decode attention
-    76.6 ms a step against 51.7 in bfloat16, benchmarks/cpu_kv_cache.md). llama.cpp keeps a 16-bit cache by
+    76.6 ms a step against 51.7 in bfloat16, docs/cpu_performance.md). llama.cpp keeps a 16-bit cache by
     default too. Everywhere else auto is the model dtype, as in vLLM.
     """
     if requested.startswith("fp8"):

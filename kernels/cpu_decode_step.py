@@ -3,7 +3,7 @@
 The model describes its weights once (`DecoderWeights`); `CpuDecodeStep.build` checks every tensor the C
 code will read raw and returns None where anything is outside what it takes, so the caller keeps its
 PyTorch path. Weight-only int4/int8 linears only: those are where the PyTorch path's casts and per-op costs
-outweighed the GEMVs (benchmarks/cpu_decode_step.md).
+outweighed the GEMVs (docs/cpu_performance.md).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ speed.
 On a CPU with native bfloat16, from DENSE_MIN_ROWS rows on, the weight is widened once per call by
 kernels/csrc/dequant.c into a transient bfloat16 matrix and multiplied by oneDNN instead: per shape, batch-1
 decode keeps the packed kernels and prefill chunks and large decode batches take the dense path
-(benchmarks/cpu_dequant.md has the crossovers).
+(docs/cpu_performance.md has the crossovers).
 """
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ from pagedserve.kernels import cpu_dequant, cpu_native
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 _INNER_K_TILES = 8          # CUDA tinygemm packing; K must be a multiple of 16 * this
-# Input rows from which the widen-then-dense path wins on CPU (benchmarks/cpu_dequant.md): against torch's
+# Input rows from which the widen-then-dense path wins on CPU (docs/cpu_performance.md): against torch's
 # int4 kernel int4 breaks even near 48 rows; torch's int8 kernel re-reads the weight for every row, so int8
 # pays from 16. Against the integer int4 GEMM (kernels/csrc/gemm_int4.c, AVX512-VNNI) int4 breaks even
-# between 192 and 256 rows (benchmarks/cpu_gemm_int4.md, the embedded model's 30 layers streamed from memory).
+# between 192 and 256 rows (docs/cpu_performance.md, the embedded model's 30 layers streamed from memory).
 INT4_DENSE_MIN_ROWS = 64
 INT4_DENSE_MIN_ROWS_AFTER_GEMM = 224
 INT8_DENSE_MIN_ROWS = 16

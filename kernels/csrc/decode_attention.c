@@ -3,7 +3,7 @@ cache blocks, one pass with an online softmax.
 
 The PyTorch path (kernels/cpu_attention.py) copies each group's context out of the cache, pads it to the
 group's longest member and runs SDPA: at a 64-sequence decode step that copy and padding cost about as much
-as all the GEMMs (benchmarks/cpu_step_profile.md). Here every (sequence, KV head) pair is one task: its
+as all the GEMMs (docs/cpu_performance.md). Here every (sequence, KV head) pair is one task: its
 query heads (GQA) share each key and value row as it is read, so the cache is read once and nothing is
 written but the output. Float32 math whatever the cache holds (float32 or bfloat16). */
 #include <math.h>

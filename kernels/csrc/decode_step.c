@@ -1,7 +1,7 @@
 /* A whole decode step of a Llama-family model with weight-only int4/int8 linears, for a few sequences, in C.
 
 At batch 1 the weights took ~6 ms of a ~16 ms CPU step; the rest was ~150 PyTorch ops per layer, the casts
-around torch's bfloat16-only weight-only kernels and the Python between them (benchmarks/cpu_step_profile.md).
+around torch's bfloat16-only weight-only kernels and the Python between them (docs/cpu_performance.md).
 Here one OpenMP team (torch's threads, see parallel.c) runs the whole step: each GEMV and the attention are
 split between its threads, the small ops run on one, and barriers separate the phases, so the team is
 formed once per step. Math as the PyTorch path does it: float32 activations, RMSNorm in

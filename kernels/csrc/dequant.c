@@ -1,7 +1,7 @@
 /* Widening of packed int4 / int8 weights to bfloat16, for CPU steps with many rows.
 
 torch's weight-only CPU kernels re-widen every weight for each block of input rows, so their cost grows with
-the rows as fast as a dense GEMM's while running at a fraction of its speed (benchmarks/cpu_dequant.md).
+the rows as fast as a dense GEMM's while running at a fraction of its speed (docs/cpu_performance.md).
 For a prefill chunk or a large decode batch it is cheaper to widen a layer's weights once into a scratch
 bfloat16 matrix and hand that to oneDNN's bfloat16 GEMM. This file does only the widening; it reads torch's
 own packed layouts, so the weights are stored once. Built at first use by kernels/cpu_native.py. */

@@ -5,7 +5,7 @@ torch's int4 kernel and the widen-then-oneDNN path round them to) and the codes 
 with vpdpwssd: 32 multiply-adds of int16 pairs per instruction, twice a float FMA's 16. Each group of codes
 of a 64-channel block is unpacked once into (k, k+1) int16 pairs in an L1 tile and serves every input row;
 a group's int32 sums are exact (at most group * 15 * 32767 < 2^31) and are scaled into the float32 outputs
-once per group. Measured on the embedded model's 30 layers (benchmarks/cpu_gemm_int4.md): from 2 to ~200
+once per group. Measured on the embedded model's 30 layers (docs/cpu_performance.md): from 2 to ~200
 rows it beats the float GEMVs, torch's int4 kernel and widening the weights for oneDNN (1.5x the next best
 at 32-96 rows). */
 #include <math.h>

@@ -8,7 +8,7 @@
 int ps_gemm_int4_vectorized(void);
 
 /* Rows from which it pays: a row or two stream the weights faster through the float GEMV (gemv.c), which
-   reads each code once, than through the tile this kernel unpacks them into (benchmarks/cpu_gemm_int4.md, the
+   reads each code once, than through the tile this kernel unpacks them into (docs/cpu_performance.md, the
    embedded model's 30 layers: 0.65-0.84x the GEMV's speed at 1 row, 0.88-1.02x at 2, 1.08-1.11x at 4). */
 enum { GEMM_INT4_MIN_ROWS = 4 };
 int ps_gemm_int4_min_rows(void);

@@ -2,7 +2,7 @@
    runtime torch already loaded, so the dynamic linker binds it to torch's copy: one thread pool for torch's
    ops and ours. With a pool of our own (condition-variable workers, before), our worker and torch's
    OpenMP worker, still spin-waiting after a torch op, fought over the second core: a batch-2 decode step took
-   12.4 ms instead of 7.4 (benchmarks/cpu_decode_step.md), and waking a sleeping worker cost ~30 us a call. */
+   12.4 ms instead of 7.4 (docs/cpu_performance.md), and waking a sleeping worker cost ~30 us a call. */
 #include <omp.h>
 
 #include "common.h"
