@@ -77,6 +77,15 @@ class _AppendToTuple(argparse.Action):
         setattr(namespace, self.dest, (*getattr(namespace, self.dest), values))
 
 
+def dataclass_parser(groups: Mapping[str, type], **parser_kwargs: Any) -> argparse.ArgumentParser:
+    """A parser with one argument group of flags per dataclass (e.g. {"engine": EngineArgs, "server": ...}):
+    every command line of pagedserve is made this way, so the same setting is the same flag everywhere."""
+    parser = argparse.ArgumentParser(**parser_kwargs)
+    for title, cls in groups.items():
+        add_dataclass_args(parser.add_argument_group(title), cls)
+    return parser
+
+
 def dataclass_from(ns: argparse.Namespace, cls: type[T], **overrides: Any) -> T:
     """The `cls` the parsed flags describe (ValueError from its own validation passes through)."""
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)}

@@ -8,7 +8,7 @@ import signal
 import stat
 import sys
 
-from pagedserve.common.arg_utils import add_dataclass_args, dataclass_from
+from pagedserve.common.arg_utils import dataclass_from, dataclass_parser
 from pagedserve.common.config import EngineArgs
 from pagedserve.frontend.server_args import ServerArgs
 from pagedserve.frontend.tokenizer import load_chat_template
@@ -18,10 +18,9 @@ logger = logging.getLogger("pagedserve.serve")
 
 def make_parser() -> argparse.ArgumentParser:
     """Every flag comes from a field of EngineArgs or ServerArgs (common/arg_utils.py)."""
-    p = argparse.ArgumentParser(prog="engine-serve", description="Serve a model over an OpenAI-compatible API.")
+    p = dataclass_parser({"engine": EngineArgs, "server": ServerArgs}, prog="engine-serve",
+                         description="Serve a model over an OpenAI-compatible API.")
     p.add_argument("model_tag", nargs="?", default=None, help="the model, as with --model")
-    add_dataclass_args(p.add_argument_group("engine"), EngineArgs)
-    add_dataclass_args(p.add_argument_group("server"), ServerArgs)
     return p
 
 

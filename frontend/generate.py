@@ -9,7 +9,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from pagedserve.common.arg_utils import add_dataclass_args, dataclass_from, setting
+from pagedserve.common.arg_utils import dataclass_from, dataclass_parser, setting
 from pagedserve.common.config import EngineArgs
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.frontend.server_args import LOG_LEVELS
@@ -26,10 +26,8 @@ class GenerateArgs:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Generate text offline with pagedserve.")
-    add_dataclass_args(p.add_argument_group("engine"), EngineArgs)
-    add_dataclass_args(p.add_argument_group("generate"), GenerateArgs)
-    return p
+    return dataclass_parser({"engine": EngineArgs, "generate": GenerateArgs},
+                            description="Generate text offline with pagedserve.")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, GenerateArgs]:

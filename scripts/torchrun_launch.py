@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pagedserve.common.arg_utils import add_dataclass_args, dataclass_from, setting
+from pagedserve.common.arg_utils import dataclass_from, dataclass_parser, setting
 from pagedserve.common.config import EngineArgs
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.frontend.server_args import LOG_LEVELS
@@ -37,10 +37,8 @@ class LaunchArgs:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_dataclass_args(p.add_argument_group("engine"), EngineArgs)
-    add_dataclass_args(p.add_argument_group("launch"), LaunchArgs)
-    return p
+    return dataclass_parser({"engine": EngineArgs, "launch": LaunchArgs}, description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, LaunchArgs]:
