@@ -3,7 +3,7 @@ tests/helpers/quant_packers.py, a random column order per input), packed for the
 input gather, against dequantize-then-matmul in float32; and tensor parallelism, simulated rank by rank
 (each rank's partial product, summed as the all-reduce would).
 
-Tolerance (as tests/test_quantized_linear.py argues): the int4 kernel keeps the codes exactly and rounds the
+Tolerance (as test_quantized_linear.py argues): the int4 kernel keeps the codes exactly and rounds the
 activations and per-group scale/zero to bfloat16, so |y - ref| <= 1e-2 * (|x| @ |W|^T). The int8 fallback
 adds half an int8 step per weight: (max|w_row| / 254) * sum|x|.
 """
@@ -158,7 +158,7 @@ def _tp_worker(rank: int, world: int, init_method: str, path: str, prompt: list[
         logits = prefill_logits(model, prompt)
         if rank == 0:
             torch.save(logits, out)
-        dist.barrier()                # tear down together (see tests/test_model.py)
+        dist.barrier()                # tear down together (see tests/helpers/parity.py)
     finally:
         dist.destroy_process_group()
 
@@ -166,7 +166,7 @@ def _tp_worker(rank: int, world: int, init_method: str, path: str, prompt: list[
 def test_act_order_checkpoint_runs_on_two_ranks(tmp_path):
     """A GPTQ act-order Llama folder loaded by two gloo ranks (row-parallel o_proj and down_proj regrouped
     per rank) against HF transformers on its dequantized twin (float32), held to what one rank is held to
-    in tests/test_awq_gptq.py: no further off than HF's own bfloat16 run of the same weights. (Two ranks
+    in test_awq_gptq.py: no further off than HF's own bfloat16 run of the same weights. (Two ranks
     against one differ by about as much without act-order: each rank's int4 output is rounded to bfloat16
     before the all-reduce.)"""
     from transformers import AutoModelForCausalLM
