@@ -44,11 +44,19 @@ def tiny_serving_model(tmp_path_factory) -> str:
     return make_tiny_serving_model(str(tmp_path_factory.mktemp("tiny_serving")))
 
 
+@pytest.fixture(scope="session")
+def server_pool():
+    """engine-serve processes shared by configuration across modules (tests/helpers/server_pool.py); two at
+    most stay up, so that an idle one does not hold memory through the rest of the suite."""
+    from pagedserve.tests.helpers.server_pool import ServerPool
+    pool = ServerPool(max_alive=2)
+    yield pool
+    pool.close()
+
+
 @pytest.fixture(scope="module")
-def api_server(tiny_serving_model):
-    """engine-serve with --api-key on the tiny serving model, for one module of HTTP-surface tests
-    (module scope: an idle server must not hold memory through the rest of the suite)."""
-    from pagedserve.tests.helpers.server import SMALL_KV, Server
-    srv = Server(*SMALL_KV, "--max-model-len", "256", "--max-num-seqs", "16", model=tiny_serving_model)
-    yield srv
-    srv.stop()
+def api_server(server_pool, tiny_serving_model):
+    """engine-serve with --api-key on the tiny serving model, one process for every module of HTTP-surface
+    tests (auth, fuzzing, OpenAI fields, sampling constraints)."""
+    from pagedserve.tests.helpers.server import SMALL_KV
+    return server_pool.get(*SMALL_KV, "--max-model-len", "256", "--max-num-seqs", "16", model=tiny_serving_model)
