@@ -60,3 +60,12 @@ def api_server(server_pool, tiny_serving_model):
     tests (auth, fuzzing, OpenAI fields, sampling constraints)."""
     from pagedserve.tests.helpers.server import SMALL_KV
     return server_pool.get(*SMALL_KV, "--max-model-len", "256", "--max-num-seqs", "16", model=tiny_serving_model)
+
+
+@pytest.fixture(scope="module")
+def chunked_prefill_server(server_pool, tiny_serving_model):
+    """engine-serve on the tiny serving model prefilling 8 tokens a step (prompts, and their prompt logprobs,
+    in chunks), one process for the prompt-logprobs and lm-eval modules."""
+    from pagedserve.tests.helpers.server import SMALL_KV
+    return server_pool.get(*SMALL_KV, "--max-num-batched-tokens", "8", "--max-num-seqs", "8",
+                           model=tiny_serving_model, max_model_len=128)
