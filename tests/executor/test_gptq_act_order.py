@@ -20,7 +20,7 @@ from pagedserve.executor.model.quant.group_quant import GroupQuantWeight
 from pagedserve.executor.model.quant.packing import PermutedInput, apply_linear
 from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
 from pagedserve.tests.helpers.quant_packers import pack_gptq
-from pagedserve.tests.helpers.tp_ranks import run_ranks
+from pagedserve.tests.helpers.tp_ranks import gloo_rank, run_ranks
 
 CPU = torch.device("cpu")
 IN, G = 256, 32
@@ -143,14 +143,11 @@ def _act_order_config(path: str):
 
 
 def _tp_worker(rank: int, world: int, init_method: str, path: str, prompt: list[int], out: str) -> None:
-    import torch.distributed as dist
-
     from pagedserve.executor.model.model_loader import load_model
     from pagedserve.executor.model.quant.packing import PermutedInput
     from pagedserve.tests.helpers.tiny_models import prefill_logits
     torch.set_num_threads(1)          # two ranks on two cores
-    dist.init_process_group("gloo", init_method=init_method, world_size=world, rank=rank)
-    try:
+    with gloo_rank(rank, world, init_method):
         model = load_model(_act_order_config(path), TPGroup(rank, world))
         down = model.model.layers[0].mlp.down_proj.packed
         if not (isinstance(down, PermutedInput) and down.zero_input):
@@ -158,9 +155,6 @@ def _tp_worker(rank: int, world: int, init_method: str, path: str, prompt: list[
         logits = prefill_logits(model, prompt)
         if rank == 0:
             torch.save(logits, out)
-        dist.barrier()                # tear down together (see tests/helpers/parity.py)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_act_order_checkpoint_runs_on_two_ranks(tmp_path):

@@ -2,8 +2,6 @@
 greedy decoding through our model alone and through the engine, and logits on N gloo ranks."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 from pagedserve.common.config import ModelConfig
@@ -11,6 +9,7 @@ from pagedserve.common.model_files import load_hf_config, resolve_model
 from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.tests.helpers.tiny_models import hf_greedy, prefill_logits, random_prompts
+from pagedserve.tests.helpers.tp_ranks import gloo_rank
 
 ENGINE_NEW_TOKENS = 24
 ENGINE_CHUNK = 32           # max_num_batched_tokens of the engine check: prompts prefill in chunks
@@ -66,19 +65,9 @@ def check_engine(path: str, hf: torch.nn.Module, prompts: list[list[int]], share
 def tp_prefill_worker(rank: int, world: int, init_method: str, jobs: list[tuple[str, int | None, list[int]]],
                       out: str) -> None:
     """On one gloo rank: prefill logits of each (folder, max_model_len, prompt); rank 0 saves the list."""
-    import torch.distributed as dist
     torch.set_num_threads(1)          # two ranks on two cores
-    dist.init_process_group("gloo", init_method=init_method, world_size=world, rank=rank)
-    try:
+    with gloo_rank(rank, world, init_method):
         results = [prefill_logits(load_model(model_config(path, max_model_len=max_len), TPGroup(rank, world)),
                                   prompt) for path, max_len, prompt in jobs]
         if rank == 0:
             torch.save(results, out)
-        dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    # Both ranks are done: leave without gloo's teardown. A rank that tears down its group while its peer
-    # still uses the pair sockets can abort in gloo's destructor ("terminate called without an active
-    # exception"), even after a barrier (seen once in a full suite run on a loaded machine).
-    os._exit(0)
