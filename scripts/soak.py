@@ -10,7 +10,7 @@ strings, some clients that hang up mid-stream) with idle checkpoints. Invariants
   (every block back in the pool), and the server's processes (frontend + engine core + workers) keep
   their RSS and open file descriptors within a tolerance of the first checkpoint.
 
-The request mix is tests/helpers/traffic.py (tests/reliability/test_load.py sends it too), the server
+The request mix is tests/helpers/traffic.py (tests/e2e/reliability/test_load.py sends it too), the server
 tests/helpers/server.py's Server.
 
     python scripts/soak.py --minutes 12 --out benchmarks/soak_cpu.md

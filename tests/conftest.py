@@ -44,11 +44,48 @@ def tiny_serving_model(tmp_path_factory) -> str:
     return make_tiny_serving_model(str(tmp_path_factory.mktemp("tiny_serving")))
 
 
+# Module-scoped fixtures of engine-serve processes shared across modules (tests/helpers/server_pool.py): the
+# modules using one run together, and the last of them stops it.
+SHARED_SERVERS = ("api_server", "chunked_prefill_server")
+_LAST_USERS = pytest.StashKey[dict[str, str]]()
+
+
+@pytest.hookimpl(trylast=True)      # after -k / -m / --deselect chose the tests
+def pytest_collection_modifyitems(config, items):
+    from pagedserve.tests.helpers.server_pool import group_modules, last_users
+    group_modules(items, SHARED_SERVERS)
+    config.stash[_LAST_USERS] = last_users(items, SHARED_SERVERS)
+
+
+@pytest.fixture(scope="session")
+def server_pool():
+    """engine-serve processes shared by configuration across modules; two at most stay up."""
+    from pagedserve.tests.helpers.server_pool import ServerPool
+    pool = ServerPool(max_alive=2)
+    yield pool
+    pool.close()
+
+
+def _shared_server(request, pool, *extra: str, **options):
+    server = pool.get(*extra, **options)
+    yield server
+    if request.config.stash.get(_LAST_USERS, {}).get(request.fixturename) == request.node.nodeid:
+        pool.stop(*extra, **options)
+
+
 @pytest.fixture(scope="module")
-def api_server(tiny_serving_model):
-    """engine-serve with --api-key on the tiny serving model, for one module of HTTP-surface tests
-    (module scope: an idle server must not hold memory through the rest of the suite)."""
-    from pagedserve.tests.helpers.server import SMALL_KV, Server
-    srv = Server(*SMALL_KV, "--max-model-len", "256", "--max-num-seqs", "16", model=tiny_serving_model)
-    yield srv
-    srv.stop()
+def api_server(request, server_pool, tiny_serving_model):
+    """engine-serve with --api-key on the tiny serving model, one process for every module of HTTP-surface
+    tests (auth, fuzzing, OpenAI fields, sampling constraints)."""
+    from pagedserve.tests.helpers.server import SMALL_KV
+    yield from _shared_server(request, server_pool, *SMALL_KV, "--max-model-len", "256", "--max-num-seqs", "16",
+                              model=tiny_serving_model)
+
+
+@pytest.fixture(scope="module")
+def chunked_prefill_server(request, server_pool, tiny_serving_model):
+    """engine-serve on the tiny serving model prefilling 8 tokens a step (prompts, and their prompt logprobs,
+    in chunks), one process for the prompt-logprobs and lm-eval modules."""
+    from pagedserve.tests.helpers.server import SMALL_KV
+    yield from _shared_server(request, server_pool, *SMALL_KV, "--max-num-batched-tokens", "8", "--max-num-seqs", "8",
+                              model=tiny_serving_model, max_model_len=128)

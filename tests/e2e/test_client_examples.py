@@ -1,7 +1,7 @@
 """The README's client examples, run as written against a real engine-serve: the official `openai` SDK,
 `langchain-openai` and `litellm`. Only the port is changed; each example runs in its own interpreter.
 The same server runs every other block of README.md and docs/*.md marked `run: python-client` or
-`run: bash-client` (tests/helpers/doc_blocks.py); tests/test_docs.py checks the rest."""
+`run: bash-client` (tests/helpers/doc_blocks.py); tests/e2e/test_docs.py checks the rest."""
 from __future__ import annotations
 
 import os

@@ -1,6 +1,6 @@
 """README.md and docs/*.md stay true: every fenced block is run or checked as its mark says
 (tests/helpers/doc_blocks.py), every relative link resolves, and the flag, environment-variable and metric
-names the docs give exist. Blocks that need a server are run by tests/test_client_examples.py."""
+names the docs give exist. Blocks that need a server are run by tests/e2e/test_client_examples.py."""
 from __future__ import annotations
 
 import functools

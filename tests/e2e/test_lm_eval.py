@@ -10,8 +10,6 @@ import sys
 
 import pytest
 
-from pagedserve.tests.helpers.server import SMALL_KV, Server
-
 pytestmark = pytest.mark.slow
 TOL = 1e-3
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,17 +28,13 @@ def _run_lm_eval(model: str, model_args: dict, tmp_path, env_extra: dict[str, st
         return json.load(f)
 
 
-def test_local_completions_matches_hf_backend(tiny_serving_model, tmp_path):
-    srv = Server(*SMALL_KV, "--max-num-batched-tokens", "16", "--max-num-seqs", "4", model=tiny_serving_model,
-                 max_model_len=128)
-    try:
-        name = srv.client().models.list().data[0].id
-        served = _run_lm_eval("local-completions", {
-            "model": name, "base_url": f"{srv.url}/v1/completions", "tokenizer_backend": "huggingface",
-            "tokenizer": tiny_serving_model, "max_length": 128, "max_retries": 1}, tmp_path,
-            {"OPENAI_API_KEY": srv.api_key})
-    finally:
-        srv.stop()
+def test_local_completions_matches_hf_backend(tiny_serving_model, chunked_prefill_server, tmp_path):
+    srv = chunked_prefill_server
+    name = srv.client().models.list().data[0].id
+    served = _run_lm_eval("local-completions", {
+        "model": name, "base_url": f"{srv.url}/v1/completions", "tokenizer_backend": "huggingface",
+        "tokenizer": tiny_serving_model, "max_length": 128, "max_retries": 1}, tmp_path,
+        {"OPENAI_API_KEY": srv.api_key})
     reference = _run_lm_eval("hf", {"pretrained": tiny_serving_model, "dtype": "float32"}, tmp_path)
     assert len(served["loglikelihoods"]) == len(reference["loglikelihoods"]) == 6
     for item, (ours, theirs) in enumerate(zip(served["loglikelihoods"], reference["loglikelihoods"])):

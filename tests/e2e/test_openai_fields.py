@@ -10,7 +10,6 @@ import openai
 import pytest
 
 from pagedserve.tests.helpers.server import Server
-from pagedserve.tests.helpers.tiny_models import make_tiny_serving_model
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
@@ -24,10 +23,8 @@ CHAT_NO_OPS = {**METADATA, "parallel_tool_calls": False, "modalities": ["text"],
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(model=make_tiny_serving_model(str(tmp_path_factory.mktemp("tiny_serving"))), max_model_len=256)
-    yield srv
-    srv.stop_and_check_clean()
+def server(api_server):
+    return api_server
 
 
 def post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:

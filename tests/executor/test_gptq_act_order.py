@@ -3,7 +3,7 @@ tests/helpers/quant_packers.py, a random column order per input), packed for the
 input gather, against dequantize-then-matmul in float32; and tensor parallelism, simulated rank by rank
 (each rank's partial product, summed as the all-reduce would).
 
-Tolerance (as tests/test_quantized_linear.py argues): the int4 kernel keeps the codes exactly and rounds the
+Tolerance (as test_quantized_linear.py argues): the int4 kernel keeps the codes exactly and rounds the
 activations and per-group scale/zero to bfloat16, so |y - ref| <= 1e-2 * (|x| @ |W|^T). The int8 fallback
 adds half an int8 step per weight: (max|w_row| / 254) * sum|x|.
 """
@@ -21,7 +21,7 @@ from pagedserve.executor.model.layers.linear_method import apply_linear
 from pagedserve.executor.model.quant.packing import PermutedInput
 from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
 from pagedserve.tests.helpers.quant_packers import pack_gptq
-from pagedserve.tests.helpers.tp_ranks import run_ranks
+from pagedserve.tests.helpers.tp_ranks import gloo_rank, run_ranks
 
 CPU = torch.device("cpu")
 IN, G = 256, 32
@@ -146,14 +146,11 @@ def _act_order_config(path: str):
 
 
 def _tp_worker(rank: int, world: int, init_method: str, path: str, prompt: list[int], out: str) -> None:
-    import torch.distributed as dist
-
     from pagedserve.executor.model.model_loader import load_model
     from pagedserve.executor.model.quant.packing import PermutedInput
     from pagedserve.tests.helpers.tiny_models import prefill_logits
     torch.set_num_threads(1)          # two ranks on two cores
-    dist.init_process_group("gloo", init_method=init_method, world_size=world, rank=rank)
-    try:
+    with gloo_rank(rank, world, init_method):
         model = load_model(_act_order_config(path), TPGroup(rank, world))
         down = model.model.layers[0].mlp.down_proj.packed
         if not (isinstance(down, PermutedInput) and down.zero_input):
@@ -161,15 +158,12 @@ def _tp_worker(rank: int, world: int, init_method: str, path: str, prompt: list[
         logits = prefill_logits(model, prompt)
         if rank == 0:
             torch.save(logits, out)
-        dist.barrier()                # tear down together (see tests/test_model.py)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_act_order_checkpoint_runs_on_two_ranks(tmp_path):
     """A GPTQ act-order Llama folder loaded by two gloo ranks (row-parallel o_proj and down_proj regrouped
     per rank) against HF transformers on its dequantized twin (float32), held to what one rank is held to
-    in tests/test_awq_gptq.py: no further off than HF's own bfloat16 run of the same weights. (Two ranks
+    in test_awq_gptq.py: no further off than HF's own bfloat16 run of the same weights. (Two ranks
     against one differ by about as much without act-order: each rank's int4 output is rounded to bfloat16
     before the all-reduce.)"""
     from transformers import AutoModelForCausalLM

@@ -1,4 +1,6 @@
-"""Our Llama-family models against HF transformers: logits, greedy tokens, GGUF weights, TP=2, loader errors."""
+"""Model loading: the embedded SmolLM2's GGUF weights and logits against HF's GGUF load, QKV shards per TP rank,
+loader errors, GGUF reading details, the CPU KV cache's residency. (Every family's tiny checkpoint against HF,
+TP=2 included: test_family_parity.py.)"""
 from __future__ import annotations
 
 import json
@@ -7,88 +9,11 @@ import os
 import pytest
 import torch
 
-from pagedserve.common.config import ModelConfig
-from pagedserve.common.model_files import load_hf_config, resolve_model
 from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.models import get_model_class
 from pagedserve.executor.model.parallel_state import TPGroup
-from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model, prefill_logits, random_prompts
-from pagedserve.tests.helpers.tp_ranks import run_ranks
-
-PROMPT_LEN = 40
-NEW_TOKENS = 16
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               # 64 puts the 16-dim heads' frequencies in all three llama3 bands (kept, smoothed, scaled).
-               "original_max_position_embeddings": 64}
-
-# case -> (arch, make_tiny_model overrides)
-TINY_CASES: dict[str, tuple[str, dict]] = {
-    "llama_gqa": ("llama", {}),
-    "llama3_rope": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
-    "llama_linear_rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
-    # Qwen2.5's long-context layout; original 32 puts the 16-dim heads' frequencies on both sides of the ramp.
-    "qwen2_yarn_rope": ("qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0,
-                                                   "original_max_position_embeddings": 32},
-                                  "max_position_embeddings": 32}),
-    "mistral": ("mistral", {}),
-    "qwen2_bias_tied": ("qwen2", {"tie_word_embeddings": True}),
-    "qwen3": ("qwen3", {"head_dim": 32}),        # head_dim != hidden / heads
-    "llama_sharded": ("llama", {"sharded": True}),
-}
-
-
-def model_config(path: str, dtype: str = "float32") -> ModelConfig:
-    source = resolve_model(path)
-    hf_config = load_hf_config(source)
-    return ModelConfig(source=source, hf_config=hf_config, dtype=dtype, device="cpu",
-                       max_model_len=hf_config.max_position_embeddings, seed=0, served_model_name=source.name,
-                       enforce_eager=False, tokenizer=None, default_sampling={}, generation_eos_token_ids=(),
-                       quantization=None)
-
-
-def hf_model(path: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-@torch.inference_mode()
-def our_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos: tuple[int, ...]) -> list[int]:
-    """Greedy continuation re-running a full prefill per step; stops at EOS like HF generate."""
-    tokens: list[int] = []
-    for _ in range(max_new_tokens):
-        token = int(prefill_logits(model, prompt + tokens)[-1].argmax())
-        tokens.append(token)
-        if token in eos:
-            break
-    return tokens
-
-
-@pytest.fixture(scope="module", params=list(TINY_CASES))
-def tiny_case(request, tmp_path_factory):
-    """(our model, HF model, prompt, eos ids) for one tiny architecture."""
-    arch, overrides = TINY_CASES[request.param]
-    path = make_tiny_model(str(tmp_path_factory.mktemp(request.param)), arch=arch, **overrides)
-    config = model_config(path)
-    ours = load_model(config, TPGroup())
-    prompt = random_prompts(11, [PROMPT_LEN], config.vocab_size, low=3)[0]
-    return ours, hf_model(path), prompt, config.eos_token_ids
-
-
-def test_tiny_logits_match_hf(tiny_case):
-    ours, hf, prompt, _ = tiny_case
-    with torch.inference_mode():
-        expected = hf(torch.tensor([prompt])).logits[0]
-    got = prefill_logits(ours, prompt)
-    assert got.dtype == torch.float32 and got.shape == expected.shape
-    torch.testing.assert_close(got[-1], expected[-1], atol=1e-4, rtol=0)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)     # every position, not only the last
-
-
-def test_tiny_greedy_matches_hf(tiny_case):
-    ours, hf, prompt, eos = tiny_case
-    expected = hf_greedy(hf, [prompt], NEW_TOKENS)[0]
-    assert our_greedy(ours, prompt, NEW_TOKENS, eos) == expected
-
+from pagedserve.tests.helpers.parity import model_config
+from pagedserve.tests.helpers.tiny_models import make_tiny_model, prefill_logits, random_prompts
 
 # ---------------------------------------------------------------- SmolLM2 (GGUF)
 
@@ -133,42 +58,7 @@ def test_smollm2_logits_match_hf(our_smollm2, hf_smollm2):
     torch.testing.assert_close(prefill_logits(our_smollm2, prompt), expected, atol=1e-3, rtol=0)
 
 
-# ---------------------------------------------------------------- tensor parallel (gloo, 2 CPU ranks)
-
-TP_CASES: dict[str, tuple[str, dict]] = {
-    "gqa_4h_2kv": ("llama", {}),
-    "kv_replicated_4h_1kv_odd_vocab_tied": ("llama", {"num_key_value_heads": 1, "vocab_size": 509,
-                                                      "tie_word_embeddings": True}),
-    "qwen2_bias": ("qwen2", {}),
-    "phi3_fused_longrope": ("phi3", {"pad_token_id": 0, "sliding_window": None, "max_position_embeddings": 256,
-                                     "original_max_position_embeddings": 16,
-                                     "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
-                                                      "long_factor": [1.0 + i for i in range(8)]}}),
-}
-def _tp_worker(rank: int, world: int, init_method: str, paths: list[str], prompt: list[int], out: str) -> None:
-    import torch.distributed as dist
-    torch.set_num_threads(1)          # two ranks on two cores
-    dist.init_process_group("gloo", init_method=init_method, world_size=world, rank=rank)
-    try:
-        results = [prefill_logits(load_model(model_config(p), TPGroup(rank, world)), prompt) for p in paths]
-        if rank == 0:
-            torch.save(results, out)
-        # Tear down together: a rank that destroys its gloo group while its peer still uses the pair
-        # sockets can die in gloo's destructor ("terminate called without an active exception").
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def test_tp2_logits_equal_tp1(tmp_path):
-    paths = [make_tiny_model(str(tmp_path / name), arch=arch, **kw) for name, (arch, kw) in TP_CASES.items()]
-    prompt = random_prompts(3, [PROMPT_LEN], 509, low=3)[0]
-    expected = [prefill_logits(load_model(model_config(p), TPGroup()), prompt) for p in paths]
-    out = str(tmp_path / "tp2_logits.pt")
-    run_ranks(_tp_worker, (paths, prompt, out))
-    for name, want, got in zip(TP_CASES, expected, torch.load(out)):
-        assert got.shape == want.shape, name
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+# ---------------------------------------------------------------- tensor-parallel shards
 
 
 @pytest.mark.parametrize("tp_size,kv_heads", [(2, 2), (2, 4), (4, 2), (4, 1)])

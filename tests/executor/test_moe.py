@@ -1,4 +1,5 @@
-"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): router, grouped reference, loading, HF parity, TP=2."""
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): router, grouped reference, loading and TP shards of
+the experts. (Tiny random checkpoints against HF transformers, TP=2 included: test_family_parity.py.)"""
 from __future__ import annotations
 
 import json
@@ -12,29 +13,12 @@ import torch.nn.functional as F
 from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.kernels import torch_moe
-from pagedserve.tests.helpers.tiny_models import make_tiny_model, prefill_logits, random_prompts
-from pagedserve.tests.helpers.tp_ranks import run_ranks
-from pagedserve.tests.executor.test_model import hf_model, model_config
-from pagedserve.tests.executor.test_phi3 import check_engine, shared_prefix
-
-# arch -> make_tiny_model overrides: few experts, tiny dims; each family's own routing flags.
-MOE_CASES: dict[str, dict] = {
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=None),
-    # norm_topk_prob false (Qwen1.5/2-MoE), shared expert with its sigmoid gate, layer 1 dense.
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False),
-    "qwen3_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
-}
+from pagedserve.tests.helpers.architectures import ARCH_CASES, build
+from pagedserve.tests.helpers.parity import model_config
 
 
-def _make(path, arch: str, **overrides) -> str:
-    return make_tiny_model(str(path), arch=arch, tokenizer="synthetic", pad_token_id=0,
-                           **{**MOE_CASES[arch], **overrides})
-
-
-@pytest.fixture(scope="module", params=list(MOE_CASES))
-def moe_dir(request, tmp_path_factory) -> str:
-    return _make(tmp_path_factory.mktemp(request.param), request.param)
+def _make(path, arch: str) -> str:
+    return build(ARCH_CASES[arch], str(path))
 
 
 def dense_moe(x, w13, w2, weights, ids) -> torch.Tensor:
@@ -78,19 +62,6 @@ def test_grouped_reference_equals_dense_and_skips_unchosen_experts():
     torch.testing.assert_close(torch_moe.fused_moe(x, poisoned13, poisoned2, weights, ids),
                                dense_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
     assert torch_moe.fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, hidden)
-
-
-def test_moe_logits_match_hf(moe_dir):
-    ours = load_model(model_config(moe_dir), TPGroup())
-    prompt = random_prompts(11, [40], 512, low=3)[0]
-    with torch.inference_mode():
-        expected = hf_model(moe_dir)(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(prefill_logits(ours, prompt), expected, atol=1e-4, rtol=0)
-
-
-def test_moe_engine_matches_hf_generate(moe_dir):
-    """24 greedy tokens equal HF generate fp32, with 32-token chunked prefill, then with prefix-cache hits."""
-    check_engine(moe_dir, random_prompts(1, [10, 47, 90], 512, low=3), shared_prefix(512, 40, [5, 17, 30]))
 
 
 def _stack_experts(src: str, dst: str, block: str, parts: tuple[str, str, str]) -> str:
@@ -156,15 +127,3 @@ def test_quantized_moe_is_refused_with_one_clear_error(tmp_path):
                                  quantization=QuantSpec(method="int8", bits=8, group_size=-1))
     with pytest.raises(ValueError, match="quantized expert weights are not supported"):
         load_model(config, TPGroup())
-
-
-def test_moe_tp2_logits_equal_tp1(tmp_path):
-    """Every expert's intermediate dim split over 2 CPU ranks (gloo), one all-reduce per block."""
-    from pagedserve.tests.executor.test_model import _tp_worker
-    paths = [_make(tmp_path / arch, arch) for arch in ("qwen2_moe", "mixtral")]
-    prompt = random_prompts(3, [40], 509, low=3)[0]
-    expected = [prefill_logits(load_model(model_config(p), TPGroup()), prompt) for p in paths]
-    out = str(tmp_path / "tp2_logits.pt")
-    run_ranks(_tp_worker, (paths, prompt, out))
-    for path, want, got in zip(paths, expected, torch.load(out)):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=lambda m, n=path: f"{n}: {m}")

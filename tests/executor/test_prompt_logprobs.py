@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.tests.helpers.server import SMALL_KV, Server
 
 TOL = 1e-3
 K = 3
@@ -108,12 +107,10 @@ def test_prompt_logprobs_validation(value):
 # ---------------------------------------------------------------- over HTTP
 
 @pytest.fixture(scope="module")
-def server(tiny_serving_model):
-    srv = Server(*SMALL_KV, "--max-num-batched-tokens", "8", "--max-num-seqs", "8", model=tiny_serving_model,
-                 max_model_len=128)
+def server(chunked_prefill_server):
+    srv = chunked_prefill_server
     srv.model_name = srv.client().models.list().data[0].id
-    yield srv
-    srv.stop()
+    return srv
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.ipc.messages import EngineCoreRequest
 from pagedserve.tests.helpers.server import Server
-from pagedserve.tests.helpers.tiny_models import make_tiny_serving_model
 
 PROMPT = "The capital of France is"
 VOCAB = 49152
@@ -19,21 +18,14 @@ FORCED = 1234
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return make_tiny_serving_model(str(tmp_path_factory.mktemp("tiny_serving")))
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    with LLM(model_dir, dtype="float32", max_model_len=256) as engine:
+def llm(tiny_serving_model):
+    with LLM(tiny_serving_model, dtype="float32", max_model_len=256) as engine:
         yield engine
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    srv = Server(model=model_dir, max_model_len=256)
-    yield srv
-    srv.stop_and_check_clean()
+def server(api_server):
+    return api_server
 
 
 def run(llm: LLM, prompt: str = PROMPT, **params) -> list[int]:

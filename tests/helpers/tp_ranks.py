@@ -1,7 +1,9 @@
 """Run a function on N gloo ranks, each its own spawned process, and insist that every rank finished."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+from collections.abc import Callable, Iterator
 
 from pagedserve.tests.helpers.server import free_port
 
@@ -24,3 +26,21 @@ def run_ranks(target: Callable[..., None], args: tuple, world: int = 2, timeout_
             p.kill()
             p.join(5)
     assert [p.exitcode for p in procs] == [0] * world, "a TP worker failed or timed out"
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, init_method: str) -> Iterator[None]:
+    """Run the block as one rank of a gloo group. If it raises, the group is torn down and the exception
+    propagates (the rank exits non-zero). If it completes, the ranks meet at a barrier and the process ends
+    there, without gloo's teardown: a rank that tears its group down while its peer still uses the pair
+    sockets can abort in gloo's destructor ("terminate called without an active exception"), which a barrier
+    before the teardown did not prevent (seen in full suite runs on a loaded machine)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=init_method, world_size=world, rank=rank)
+    try:
+        yield
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    os._exit(0)

@@ -1,4 +1,4 @@
-"""The soak test's request mix, shared by scripts/soak.py and tests/reliability/test_load.py.
+"""The soak test's request mix, shared by scripts/soak.py and tests/e2e/reliability/test_load.py.
 
 Random OpenAI requests (completions and chat, streamed or not, random lengths, some n=2, some stop strings,
 some clients that hang up mid-stream), sent with the official `openai` client and classified by how they

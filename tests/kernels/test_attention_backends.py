@@ -110,7 +110,7 @@ def test_a_verify_step_through_the_model_equals_its_prefill(tiny_llama_dir, dtyp
     from pagedserve.executor.model.model_loader import load_model
     from pagedserve.executor.model.parallel_state import TPGroup
     from pagedserve.tests.helpers.tiny_models import bind_kv_cache, dense_prefill_metadata
-    from pagedserve.tests.test_model import model_config
+    from pagedserve.tests.helpers.parity import model_config
     model = load_model(model_config(tiny_llama_dir, dtype="float32"), TPGroup())
     ids = torch.tensor([5, 77, 301, 42, 9, 120, 64, 33, 250, 17, 8, 99, 460, 3, 71, 200, 18, 44, 7])
     n, block_size = len(ids), 4
