@@ -93,6 +93,19 @@ def test_operations_lists_every_environment_variable():
     assert sorted(named - set(envs.environment_variables)) == []
 
 
+# A path the docs name in code spans, from one of the repository's own folders (a bare file name is relative to
+# the folder the sentence is about, and is not checked).
+_REPO_PATH = re.compile(r"`((?:common|core|executor|frontend|ipc|kernels|tests|scripts|docs|benchmarks)/[\w./-]*\w)"
+                        r"(?::[\w.]+)?`")
+
+
+@pytest.mark.parametrize("path", [*doc_files(), "benchmarks/README.md"])
+def test_every_repository_path_named_exists(path):
+    """File and folder names in prose drift when code moves; links are checked above, these here."""
+    missing = sorted({p for p in _REPO_PATH.findall(read(path)) if not os.path.exists(os.path.join(REPO, p))})
+    assert missing == []
+
+
 def test_every_metric_named_is_exported():
     source = read("frontend/metrics.py")
     exported = set(re.findall(r'"((?:vllm|pagedserve):[a-z_]+)"', source))
