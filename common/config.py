@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.common.arg_utils import setting
+from pagedserve.common.config_rules import (check_parallel, check_positive, check_timeout, one_of, resolve_device,
+                                            resolve_max_model_len, weight_only)
 from pagedserve.common.dtype import DTYPE_CHOICES, checkpoint_dtype, resolve_dtype, resolve_kv_cache_dtype
 from pagedserve.common.generation_config import AUTO, check_setting, load_generation_defaults
 from pagedserve.common.hub import TOKENIZER_FILES, local_or_hub_path, looks_like_hub_id
-from pagedserve.common.model_files import ModelSource, load_hf_config, resolve_model, rope_max_positions
-from pagedserve.common.quantization import (QUANTIZATION_CHOICES, WEIGHT_ONLY_METHODS, QuantSpec,
+from pagedserve.common.model_files import ModelSource, load_hf_config, resolve_model
+from pagedserve.common.quantization import (QUANTIZATION_CHOICES, QuantSpec,
                                             checkpoint_quant_spec, resolve_quantization)
 from pagedserve.common.reasoning import REASONING_PARSERS
 
@@ -250,11 +252,12 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             num_blocks_override=self.num_gpu_blocks_override,
             cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model.device, model.dtype,
-                                               _weight_only(model.quantization)))
+                                               weight_only(model.quantization)))
         parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                   distributed_executor_backend=self.executor_backend(),
                                   worker_heartbeat_timeout_s=self.resolved_worker_heartbeat_timeout())
-        _check_parallel(parallel, model)
+        check_parallel(parallel.tensor_parallel_size, model.num_heads, model.num_kv_heads,
+                       getattr(model.hf_config, "intermediate_size", None))
         structured = StructuredOutputsConfig(reasoning_parser=self.reasoning_parser,
                                              compile_timeout_s=float(self.structured_outputs_compile_timeout))
         return EngineConfig(model=model, cache=cache, scheduler=self._scheduler_config(model.max_model_len),
@@ -264,14 +267,14 @@ class EngineArgs:
         source = resolve_model(self.model, self.revision, self.download_dir)
         hf_config = load_hf_config(source)
         gen = load_generation_defaults(self.generation_config, source.path if source.format == "hf" else None)
-        device = _resolve_device(self.device)
+        device = resolve_device(self.device)
         quantization = resolve_quantization(self.quantization, checkpoint_quant_spec(hf_config),
                                             source.format == "gguf")
         dtype = resolve_dtype(self.dtype, device, checkpoint_dtype(hf_config),
-                              weight_only_quantized=_weight_only(quantization))
+                              weight_only_quantized=weight_only(quantization))
         return ModelConfig(
             source=source, hf_config=hf_config, dtype=dtype, device=device,
-            max_model_len=_resolve_max_model_len(self.max_model_len, hf_config), seed=self.seed,
+            max_model_len=resolve_max_model_len(self.max_model_len, hf_config), seed=self.seed,
             served_model_name=self.served_model_name or source.name, enforce_eager=self.enforce_eager,
             tokenizer=self._resolve_tokenizer(source), default_sampling=gen.sampling,
             generation_eos_token_ids=gen.eos_token_ids, quantization=quantization)
@@ -316,84 +319,30 @@ class EngineArgs:
             raise ValueError(f"tokenizer must be a local tokenizer folder or a Hugging Face Hub id, "
                              f"got {self.tokenizer!r}")
         check_setting(self.generation_config)
-        _positive("block_size", self.block_size)
-        _positive("max_num_seqs", self.max_num_seqs)
-        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        check_positive("block_size", self.block_size)
+        check_positive("max_num_seqs", self.max_num_seqs)
+        check_positive("tensor_parallel_size", self.tensor_parallel_size)
         for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override", "max_waiting_requests"):
             value = getattr(self, name)
             if value is not None:
-                _positive(name, value)
+                check_positive(name, value)
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.worker_heartbeat_timeout is not None:
-            _timeout("worker_heartbeat_timeout", self.worker_heartbeat_timeout, 0)
-        _timeout("structured_outputs_compile_timeout", self.structured_outputs_compile_timeout, 0)
-        _timeout("engine_heartbeat_timeout", self.engine_heartbeat_timeout, 2 * CORE_HEARTBEAT_INTERVAL_S)
-        _one_of("dtype", self.dtype, DTYPES)
-        _one_of("device", self.device, DEVICES)
-        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        _one_of("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+            check_timeout("worker_heartbeat_timeout", self.worker_heartbeat_timeout, 0)
+        check_timeout("structured_outputs_compile_timeout", self.structured_outputs_compile_timeout, 0)
+        check_timeout("engine_heartbeat_timeout", self.engine_heartbeat_timeout, 2 * CORE_HEARTBEAT_INTERVAL_S)
+        one_of("dtype", self.dtype, DTYPES)
+        one_of("device", self.device, DEVICES)
+        one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        one_of("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if self.distributed_executor_backend is not None:
-            _one_of("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
+            one_of("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
         if self.reasoning_parser is not None:
-            _one_of("reasoning_parser", self.reasoning_parser, tuple(REASONING_PARSERS))
+            one_of("reasoning_parser", self.reasoning_parser, tuple(REASONING_PARSERS))
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
-
-
-def _weight_only(quantization: QuantSpec | None) -> bool:
-    return quantization is not None and quantization.method in WEIGHT_ONLY_METHODS
-
-
-def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-
-
-def _timeout(name: str, value: float, minimum: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum < value < float("inf"):
-        raise ValueError(f"{name} must be a number of seconds above {minimum:g}, got {value!r}")
-
-
-def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _resolve_device(device: str) -> str:
-    if device != "auto":
-        if device == "cuda":
-            import torch
-            if not torch.cuda.is_available():
-                raise ValueError("device: 'cuda' requested but no CUDA device is available")
-        return device
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
-    if getattr(hf_config, "max_position_embeddings", None) is None:
-        return requested or 2048
-    limit = rope_max_positions(hf_config)      # max_position_embeddings, extended by YaRN / dynamic NTK
-    if requested is None:
-        return limit
-    if requested > limit:
-        raise ValueError(f"max_model_len ({requested}) exceeds the model's maximum length ({limit}: "
-                         "max_position_embeddings, times the rope scaling factor for yarn and dynamic)")
-    return requested
-
-
-def _check_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
-    tp = parallel.tensor_parallel_size
-    if model.num_heads % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide the model's {model.num_heads} attention heads")
-    kv = model.num_kv_heads
-    if (kv % tp) and (tp % kv):
-        raise ValueError(f"tensor_parallel_size={tp} and the model's {kv} KV heads: one must divide the other")
-    inter = getattr(model.hf_config, "intermediate_size", tp)
-    if inter % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size ({inter})")

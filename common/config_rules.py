@@ -1,0 +1,61 @@
+"""The rules EngineArgs validates and resolves with: each check and each resolution written once, for
+common/config.py (kept apart so the settings file stays a list of settings)."""
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.common.model_files import rope_max_positions
+from pagedserve.common.quantization import WEIGHT_ONLY_METHODS, QuantSpec
+
+
+def weight_only(quantization: QuantSpec | None) -> bool:
+    return quantization is not None and quantization.method in WEIGHT_ONLY_METHODS
+
+
+def one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def check_timeout(name: str, value: float, minimum: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum < value < float("inf"):
+        raise ValueError(f"{name} must be a number of seconds above {minimum:g}, got {value!r}")
+
+
+def check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        if device == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                raise ValueError("device: 'cuda' requested but no CUDA device is available")
+        return device
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+    if getattr(hf_config, "max_position_embeddings", None) is None:
+        return requested or 2048
+    limit = rope_max_positions(hf_config)      # max_position_embeddings, extended by YaRN / dynamic NTK
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len ({requested}) exceeds the model's maximum length ({limit}: "
+                         "max_position_embeddings, times the rope scaling factor for yarn and dynamic)")
+    return requested
+
+
+def check_parallel(tp: int, num_heads: int, num_kv_heads: int, intermediate_size: int | None) -> None:
+    """The model splits over tp ranks: heads, KV heads (or their replicas) and the MLP divide."""
+    if num_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the model's {num_heads} attention heads")
+    if (num_kv_heads % tp) and (tp % num_kv_heads):
+        raise ValueError(f"tensor_parallel_size={tp} and the model's {num_kv_heads} KV heads: one must divide "
+                         "the other")
+    if intermediate_size is not None and intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size ({intermediate_size})")
