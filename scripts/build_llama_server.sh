@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-server`, the peer in the side-by-side CPU benchmark (issue 14), from the
-# llama.cpp sources vendored in the llama-cpp-python sdist: the package index is the only network we use.
-# Idempotent: an existing binary is reused. Prints the binary's path as the last line of stdout.
+# Builds llama.cpp's `llama-server`, the peer in the side-by-side CPU benchmarks (issues 14, 25), and its
+# `llama-quantize` (issue 25's model ladder), from the llama.cpp sources vendored in the llama-cpp-python
+# sdist: the package index is the only network we use. The sources stay in CACHE_DIR/src, so its
+# `convert_hf_to_gguf.py` (with `gguf-py/` on PYTHONPATH) is the converter that goes with these binaries.
+# Idempotent: existing binaries are reused. Prints llama-server's path as the last line of stdout;
+# llama-quantize lies beside it.
 #
 # Usage: scripts/build_llama_server.sh [CACHE_DIR]
 #   CACHE_DIR: default envs.PAGEDSERVE_LLAMA_CPP_DIR (common/envs.py reads that variable and its default)
@@ -16,7 +19,8 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 CACHE="${1:-$("$PYTHON" -c 'from pagedserve.common import envs; print(envs.PAGEDSERVE_LLAMA_CPP_DIR)')}"
 BIN="$CACHE/build/bin/llama-server"
-if [ -x "$BIN" ]; then
+QUANTIZE="$CACHE/build/bin/llama-quantize"
+if [ -x "$BIN" ] && [ -x "$QUANTIZE" ]; then
   echo "$BIN"
   exit 0
 fi
@@ -61,7 +65,7 @@ fi
 
 log "configuring in $CACHE/build (sources from $(cat "$SRC/.from_sdist" 2>/dev/null || echo unknown))"
 # Static libraries make one self-contained binary; tests, examples and other tools are skipped so only
-# what llama-server links gets compiled.
+# what llama-server and llama-quantize link gets compiled.
 "$CMAKE" -S "$SRC" -B "$CACHE/build" \
   -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=ON \
@@ -72,7 +76,9 @@ log "configuring in $CACHE/build (sources from $(cat "$SRC/.from_sdist" 2>/dev/n
   -DLLAMA_BUILD_SERVER=ON \
   -DGGML_BUILD_TESTS=OFF \
   -DGGML_BUILD_EXAMPLES=OFF >&2
-log "compiling llama-server with $JOBS jobs (about 9 minutes on 2 cores)"
-"$CMAKE" --build "$CACHE/build" --target llama-server -j "$JOBS" >&2
-[ -x "$BIN" ] || { log "build finished but $BIN is missing"; exit 1; }
+log "compiling llama-server and llama-quantize with $JOBS jobs (about 9 minutes on 2 cores)"
+"$CMAKE" --build "$CACHE/build" --target llama-server llama-quantize -j "$JOBS" >&2
+for built in "$BIN" "$QUANTIZE"; do
+  [ -x "$built" ] || { log "build finished but $built is missing"; exit 1; }
+done
 echo "$BIN"

@@ -17,7 +17,7 @@ from pagedserve.executor.model.quant.gguf_blocks import (GGUF_QUANT_TYPES, decod
                                                          reverse_permute_rows)
 from pagedserve.tests.helpers.gguf_blocks import random_k_blocks as _random_k_blocks
 
-_EXPECTED = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32), "Q4_K": (4, 32), "Q5_K": (5, 32), "Q6_K": (6, 16)}
+_EXPECTED = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q5_0": (5, 32), "Q5_1": (5, 32), "Q8_0": (8, 32), "Q4_K": (4, 32), "Q5_K": (5, 32), "Q6_K": (6, 16)}
 
 
 def _check_matches_reference(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> None:
@@ -39,7 +39,8 @@ def _torch_shape(tensor) -> tuple[int, int]:
     return tuple(int(d) for d in np.flip(tensor.shape))     # GGUF lists dimensions innermost first
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0])
+# Q5_0/Q5_1: llama-quantize's fallback for Q4_K_M layers whose width is no multiple of 256 (SmolLM2's 576, 960).
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0])
 def test_quantizer_blocks_match_gguf_dequantize(qtype):
     rng = np.random.default_rng(int(qtype))
     weights = rng.standard_normal((6, 128)).astype(np.float32) * 0.05
@@ -103,7 +104,7 @@ def test_reverse_permute_rows_rejects_rows_that_do_not_split_into_heads():
         reverse_permute_rows(w, 2)
 
 
-@pytest.mark.parametrize("qtype", [T.Q2_K, T.F32, T.Q5_0])
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.F32, T.IQ4_NL])
 def test_unsupported_type_names_itself_and_the_supported_list(qtype):
     with pytest.raises(ValueError) as error:
         decode_gguf_tensor(np.zeros(84, np.uint8), qtype, (1, 256))

@@ -1,10 +1,10 @@
-"""GGUF quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) decoded to the group-affine GroupQuantWeight.
+"""GGUF quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) decoded to the group-affine GroupQuantWeight.
 
 Every supported format is, per group of g weights, an f16-derived scale times an unsigned code plus an offset,
 so decoding only unpacks bits: no weight is rounded. The fp32 scale/offset are products of an f16 block scale
 and a small integer (at most 18 significant bits), so they are exact, and scale * q + offset then reproduces
 gguf.quants.dequantize bit for bit. Signed formats get their codes shifted to unsigned (Q4_0 q-8 -> offset -8d,
-Q8_0 int8 -> q+128 with offset -128d, Q6_K q-32 -> offset -32 d sc) because the kernels take unsigned codes.
+Q5_0 q-16 -> offset -16d, Q8_0 int8 -> q+128 with offset -128d, Q6_K q-32 -> offset -32 d sc) because the kernels take unsigned codes.
 
 Everything is whole-array numpy: no Python loop over blocks, the 28M-weight Q8_0 embedding decodes in well
 under a second.
@@ -22,6 +22,8 @@ from .group_quant import GroupQuantWeight
 _FORMATS: dict[str, tuple[int, int, int]] = {
     "Q4_0": (2, 32, 18),
     "Q4_1": (3, 32, 20),
+    "Q5_0": (6, 32, 22),
+    "Q5_1": (7, 32, 24),
     "Q8_0": (8, 32, 34),
     "Q4_K": (12, 256, 144),
     "Q5_K": (13, 256, 176),
@@ -116,6 +118,20 @@ def _q4_1(blocks: np.ndarray) -> _Decoded:             # d f16 | m f16 | 16 byte
     return _nibbles(blocks[:, 4:], 16), _f16(blocks, 0), _f16(blocks, 2), 4, 32
 
 
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's 32 fifth bits, a little-endian u32 per block whose bit j belongs to weight j, as 0/16."""
+    return ((qh[:, :, None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(qh.shape[0], 32) << 4
+
+
+def _q5_0(blocks: np.ndarray) -> _Decoded:             # d f16 | qh u32 | 16 bytes of nibbles: w = d * (q - 16)
+    d = _f16(blocks, 0)
+    return _nibbles(blocks[:, 6:], 16) | _fifth_bits(blocks[:, 2:6]), d, d * -16.0, 5, 32
+
+
+def _q5_1(blocks: np.ndarray) -> _Decoded:             # d f16 | m f16 | qh u32 | 16 bytes of nibbles: w = d * q + m
+    return _nibbles(blocks[:, 8:], 16) | _fifth_bits(blocks[:, 4:8]), _f16(blocks, 0), _f16(blocks, 2), 5, 32
+
+
 def _q8_0(blocks: np.ndarray) -> _Decoded:             # d f16 | 32 int8: w = d * x = d * (x + 128) - 128 d
     d = _f16(blocks, 0)
     return blocks[:, 2:] ^ np.uint8(0x80), d, d * -128.0, 8, 32
@@ -145,4 +161,4 @@ def _q6_k(blocks: np.ndarray) -> _Decoded:             # 128 bytes low nibbles |
     return q, scale, scale * -32.0, 6, 16
 
 
-_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
