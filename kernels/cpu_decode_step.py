@@ -23,7 +23,7 @@ _LINEAR_INT4, _LINEAR_INT8 = 1, 2
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("group", ctypes.c_int64),
                 ("chunks", ctypes.c_int64), ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p)]
+                ("bias", ctypes.c_void_p), ("sz_stride", ctypes.c_int64)]
 
 
 class _Layer(ctypes.Structure):
@@ -80,13 +80,14 @@ def _linear(w: Weight, n: int, k: int, bias: torch.Tensor | None) -> _Linear | N
         if (w.out_features, w.in_features) != (n, k) or n % 64 or w.packed.device.type != "cpu" \
                 or not (w.packed.is_contiguous() and w.scales_and_zeros.is_contiguous()):
             return None
-        return _Linear(_LINEAR_INT4, n, k, w.group_size, 1, w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), ptr)
+        return _Linear(_LINEAR_INT4, n, k, w.group_size, 1, w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), ptr,
+                       w.scales_and_zeros.shape[-1])
     if isinstance(w, Int8Weight):
         chunks, rows, chunk = w.q.shape
         if (rows, chunks * chunk) != (n, k) or w.q.device.type != "cpu" \
                 or not (w.q.is_contiguous() and w.scale.is_contiguous()):
             return None
-        return _Linear(_LINEAR_INT8, n, k, chunk, chunks, w.q.data_ptr(), w.scale.data_ptr(), ptr)
+        return _Linear(_LINEAR_INT8, n, k, chunk, chunks, w.q.data_ptr(), w.scale.data_ptr(), ptr, 0)
     return None
 
 

@@ -20,7 +20,8 @@ def _expect(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
 
 def int4_to_bf16_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int, in_features: int,
                    group_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The weight of torch's CPU int4 pack, widened and transposed: bfloat16 [in_features, out_features]."""
+    """The weight of torch's CPU int4 pack, widened and transposed: bfloat16 [in_features, out_features].
+    scales_and_zeros: [groups, out_features, 2], or [groups, out_features, 1] for scales alone (zeros 0)."""
     lib = library()
     if lib is None:
         raise RuntimeError("cpu kernels are unavailable (no C compiler)")
@@ -31,8 +32,8 @@ def int4_to_bf16_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_fea
     _expect(out, torch.bfloat16, "out")
     if packed.numel() != out_features * in_features // 2 or out.numel() != out_features * in_features:
         raise ValueError(f"int4 widening: sizes do not match a [{out_features}, {in_features}] weight")
-    check(lib.ps_dequant_int4_t(packed.data_ptr(), scales_and_zeros.data_ptr(), out.data_ptr(), out_features,
-                                 in_features, group_size, threads_for(out.numel(), MIN_WEIGHTS_PER_THREAD)),
+    check(lib.ps_dequant_int4_t(packed.data_ptr(), scales_and_zeros.data_ptr(), scales_and_zeros.shape[-1],
+                                 out.data_ptr(), out_features, in_features, group_size, threads_for(out.numel(), MIN_WEIGHTS_PER_THREAD)),
           "int4 widening")
     return out
 

@@ -50,7 +50,9 @@ GEMV_MIN_WEIGHTS_PER_THREAD = 1 << 16
 @dataclass
 class Int4Weight:
     packed: torch.Tensor             # the kernel's own packed layout
-    scales_and_zeros: torch.Tensor   # bfloat16 [in // group_size, out, 2]
+    # bfloat16 [in // group_size, out, 2]: (scale, zero); [.., 1] on CPU for symmetric groups (zeros all 0, as
+    # GGUF Q4_0 has): a tenth of the bytes a token reads, which our C kernels skip (see pack_int4)
+    scales_and_zeros: torch.Tensor
     group_size: int
     out_features: int
     in_features: int
@@ -93,7 +95,16 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
         packed = torch._convert_weight_to_int4pack(nibbles.contiguous(), _INNER_K_TILES)
         return Int4Weight(packed, sz.to(device), group_size, out, cols)
     packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+    if _native().gemv and _native().int4_gemm and not bool(sz[..., 1].any()):
+        sz = sz[..., :1].contiguous()
     return Int4Weight(packed, sz, group_size, out, cols)
+
+
+def _with_zeros(w: Int4Weight) -> torch.Tensor:
+    """The (scale, zero) pairs torch's own int4 kernel reads; symmetric packs store scales alone, and reach
+    torch's kernel only on calls our C kernels do not take (no native bfloat16 for the dense path)."""
+    sz = w.scales_and_zeros
+    return sz if sz.shape[-1] == 2 else torch.cat((sz, torch.zeros_like(sz)), -1)
 
 
 def dense_path(x2: torch.Tensor, min_rows: int) -> bool:
@@ -134,7 +145,8 @@ def _int4_native(x2: torch.Tensor, w: Int4Weight, kernel: str) -> torch.Tensor:
     x2 = x2.to(torch.float32).contiguous()
     y = torch.empty(x2.shape[0], w.out_features, dtype=torch.float32)
     cpu_native.check(getattr(cpu_native.library(), kernel)(
-        w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), w.out_features, w.in_features, w.group_size,
+        w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), w.scales_and_zeros.shape[-1], w.out_features,
+        w.in_features, w.group_size,
         x2.data_ptr(), x2.shape[0], y.data_ptr(),
         cpu_native.threads_for(w.packed.numel() * 2, GEMV_MIN_WEIGHTS_PER_THREAD)), kernel)
     return y
@@ -181,7 +193,7 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
         y = torch.mm(x2, cpu_dequant.int4_to_bf16_t(w.packed, w.scales_and_zeros, w.out_features,
                                                     w.in_features, w.group_size))
     else:
-        y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), w.packed, w.group_size, w.scales_and_zeros)
+        y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), w.packed, w.group_size, _with_zeros(w))
     y = y.to(dtype).reshape(*shape[:-1], w.out_features)
     return y if bias is None else y + bias
 

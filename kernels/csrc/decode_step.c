@@ -21,6 +21,7 @@ typedef struct {
     const void *w;                          /* int4 pack or int8 codes (kernels/weight_only.py) */
     const uint16_t *scales;                 /* int4 scales_and_zeros or int8 scales, bfloat16 */
     const float *bias;                      /* [n] or NULL */
+    int64_t sz_stride;                      /* int4: GemvInt4.sz_stride */
 } LinearDesc;
 
 typedef struct {
@@ -83,7 +84,7 @@ static void split(int64_t total, int tid, int threads, int64_t *a, int64_t *b) {
 static void linear_part(const LinearDesc *l, const float *x, int64_t rows, float *y, int tid, int threads) {
     int64_t a, b;
     if (l->kind == LINEAR_INT4) {
-        const GemvInt4 w = {(const uint8_t *)l->w, l->scales, l->n, l->k, l->group};
+        const GemvInt4 w = {(const uint8_t *)l->w, l->scales, l->n, l->k, l->group, l->sz_stride};
         split(l->n / 64, tid, threads, &a, &b);
         if (ps_gemm_int4_part(&w, x, rows, y, a, b)) ps_gemv_int4_blocks(&w, x, rows, y, a, b);   /* 1 row: GEMV */
         a *= 64;

@@ -11,9 +11,10 @@ own packed layouts, so the weights are stored once. Built at first use by kernel
 
 typedef struct {
     const uint8_t *packed;    /* torch's CPU int4 pack: [n / 64, k, 32] bytes, low nibble row j, high row j + 32 */
-    const uint16_t *sz;       /* bfloat16 [k / group, n, 2]: scale, zero; w = (q - 8) * scale + zero */
+    const uint16_t *sz;       /* bfloat16 [k / group, n, stride]: scale, zero (stride 2; 0 where stride 1);
+                                 w = (q - 8) * scale + zero */
     uint16_t *out;            /* bfloat16 [k, n]: the transposed weight, rows k0..k1 written by this job */
-    int64_t n, k, group, k0, k1;
+    int64_t n, k, group, stride, k0, k1;
 } Int4Job;
 
 static void *int4_job(void *arg) {
@@ -25,10 +26,10 @@ static void *int4_job(void *arg) {
     for (int64_t kk = j->k0; kk < j->k1; ++kk) {
         int64_t g = kk / j->group;
         if (g != loaded) {    /* one group's scales serve `group` rows: widen them once */
-            const uint16_t *row = j->sz + g * j->n * 2;
+            const uint16_t *row = j->sz + g * j->n * j->stride;
             for (int64_t c = 0; c < j->n; ++c) {
-                scale[c] = bf16_to_f32(row[2 * c]);
-                zero[c] = bf16_to_f32(row[2 * c + 1]) - 8.0f * scale[c];
+                scale[c] = bf16_to_f32(row[j->stride * c]);
+                zero[c] = (j->stride == 2 ? bf16_to_f32(row[2 * c + 1]) : 0.0f) - 8.0f * scale[c];
             }
             loaded = g;
         }
@@ -82,11 +83,11 @@ static void int8_range(void *job, int64_t a, int64_t b) {
 }
 
 /* Returns 0 on success. n must be a multiple of 64 (the pack's block of output channels). */
-int ps_dequant_int4_t(const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t n, int64_t k,
-                      int64_t group, int threads) {
-    if (n % 64 || group <= 0 || k % group) return 2;
+int ps_dequant_int4_t(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, uint16_t *out, int64_t n,
+                      int64_t k, int64_t group, int threads) {
+    if (n % 64 || group <= 0 || k % group || sz_stride < 1 || sz_stride > 2) return 2;
     Int4Job jobs[MAX_THREADS];
-    for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (Int4Job){packed, sz, out, n, k, group, 0, 0};
+    for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (Int4Job){packed, sz, out, n, k, group, sz_stride, 0, 0};
     return ps_run_split(threads, k, jobs, sizeof(Int4Job), int4_job, int4_range);
 }
 

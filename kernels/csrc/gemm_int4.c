@@ -53,11 +53,10 @@ static void round_rows(const Rounded *in, int64_t k, int64_t group, int64_t a, i
 }
 
 static int takes(const GemvInt4 *w, int64_t rows) {
-    return rows >= 1 && w->n % 64 == 0 && w->group >= 2 && w->group / 2 <= MAX_GROUP_PAIRS && w->k % w->group == 0;
+    return rows >= 1 && w->n % 64 == 0 && (w->sz_stride == 1 || w->sz_stride == 2) && w->group >= 2 && w->group / 2 <= MAX_GROUP_PAIRS && w->k % w->group == 0;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
 #define GEMM_INT4_BUILT 1
 
 /* One group's codes of one 64-channel block as int16 (k, k+1) pairs: tile[p][c] holds channels 16c..16c+15
@@ -141,13 +140,7 @@ static void block(const GemmJob *j, int64_t nb, __m512i (*tile)[4]) {
     for (int64_t g = 0; g < w->k / w->group; ++g) {
         unpack_group(w->packed + (nb * w->k + g * w->group) * 32, w->group / 2, tile);
         __m512 scale[4], zero[4];
-        const uint16_t *sz = w->sz + (g * w->n + nb * 64) * 2;
-        for (int c = 0; c < 4; ++c) {
-            __m512i both = _mm512_loadu_si512(sz + 32 * c);       /* 16 channels' (scale, zero) */
-            scale[c] = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
-            zero[c] = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), scale[c], _mm512_castsi512_ps(
-                _mm512_and_si512(both, _mm512_set1_epi32((int)0xFFFF0000u))));
-        }
+        for (int c = 0; c < 4; ++c) ps_int4_scale_zero16(w, g, nb * 64 + 16 * c, &scale[c], &zero[c]);
         int64_t r = 0;
         for (; r + TILE_ROWS <= j->rows; r += TILE_ROWS) rows_group(j, tile, scale, zero, g, nb, r, TILE_ROWS);
         switch (j->rows - r) {
@@ -199,9 +192,9 @@ static void *blocks_job(void *arg) {
 
 static void set_range(void *job, int64_t a, int64_t b) { ((GemmJob *)job)->a = a; ((GemmJob *)job)->b = b; }
 
-int ps_gemm_int4(const uint8_t *packed, const uint16_t *sz, int64_t n, int64_t k, int64_t group, const float *x,
-                 int64_t rows, float *y, int threads) {
-    const GemvInt4 w = {packed, sz, n, k, group};
+int ps_gemm_int4(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k, int64_t group,
+                 const float *x, int64_t rows, float *y, int threads) {
+    const GemvInt4 w = {packed, sz, n, k, group, sz_stride};
     if (!GEMM_INT4_BUILT || !takes(&w, rows)) return 2;
     int16_t *xq = malloc(sizeof(int16_t) * rows * k);
     float *sums = malloc(sizeof(float) * rows * (1 + k / group));

@@ -10,19 +10,10 @@ decode_step.c calls them with no Python in between. Each weight byte is read onc
 #include <stdlib.h>
 
 #ifdef __AVX512F__
-#include <immintrin.h>
-
 /* Software prefetch ahead of the int4 codes (one stream per 64-channel block) and of the (scale, zero) rows
    of a later group (a second, strided stream): on the 2-core EPYC VM the 360M model's layers went from 38.6
    to 45.8 GiB/s with it (issue 25; docs/cpu_performance.md). */
 enum { PF4_BYTES = 4096, PF4_GROUPS = 2 };
-/* 16 channels' (scale, zero) bfloat16 pairs as two float vectors; zero gets the -8 * scale of the codes. */
-static inline void load_sz16(const uint16_t *sz, __m512 *scale, __m512 *zero) {
-    __m512i pairs = _mm512_loadu_si512(sz);
-    *scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-    *zero = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), *scale,
-                            _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u))));
-}
 
 /* Codes to floats through a 16-entry table: vpermps reads only the low 4 bits of each lane, so a byte
    widened to 32 bits indexes its low nibble as it is and its high nibble after one shift. Up to four input
@@ -39,9 +30,9 @@ static inline __attribute__((always_inline)) void int4_rows_avx512(const GemvInt
         float sum[4] = {0};
         for (int r = 0; r < R; ++r) for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
         const uint8_t *p = w->packed + (nb * k + g0) * 32;
-        const uint16_t *szn = w->sz + ((g0 / group + PF4_GROUPS) * n + nb * 64) * 2;
+        const uint16_t *szn = w->sz + ((g0 / group + PF4_GROUPS) * n + nb * 64) * w->sz_stride;
         if (g0 + PF4_GROUPS * group < k)
-            for (int j = 0; j < 4; ++j) _mm_prefetch((const char *)(szn + 32 * j), _MM_HINT_T0);
+            for (int j = 0; j < 2 * w->sz_stride; ++j) _mm_prefetch((const char *)(szn + 32 * j), _MM_HINT_T0);
         for (int64_t kk = g0; kk < g0 + group; ++kk, p += 32) {
             if (!(kk & 1)) _mm_prefetch((const char *)(p + PF4_BYTES), _MM_HINT_T0);
             __m512i d0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
@@ -56,10 +47,9 @@ static inline __attribute__((always_inline)) void int4_rows_avx512(const GemvInt
                 for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(q[j], xb, acc[r][j]);
             }
         }
-        const uint16_t *sz = w->sz + ((g0 / group) * n + nb * 64) * 2;
         for (int j = 0; j < 4; ++j) {
             __m512 scale, zero;
-            load_sz16(sz + 32 * j, &scale, &zero);
+            ps_int4_scale_zero16(w, g0 / group, nb * 64 + 16 * j, &scale, &zero);
             for (int r = 0; r < R; ++r)
                 tot[r][j] = _mm512_fmadd_ps(acc[r][j], scale, _mm512_fmadd_ps(zero, _mm512_set1_ps(sum[r]), tot[r][j]));
         }
@@ -106,9 +96,9 @@ void ps_gemv_int4_blocks(const GemvInt4 *w, const float *x, int64_t rows, float 
                     }
                 }
             }
-            const uint16_t *sz = w->sz + ((g0 / group) * n + nb * 64) * 2;
             for (int i = 0; i < 64; ++i) {
-                const float scale = bf16_to_f32(sz[2 * i]), zero = bf16_to_f32(sz[2 * i + 1]) - 8.0f * scale;
+                float scale, zero;
+                ps_int4_scale_zero(w, g0 / group, nb * 64 + i, &scale, &zero);
                 for (int64_t t = 0; t < rows; ++t) total[t][i] += acc[t][i] * scale + zero * xsum[t];
             }
         }
@@ -145,13 +135,13 @@ static float row_to_i16(const float *x, int64_t k, int16_t *out) {
    contiguous run per chunk plane (16 * chunk bytes), and a grouped head has a plane per 32 columns: 30 runs
    of 512 bytes at a 1.5 MB stride, more streams than the hardware prefetchers follow. The 360M model's tied
    Q8_0 head (49152 x 960) went from 3.2 to 1.1 ms on 2 threads (7 to 28 GiB/s on one). */
-enum { PF_BLOCKS = 2 };
+enum { PF_BLOCKS = 2, INT8_LONG_ROW = 1024 };
 static void int8_block16_i16(const GemvInt8 *w, const int16_t *x, float x_scale, float *y, int64_t r0) {
     const int64_t chunks = w->chunks, n = w->n, chunk = w->chunk;
     __m512 acc[16];
     float scales[16];
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-    const int64_t ahead = r0 + 16 * PF_BLOCKS < n ? 16 * PF_BLOCKS : 0;
+    const int64_t ahead = r0 + 16 * PF_BLOCKS < n ? 16 * PF_BLOCKS * chunk : 0;
     for (int64_t c = 0; c < chunks; ++c) {
         const int8_t *q = w->q + (c * n + r0) * chunk;
         for (int r = 0; r < 16; ++r) scales[r] = bf16_to_f32(w->scale[c * n + r0 + r]);
@@ -159,7 +149,7 @@ static void int8_block16_i16(const GemvInt8 *w, const int16_t *x, float x_scale,
             const __mmask32 m = chunk - i >= 32 ? 0xFFFFFFFFu : (1u << (chunk - i)) - 1;
             const __m512i xv = _mm512_maskz_loadu_epi16(m, x + c * chunk + i);
             if (ahead && !(i & 63))
-                for (int r = 0; r < 16; ++r) _mm_prefetch((const char *)(q + (ahead + r) * chunk + i), _MM_HINT_T0);
+                for (int r = 0; r < 16; ++r) _mm_prefetch((const char *)(q + ahead + r * chunk + i), _MM_HINT_T0);
             for (int r = 0; r < 16; ++r) {
                 __m512i qv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, q + r * chunk + i));
                 __m512 pairs = _mm512_cvtepi32_ps(_mm512_madd_epi16(qv, xv));
@@ -168,6 +158,28 @@ static void int8_block16_i16(const GemvInt8 *w, const int16_t *x, float x_scale,
         }
     }
     for (int r = 0; r < 16; ++r) y[r0 + r] = x_scale * _mm512_reduce_add_ps(acc[r]);
+}
+
+/* One channel of a plain int8 weight whose rows are long (k > INT8_LONG_ROW): its codes read front to back,
+   one sequential stream, where 16 channels side by side were 16 streams a thread (1.7B's 8192-wide
+   down_proj streamed at 32 GiB/s so). Four sums in flight: one FMA chain would cap it at 8 codes a cycle.
+   Returns sum_i q[i] * x[i] (x in int16 steps). */
+static float int8_dot_i16(const int8_t *q, const int16_t *x, int64_t k) {
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 128 <= k; i += 128) {
+        for (int j = 0; j < 4; ++j) {
+            const __m512i qv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + i + 32 * j)));
+            const __m512i xv = _mm512_loadu_si512(x + i + 32 * j);
+            a[j] = _mm512_add_ps(a[j], _mm512_cvtepi32_ps(_mm512_madd_epi16(qv, xv)));
+        }
+    }
+    for (; i < k; i += 32) {
+        const __mmask32 m = k - i >= 32 ? 0xFFFFFFFFu : (1u << (k - i)) - 1;
+        const __m512i qv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, q + i));
+        a[0] = _mm512_add_ps(a[0], _mm512_cvtepi32_ps(_mm512_madd_epi16(qv, _mm512_maskz_loadu_epi16(m, x + i))));
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
 }
 #endif
 
@@ -182,6 +194,10 @@ void ps_gemv_int8_rows(const GemvInt8 *w, const float *x, int64_t rows, float *y
         if (xq) {
             float x_scale[GEMV_MAX_ROWS];
             for (int64_t t = 0; t < rows; ++t) x_scale[t] = row_to_i16(x + t * k, k, xq + t * k);
+            if (chunks == 1 && chunk > INT8_LONG_ROW)
+                for (; r < r1; ++r)
+                    for (int64_t t = 0; t < rows; ++t)
+                        y[t * n + r] = x_scale[t] * bf16_to_f32(w->scale[r]) * int8_dot_i16(w->q + r * k, xq + t * k, k);
             for (; r + 16 <= r1; r += 16)
                 for (int64_t t = 0; t < rows; ++t) int8_block16_i16(w, xq + t * k, x_scale[t], y + t * n, r);
             if (xq != on_stack) free(xq);
@@ -230,10 +246,10 @@ static int run_gemv(const GemvInt4 *i4, const GemvInt8 *i8, const float *x, int6
 }
 
 /* y [rows, n] = x [rows, k] @ w^T; 0 on success, 2 for shapes these kernels do not take. */
-int ps_gemv_int4(const uint8_t *packed, const uint16_t *sz, int64_t n, int64_t k, int64_t group, const float *x,
-                 int64_t rows, float *y, int threads) {
-    if (n % 64 || group <= 0 || k % group) return 2;
-    GemvInt4 w = {packed, sz, n, k, group};
+int ps_gemv_int4(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k, int64_t group,
+                 const float *x, int64_t rows, float *y, int threads) {
+    if (n % 64 || group <= 0 || k % group || sz_stride < 1 || sz_stride > 2) return 2;
+    GemvInt4 w = {packed, sz, n, k, group, sz_stride};
     return run_gemv(&w, NULL, x, rows, y, n / 64, threads);
 }
 

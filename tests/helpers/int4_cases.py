@@ -7,12 +7,16 @@ import torch
 from pagedserve.kernels import weight_only
 
 
-def int4_case(out: int, cols: int, group: int, seed: int) -> tuple[weight_only.Int4Weight, torch.Tensor]:
-    """A packed int4 weight and the float64 weight it holds ((q - 8) * scale + zero, scales in bfloat16)."""
+def int4_case(out: int, cols: int, group: int, seed: int,
+              symmetric: bool = False) -> tuple[weight_only.Int4Weight, torch.Tensor]:
+    """A packed int4 weight and the float64 weight it holds ((q - 8) * scale + zero, scales in bfloat16).
+    symmetric: every zero 0 (GGUF Q4_0), which the CPU pack stores as scales alone where our kernels run."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (out, cols), generator=gen, dtype=torch.uint8)
     scale = torch.rand(out, cols // group, generator=gen) * 0.1
     zero = torch.randn(out, cols // group, generator=gen) * 0.1
+    if symmetric:
+        zero = torch.zeros_like(zero)
     w = weight_only.pack_int4(q, scale, zero, group, "cpu")
     s64, z64 = (t.to(torch.bfloat16).double().repeat_interleave(group, 1) for t in (scale, zero))
     return w, (q.double() - 8) * s64 + z64

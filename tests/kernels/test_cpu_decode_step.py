@@ -38,8 +38,10 @@ def _int8_case(out: int, cols: int, chunk: int | None, seed: int) -> tuple[weigh
 @needs_c_step
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("out,cols,group", [(64, 64, 32), (192, 576, 32), (128, 256, 128)])
-def test_int4_gemv_matches_the_weights(rows, out, cols, group):
-    w, dense = _int4_case(out, cols, group, seed=rows + out)
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_gemv_matches_the_weights(rows, out, cols, group, symmetric):
+    w, dense = _int4_case(out, cols, group, seed=rows + out, symmetric=symmetric)
+    assert w.scales_and_zeros.shape[-1] == (1 if symmetric else 2)
     x = torch.randn(rows, cols)
     _close(weight_only._int4_gemv(x, w), x, dense)      # int4_linear takes the integer GEMM where it is built
 
@@ -66,14 +68,18 @@ def test_portable_build_gemvs(tmp_path):
     assert lib.ps_gemm_int4_vectorized() == 0          # no VNNI: it says so, and declines every call
     w4, dense4 = _int4_case(128, 96, 32, seed=1)
     w8, dense8 = _int8_case(40, 96, 32, seed=2)
+    w4s, dense4s = _int4_case(128, 96, 32, seed=3, symmetric=True)          # scales alone: stride 1
     for rows in (1, 3):
         x = torch.randn(rows, 96)
         y4, y8 = torch.empty(rows, 128), torch.empty(rows, 40)
-        assert lib.ps_gemv_int4(w4.packed.data_ptr(), w4.scales_and_zeros.data_ptr(), 128, 96, 32, x.data_ptr(),
+        assert lib.ps_gemv_int4(w4s.packed.data_ptr(), w4s.scales_and_zeros.data_ptr(), 1, 128, 96, 32,
+                                x.data_ptr(), rows, y4.data_ptr(), 2) == 0
+        _close(y4, x, dense4s)
+        assert lib.ps_gemv_int4(w4.packed.data_ptr(), w4.scales_and_zeros.data_ptr(), 2, 128, 96, 32, x.data_ptr(),
                                 rows, y4.data_ptr(), 2) == 0
         assert lib.ps_gemv_int8(w8.q.data_ptr(), w8.scale.data_ptr(), 3, 40, 32, x.data_ptr(), rows,
                                 y8.data_ptr(), 2) == 0
-        assert lib.ps_gemm_int4(w4.packed.data_ptr(), w4.scales_and_zeros.data_ptr(), 128, 96, 32, x.data_ptr(),
+        assert lib.ps_gemm_int4(w4.packed.data_ptr(), w4.scales_and_zeros.data_ptr(), 2, 128, 96, 32, x.data_ptr(),
                                 rows, y4.data_ptr(), 2) == 2
         _close(y4, x, dense4)
         _close(y8, x, dense8, int16_inputs=True)

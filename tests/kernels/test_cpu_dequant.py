@@ -29,20 +29,24 @@ needs_dense = pytest.mark.skipif(cpu_native.library() is None or not cpu_has_nat
                                  reason="the dense path runs on CPUs with native bfloat16 and a C compiler")
 
 
-def _int4(out: int, cols: int, group: int, seed: int) -> Int4Weight:
+def _int4(out: int, cols: int, group: int, seed: int, symmetric: bool = False) -> Int4Weight:
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (out, cols), generator=g, dtype=torch.uint8)
     scale = torch.rand(out, cols // group, generator=g) * 0.02
-    zero = torch.randn(out, cols // group, generator=g) * 0.02
+    zero = torch.zeros(out, cols // group) if symmetric else torch.randn(out, cols // group, generator=g) * 0.02
     return pack_int4(q, scale, zero, group, CPU)
 
 
 @needs_kernels
+@pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("out,cols,group", [(64, 128, 32), (192, 256, 64), (128, 512, 128), (64, 512, 256)])
-def test_int4_widening_is_the_packed_kernels_own_weight(out, cols, group):
-    w = _int4(out, cols, group, seed=out + cols)
+def test_int4_widening_is_the_packed_kernels_own_weight(out, cols, group, symmetric):
+    w = _int4(out, cols, group, seed=out + cols, symmetric=symmetric)
     eye = torch.eye(cols, dtype=torch.bfloat16)
-    kernels_weight = torch._weight_int4pack_mm_for_cpu(eye, w.packed, group, w.scales_and_zeros)   # [cols, out]
+    pairs = w.scales_and_zeros                                   # symmetric packs hold scales alone: torch's
+    if pairs.shape[-1] == 1:                                     # kernel wants the zeros beside them
+        pairs = torch.cat((pairs, torch.zeros_like(pairs)), -1)
+    kernels_weight = torch._weight_int4pack_mm_for_cpu(eye, w.packed, group, pairs)   # [cols, out]
     widened = cpu_dequant.int4_to_bf16_t(w.packed, w.scales_and_zeros, out, cols, group)
     assert widened.shape == (cols, out)
     assert torch.equal(widened, kernels_weight)

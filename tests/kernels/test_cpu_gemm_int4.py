@@ -21,7 +21,8 @@ needs_gemm = pytest.mark.skipif(LIB is None or not LIB.ps_gemm_int4_vectorized()
 
 def _gemm(x: torch.Tensor, w: weight_only.Int4Weight, threads: int = 2) -> torch.Tensor:
     y = torch.full((x.shape[0], w.out_features), float("nan"))
-    assert LIB.ps_gemm_int4(w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), w.out_features, w.in_features,
+    assert LIB.ps_gemm_int4(w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), w.scales_and_zeros.shape[-1],
+                            w.out_features, w.in_features,
                             w.group_size, x.data_ptr(), x.shape[0], y.data_ptr(), threads) == 0
     return y
 
@@ -44,6 +45,18 @@ def test_int4_gemm_matches_the_weights(rows, out, cols, group):
     y = _gemm(x, w)
     _close(y, _rounded(x), dense)                       # only float32 sums differ from the rounded inputs
     _close(y, x, dense, int16_inputs=True)              # and the rounding is within half a step per input
+
+
+@needs_gemm
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_symmetric_groups_store_scales_alone_and_give_the_same_products(rows):
+    w, dense = _int4_case(192, 576, 32, seed=rows, symmetric=True)
+    assert w.scales_and_zeros.shape == (576 // 32, 192, 1)            # the zeros are not stored
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    _close(_gemm(x, w), _rounded(x), dense)
+    paired = weight_only.Int4Weight(w.packed, torch.cat((w.scales_and_zeros, torch.zeros_like(w.scales_and_zeros)),
+                                                        -1), 32, 192, 576)
+    assert torch.equal(_gemm(x, w), _gemm(x, paired))
 
 
 @needs_gemm
