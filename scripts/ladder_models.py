@@ -125,7 +125,7 @@ def gguf_tensor_types(path: str) -> dict[str, int]:
 # Timed in its own process so OMP_NUM_THREADS applies, as it does to the pagedserve child.
 _BANDWIDTH_CODE = """
 import json, time, torch
-x = torch.empty(2**28, dtype=torch.float32).fill_(1)
+x = torch.rand(2**28, dtype=torch.float32)      # distinct pages: a constant fill could be deduplicated
 best = float("inf")
 for _ in range(5):
     start = time.perf_counter()
@@ -193,7 +193,8 @@ def rates(text: str) -> tuple[float, ...]:
 
 # The report: tables and a plot of the ladder's results lines (bench "cpu_ladder" and bench serve's "serve").
 PEER = "llama.cpp"
-_KEYS = ("ms_per_token", "own_ms_per_token", "bound_fraction", "prefill_tok_s", "w1_tok_s", "peak_rss_mib")
+_KEYS = ("ms_per_token", "own_ms_per_token", "bound_fraction", "prefill_tok_s", "w1_tok_s", "peak_rss_mib",
+         "bandwidth_gib_s")
 
 
 def _groups(records: list[dict]) -> dict[tuple[str, str], dict[str, list[dict]]]:
@@ -223,23 +224,24 @@ def format_tables(records: list[dict]) -> str:
     for (size, fmt), by_engine in _groups(records).items():
         first = next(iter(by_engine.values()))[0]
         runs = max(len(v) for v in by_engine.values())
-        out += [f"\n### {size} {fmt}: {first['gguf_weight_bytes'] / 2**20:.1f} MiB of weights, floor "
-                f"{first['bound_ms']:.2f} ms/token at {first['bandwidth_gib_s']:.2f} GiB/s; {first['threads']} "
-                f"threads; W1 n={first['num_requests']}" + (f"; medians of {runs} runs" if runs > 1 else "") + "\n",
-                ("| engine | S1 ms/token | vs llama.cpp | bound fraction | prefill tok/s | vs llama.cpp | "
-                 "W1 tok/s | vs llama.cpp | peak RSS MiB |"), "|---|---|---|---|---|---|---|---|---|"]
+        out += [f"\n### {size} {fmt}: {first['gguf_weight_bytes'] / 2**20:.1f} MiB of weights; {first['threads']} "
+                f"threads; W1 n={first['num_requests']}" + (f"; medians of {runs} runs" if runs > 1 else "") +
+                "; bound fraction: the weights read at the bandwidth probed just before that engine's run\n",
+                ("| engine | S1 ms/token | vs llama.cpp | read GiB/s | bound fraction | prefill tok/s | vs llama.cpp | "
+                 "W1 tok/s | vs llama.cpp | peak RSS MiB |"), "|---|---|---|---|---|---|---|---|---|---|"]
         peer = _medians([r for r in by_engine.get(PEER, []) if "error" not in r])
         for engine, engine_runs in by_engine.items():
             ok = [r for r in engine_runs if "error" not in r]
             if not ok:
                 out.append(f"| {engine} | failed: {engine_runs[-1]['error'].splitlines()[0][:120]} "
-                           "| | | | | | | |")
+                           "| | | | | | | | |")
                 continue
             m = _medians(ok)
             own = f" (own {m['own_ms_per_token']:.2f})" if m["own_ms_per_token"] is not None else ""
             frac = f"{m['bound_fraction']:.2f}" if m["bound_fraction"] is not None else "-"
+            bw = f"{m['bandwidth_gib_s']:.1f}" if m["bandwidth_gib_s"] is not None else "-"
             out.append(f"| {engine} | {m['ms_per_token']:.2f}{own} | {_ratio(m['ms_per_token'], peer['ms_per_token'])} "
-                       f"| {frac} | {m['prefill_tok_s']:.0f} | {_ratio(m['prefill_tok_s'], peer['prefill_tok_s'])} "
+                       f"| {bw} | {frac} | {m['prefill_tok_s']:.0f} | {_ratio(m['prefill_tok_s'], peer['prefill_tok_s'])} "
                        f"| {m['w1_tok_s']:.1f} | {_ratio(m['w1_tok_s'], peer['w1_tok_s'])} | {m['peak_rss_mib']:.0f} |")
     return "\n".join(out)
 

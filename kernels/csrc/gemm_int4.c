@@ -16,6 +16,10 @@ at 32-96 rows). */
 /* Rows per pass (16 int32 sums in registers beside 4 weight vectors); group sizes up to 256
    (kernels/weight_only.INT4_GROUP_SIZES). */
 enum { TILE_ROWS = 4, MAX_GROUP_PAIRS = 128 };
+/* Bytes ahead of the codes being read that block_few_rows prefetches (the stream of one 64-channel block).
+   Not a multiple of 4 KB: at exactly 4096 the 1.7B model's decode took either 20 or 32 ms a token from one
+   run to the next (2048: 27-32); 4160 and 8256 held 19-20 (issue 25, the 2-core EPYC VM). */
+enum { FEW_ROWS_PREFETCH = 4160 };
 
 /* Inputs rounded to int16: what every thread's blocks read. */
 typedef struct {
@@ -38,12 +42,20 @@ static void round_rows(const Rounded *in, int64_t k, int64_t group, int64_t a, i
         const float *xr = in->x + r * k;
         int16_t *q = in->xq + r * k;
         float top = 0.0f;
-        for (int64_t i = 0; i < k; ++i) top = fabsf(xr[i]) > top ? fabsf(xr[i]) : top;
+        for (int64_t i = 0; i < k; ++i) top = fabsf(xr[i]) > top ? fabsf(xr[i]) : top;   /* vectorized by gcc */
         /* In double, then rounded once: -ffast-math may turn a float division into a reciprocal and a
            multiply, which moves the last bit and with it which way a value on a half step rounds. */
         const float inv = top > 0.0f ? (float)(32767.0 / (double)top) : 0.0f;
         in->xscale[r] = (float)((double)top / 32767.0);
-        for (int64_t i = 0; i < k; ++i) q[i] = (int16_t)lrintf(xr[i] * inv);
+        int64_t i = 0;
+#ifdef __AVX512F__
+        /* Vectorized, as the scalar loop rounds (to nearest even, the default mode lrintf uses too): at 1-3
+           rows this runs once per thread per linear, and scalar it cost 1.7B's decode step ~2 ms. */
+        for (const __m512 vinv = _mm512_set1_ps(inv); i + 16 <= k; i += 16)
+            _mm256_storeu_si256((__m256i *)(q + i),
+                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xr + i), vinv))));
+#endif
+        for (; i < k; ++i) q[i] = (int16_t)lrintf(xr[i] * inv);
         for (int64_t g = 0; g < k / group; ++g) {
             int32_t s = 0;
             for (int64_t i = g * group; i < (g + 1) * group; ++i) s += q[i];
@@ -62,7 +74,44 @@ static int takes(const GemvInt4 *w, int64_t rows) {
 /* One group's codes of one 64-channel block as int16 (k, k+1) pairs: tile[p][c] holds channels 16c..16c+15
    of columns g0 + 2p and g0 + 2p + 1 (the two columns' 32-byte rows are adjacent in the pack: channel i is
    the low nibble of byte i, channel i + 32 the high one). */
+#ifdef __AVX512VBMI__
+/* vpermb's byte order for one pair of columns (64 bytes: column 2i's 32, then 2i + 1's): byte j of each
+   column to bytes 4j and 4j + 2 of a lane, channels 0-15 (idx[0]) or 16-31 (idx[1]); the odd bytes are
+   zeroed by the mask. Then a mask keeps the low nibbles (channels c) and a shift the high ones (c + 32). */
+typedef struct {
+    __m512i idx[2], low;
+} PairShuffle;
+
+static inline PairShuffle pair_shuffle(void) {
+    uint8_t i0[64] = {0}, i1[64] = {0};
+    for (int j = 0; j < 16; ++j) {
+        i0[4 * j] = (uint8_t)j;
+        i0[4 * j + 2] = (uint8_t)(32 + j);
+        i1[4 * j] = (uint8_t)(16 + j);
+        i1[4 * j + 2] = (uint8_t)(48 + j);
+    }
+    return (PairShuffle){{_mm512_loadu_si512(i0), _mm512_loadu_si512(i1)}, _mm512_set1_epi16(0x0F)};
+}
+
+static inline __attribute__((always_inline)) void unpack_pair(const PairShuffle *sh, const uint8_t *p, __m512i *w) {
+    const __mmask64 even = 0x5555555555555555ull;
+    const __m512i z = _mm512_loadu_si512(p);
+    const __m512i v0 = _mm512_maskz_permutexvar_epi8(even, sh->idx[0], z);
+    const __m512i v1 = _mm512_maskz_permutexvar_epi8(even, sh->idx[1], z);
+    w[0] = _mm512_and_si512(v0, sh->low);
+    w[1] = _mm512_and_si512(v1, sh->low);
+    w[2] = _mm512_srli_epi16(v0, 4);
+    w[3] = _mm512_srli_epi16(v1, 4);
+}
+#endif
+
 static void unpack_group(const uint8_t *p, int64_t pairs, __m512i (*tile)[4]) {
+#ifdef __AVX512VBMI__
+    /* Two shuffles and two masks a pair, where widening byte by byte below takes a dozen instructions. */
+    const PairShuffle sh = pair_shuffle();
+    for (int64_t i = 0; i < pairs; ++i, p += 64) unpack_pair(&sh, p, tile[i]);
+    return;
+#endif
     const __m512i low = _mm512_set1_epi32(0x0F), high = _mm512_set1_epi32(0x000F0000);
     for (int64_t i = 0; i < pairs; ++i, p += 64) {
         __m512i a0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
@@ -152,7 +201,64 @@ static void block(const GemmJob *j, int64_t nb, __m512i (*tile)[4]) {
     }
 }
 
+#ifdef __AVX512VBMI__
+/* 1-3 rows: each pair of columns unpacked in registers and used at once, no tile (a row or two cannot
+   repay writing it), the codes streamed once with a prefetch ahead. A batch-1 decode's GEMV. */
+static inline __attribute__((always_inline)) void block_few_rows(const GemmJob *j, int64_t nb, const int R) {
+    const GemvInt4 *w = j->w;
+    const int64_t k = w->k, group = w->group, groups = k / group;
+    const PairShuffle sh = pair_shuffle();
+    const uint8_t *p = w->packed + nb * k * 32;
+    for (int r = 0; r < R; ++r) memset(j->y + r * w->n + nb * 64, 0, 64 * sizeof(float));
+    for (int64_t g = 0; g < groups; ++g) {
+        __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
+                a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+        for (int64_t i = 0; i < group / 2; ++i, p += 64) {
+            _mm_prefetch((const char *)(p + FEW_ROWS_PREFETCH), _MM_HINT_T0);
+            __m512i wv[4];
+            unpack_pair(&sh, p, wv);
+            int32_t pair;
+#define ROW(r, v0, v1, v2, v3)                                                                              \
+            if (R > r) {                                                                                    \
+                memcpy(&pair, j->in.xq + r * k + g * group + 2 * i, sizeof pair);              \
+                const __m512i xb = _mm512_set1_epi32(pair);                                                 \
+                v0 = dpwssd(v0, wv[0], xb);                                                                 \
+                v1 = dpwssd(v1, wv[1], xb);                                                                 \
+                v2 = dpwssd(v2, wv[2], xb);                                                                 \
+                v3 = dpwssd(v3, wv[3], xb);                                                                 \
+            }
+            ROW(0, a00, a01, a02, a03)
+            ROW(1, a10, a11, a12, a13)
+            ROW(2, a20, a21, a22, a23)
+#undef ROW
+        }
+        const __m512i acc[3][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}};
+        __m512 scale[4], zero[4];
+        for (int c = 0; c < 4; ++c) ps_int4_scale_zero16(w, g, nb * 64 + 16 * c, &scale[c], &zero[c]);
+        for (int r = 0; r < R; ++r) {
+            const int64_t row = r;
+            const __m512 xs = _mm512_set1_ps(j->in.xscale[row]), sum = _mm512_set1_ps(j->in.xsum[row * groups + g]);
+            float *y = j->y + row * w->n + nb * 64;
+            for (int c = 0; c < 4; ++c) {
+                __m512 v = _mm512_fmadd_ps(zero[c], sum, _mm512_loadu_ps(y + 16 * c));
+                _mm512_storeu_ps(y + 16 * c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), _mm512_mul_ps(scale[c], xs), v));
+            }
+        }
+    }
+}
+#endif
+
 static void blocks(const GemmJob *j) {
+#ifdef __AVX512VBMI__
+    if (j->rows <= 3) {
+        for (int64_t nb = j->a; nb < j->b; ++nb) {
+            if (j->rows == 1) block_few_rows(j, nb, 1);
+            else if (j->rows == 2) block_few_rows(j, nb, 2);
+            else block_few_rows(j, nb, 3);
+        }
+        return;
+    }
+#endif
     __m512i tile[MAX_GROUP_PAIRS][4];
     for (int64_t nb = j->a; nb < j->b; ++nb) block(j, nb, tile);
 }

@@ -7,10 +7,16 @@
 /* 1 where this build has the kernel (AVX512-VNNI); elsewhere the calls below return 2. */
 int ps_gemm_int4_vectorized(void);
 
-/* Rows from which it pays: a row or two stream the weights faster through the float GEMV (gemv.c), which
-   reads each code once, than through the tile this kernel unpacks them into (docs/cpu_performance.md, the
-   embedded model's 30 layers: 0.65-0.84x the GEMV's speed at 1 row, 0.88-1.02x at 2, 1.08-1.11x at 4). */
+/* Rows from which it pays. Without AVX512-VBMI a row or two stream the weights faster through the float
+   GEMV (gemv.c), which reads each code once, than through the tile this kernel unpacks them into
+   (docs/cpu_performance.md, the embedded model's 30 layers: 0.65-0.84x the GEMV's speed at 1 row, 0.88-1.02x
+   at 2, 1.08-1.11x at 4). With it, 1-3 rows unpack each pair of columns with two byte shuffles straight
+   into the dot products, and take half the float GEMV's instructions (issue 25). */
+#ifdef __AVX512VBMI__
+enum { GEMM_INT4_MIN_ROWS = 1 };
+#else
 enum { GEMM_INT4_MIN_ROWS = 4 };
+#endif
 int ps_gemm_int4_min_rows(void);
 
 /* One thread's share (64-channel blocks nb0..nb1-1) of y [rows, n] = x [rows, k] @ w^T, x rounded here:
