@@ -9,7 +9,8 @@ Those kernels only run fast with bfloat16 activations (measured here at batch 1:
 
 On CPUs with AVX512-VNNI an int4 call of 4 to int4_dense_min_rows() - 1 rows runs our integer GEMM instead
 (kernels/csrc/gemm_int4.c: float32 in and out, inputs rounded to int16), which beat every other path there;
-fewer rows keep the float GEMV (the library says from how many: ps_gemm_int4_min_rows).
+with AVX512-VBMI too it takes 1-3 rows as well (its GEMV form), elsewhere fewer rows keep the float GEMV (the
+library says from how many: ps_gemm_int4_min_rows).
 
 torch's kernels are GEMV kernels at heart: their cost grows with the input rows at a fraction of a dense GEMM's
 speed.
