@@ -17,8 +17,8 @@ at 32-96 rows). */
    (kernels/weight_only.INT4_GROUP_SIZES). */
 enum { TILE_ROWS = 4, MAX_GROUP_PAIRS = 128 };
 /* Bytes ahead of the codes being read that block_few_rows prefetches (the stream of one 64-channel block).
-   Not a multiple of 4 KB: at exactly 4096 the 1.7B model's decode took either 20 or 32 ms a token from one
-   run to the next (2048: 27-32); 4160 and 8256 held 19-20 (issue 25, the 2-core EPYC VM). */
+   On the 1.7B model 2048 ran 27-32 ms a token and 4160 / 8256 19-20 in the same minutes (issue 25, the 2-core
+   EPYC VM, whose read bandwidth itself switches between ~43 and ~72 GiB/s phases: compare within one). */
 enum { FEW_ROWS_PREFETCH = 4160 };
 
 /* Inputs rounded to int16: what every thread's blocks read. */
