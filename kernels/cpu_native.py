@@ -40,6 +40,8 @@ _SIGNATURES = {
     "ps_gemm_int4": [PTR, PTR, I64, I64, I64, I64, PTR, I64, PTR, ctypes.c_int],
     "ps_gemm_int4_vectorized": [],
     "ps_gemm_int4_min_rows": [],
+    "ps_gemm_int4_s8": [PTR, PTR, I64, I64, I64, I64, PTR, I64, PTR, ctypes.c_int],
+    "ps_gemm_int4_s8_built": [],
     "ps_decode_step_scratch": [PTR, I64],
     "ps_decode_step": [PTR, PTR, I64, PTR, PTR, PTR, PTR, I64, PTR, PTR, ctypes.c_int],
     "ps_paged_decode": [PTR, PTR, PTR, ctypes.c_int, PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, ctypes.c_float,

@@ -8,9 +8,11 @@ Those kernels only run fast with bfloat16 activations (measured here at batch 1:
 332 µs in float32 for a 576x576 int4 GEMM), so other activations are cast to bfloat16 around the call.
 
 On CPUs with AVX512-VNNI an int4 call of 4 to int4_dense_min_rows() - 1 rows runs our integer GEMM instead
-(kernels/csrc/gemm_int4.c: float32 in and out, inputs rounded to int16), which beat every other path there;
-with AVX512-VBMI too it takes 1-3 rows as well (its GEMV form), elsewhere fewer rows keep the float GEMV (the
-library says from how many: ps_gemm_int4_min_rows).
+(kernels/csrc/gemm_int4.c: float32 in and out, inputs rounded to int16), which beat every other path there.
+With AVX512-VBMI too it takes 1-3 rows as well (its GEMV form), elsewhere fewer rows keep the float GEMV (the
+library says from how many: ps_gemm_int4_min_rows). From INT4_INT8_MIN_ROWS rows (prefill chunks, big decode
+batches) a VBMI build rounds the inputs to int8 per row and group instead and multiplies bytes
+(kernels/csrc/gemm_int4_s8.c): 1.5x the int16 form's rate, and no int4 call widens for oneDNN any more.
 
 torch's kernels are GEMV kernels at heart: their cost grows with the input rows at a fraction of a dense GEMM's
 speed.
@@ -22,6 +24,7 @@ decode keeps the packed kernels and prefill chunks and large decode batches take
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -38,6 +41,14 @@ _INNER_K_TILES = 8          # CUDA tinygemm packing; K must be a multiple of 16 
 # between 192 and 256 rows (docs/cpu_performance.md, the embedded model's 30 layers streamed from memory).
 INT4_DENSE_MIN_ROWS = 64
 INT4_DENSE_MIN_ROWS_AFTER_GEMM = 224
+# Rows from which an int4 call rounds its inputs to int8 (gemm_int4_s8.c). Coarser than int16 (half a step is
+# max|x| / 254 of a group, as llama.cpp's Q8_0 activations; bfloat16's is 2**-9 of each value), so below
+# it, where decode steps run, the int16 form keeps the embedded model's greedy tokens on the dequantized
+# model's (issue 14's bar: int8 inputs at every row count kept 5 of 8 chat prompts). From here the rows
+# widened to bfloat16 before (224), and the int8 form beats widening at every count measured (the 1.7B
+# layers: 1.5x at 512 rows, 1.3x at 2048, docs/cpu_performance.md), so no int4 call widens where it runs.
+INT4_INT8_MIN_ROWS = 224
+INT4_NEVER_DENSE = sys.maxsize
 INT8_DENSE_MIN_ROWS = 16
 # Output rows of an int8 weight widened at a time: 4096 x 576 bfloat16 is 4.7 MB, transient, so a tied
 # 49152-row head never exists in bfloat16 (the 56 MB it would take is more than the quantized model).
@@ -118,6 +129,7 @@ class _Native(NamedTuple):
     gemv: bool              # the AVX-512 GEMVs of kernels/csrc/gemv.c
     int4_gemm: bool         # the AVX512-VNNI int4 GEMM of kernels/csrc/gemm_int4.c
     int4_gemm_min_rows: int  # rows from which it beats the GEMV (gemm_int4.h says why)
+    int4_gemm_int8: bool    # its int8-input form (gemm_int4_s8.c), for INT4_INT8_MIN_ROWS rows and more
 
 
 @functools.lru_cache(maxsize=1)
@@ -125,14 +137,18 @@ def _native() -> _Native:
     """What this machine's build of the C kernels has: asked once, not on every linear."""
     lib = cpu_native.library()
     if lib is None:
-        return _Native(False, False, 0)
+        return _Native(False, False, 0, False)
     return _Native(bool(lib.ps_gemv_vectorized()), bool(lib.ps_gemm_int4_vectorized()),
-                   int(lib.ps_gemm_int4_min_rows()))
+                   int(lib.ps_gemm_int4_min_rows()), bool(lib.ps_gemm_int4_s8_built()))
 
 
 def int4_dense_min_rows() -> int:
-    """Input rows from which an int4 linear on CPU widens its weight for a dense GEMM."""
-    return INT4_DENSE_MIN_ROWS_AFTER_GEMM if _native().int4_gemm else INT4_DENSE_MIN_ROWS
+    """Input rows from which an int4 linear on CPU widens its weight for a dense GEMM (INT4_NEVER_DENSE:
+    never, where the int8-input GEMM takes the many-row calls)."""
+    native = _native()
+    if native.int4_gemm and native.int4_gemm_int8:
+        return INT4_NEVER_DENSE
+    return INT4_DENSE_MIN_ROWS_AFTER_GEMM if native.int4_gemm else INT4_DENSE_MIN_ROWS
 
 
 def _gemv_path(x2: torch.Tensor) -> bool:
@@ -155,6 +171,10 @@ def _int4_native(x2: torch.Tensor, w: Int4Weight, kernel: str) -> torch.Tensor:
 
 def _int4_gemm(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     return _int4_native(x2, w, "ps_gemm_int4")
+
+
+def _int4_gemm_s8(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    return _int4_native(x2, w, "ps_gemm_int4_s8")
 
 
 def _int4_gemv(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
@@ -180,7 +200,9 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
     y = None
     if w.out_features % 64 == 0 and x2.device.type == "cpu":
         native = _native()
-        if native.int4_gemm and native.int4_gemm_min_rows <= x2.shape[0] < dense_min_rows:
+        if native.int4_gemm_int8 and INT4_INT8_MIN_ROWS <= x2.shape[0] < dense_min_rows:
+            y = _int4_gemm_s8(x2, w)
+        elif native.int4_gemm and native.int4_gemm_min_rows <= x2.shape[0] < dense_min_rows:
             y = _int4_gemm(x2, w)
         elif _gemv_path(x2):
             y = _int4_gemv(x2, w)

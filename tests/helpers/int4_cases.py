@@ -22,10 +22,15 @@ def int4_case(out: int, cols: int, group: int, seed: int,
     return w, (q.double() - 8) * s64 + z64
 
 
-def assert_float64_close(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, int16_inputs: bool = False) -> None:
+def assert_float64_close(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, int16_inputs: bool = False,
+                         int8_group: int = 0) -> None:
     # float32 sums of float32 products: the error is a few ulps of sum |x * w| per output. The int8 kernel
-    # rounds x to int16 steps of max|x| / 32767 first: each input moves by at most half a step.
+    # rounds x to int16 steps of max|x| / 32767 first, the int4 GEMM's int8 form to int8 steps of
+    # max|x| / 127 per group of int8_group inputs: each input moves by at most half a step.
     bound = (x.double().abs() @ dense.abs().t()) * 1e-5 + 1e-6
     if int16_inputs:
         bound += x.double().abs().amax(1, keepdim=True) / 65534 * dense.abs().sum(1)
+    if int8_group:
+        tops = x.double().abs().unflatten(1, (-1, int8_group)).amax(2).repeat_interleave(int8_group, 1)
+        bound += (tops / 254) @ dense.abs().t()
     assert ((y.double() - x.double() @ dense.t()).abs() <= bound).all()

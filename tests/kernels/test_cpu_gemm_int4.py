@@ -1,10 +1,12 @@
-"""The integer int4 GEMM (kernels/csrc/gemm_int4.c): int16 inputs, AVX512-VNNI dot products.
+"""The integer int4 GEMM (kernels/csrc/gemm_int4.c): int16 inputs, AVX512-VNNI dot products; and its int8-input
+form for many rows (kernels/csrc/gemm_int4_s8.c: int8 steps of max|x| / 127 per row and group).
 
 Against a float64 matmul of the exact weights the int4 pack holds: with the inputs as the kernel rounds them
 (to int16 steps of max|x| / 32767 per row) the only error left is float32 summation; with the inputs as
 given, each input moves by at most half a step on top. Every row count from 1 past a few 4-row tiles, the
 group sizes the int4 kernels take, one input far larger than the rest (it sets the row's step), and the
-switch in weight_only.int4_linear that sends calls here.
+switch in weight_only.int4_linear that sends calls here. Both forms give a row the same bits whatever rows run
+beside it.
 """
 from __future__ import annotations
 
@@ -17,14 +19,24 @@ from pagedserve.tests.helpers.int4_cases import assert_float64_close as _close, 
 LIB = cpu_native.library()
 needs_gemm = pytest.mark.skipif(LIB is None or not LIB.ps_gemm_int4_vectorized(),
                                 reason="the integer int4 GEMM needs a CPU with AVX512-VNNI and a C compiler")
+needs_s8 = pytest.mark.skipif(LIB is None or not LIB.ps_gemm_int4_s8_built(),
+                              reason="the int8-input form needs AVX512-VNNI and AVX512-VBMI and a C compiler")
 
 
-def _gemm(x: torch.Tensor, w: weight_only.Int4Weight, threads: int = 2) -> torch.Tensor:
+def _gemm(x: torch.Tensor, w: weight_only.Int4Weight, threads: int = 2, kernel: str = "ps_gemm_int4") -> torch.Tensor:
     y = torch.full((x.shape[0], w.out_features), float("nan"))
-    assert LIB.ps_gemm_int4(w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), w.scales_and_zeros.shape[-1],
-                            w.out_features, w.in_features,
-                            w.group_size, x.data_ptr(), x.shape[0], y.data_ptr(), threads) == 0
+    assert getattr(LIB, kernel)(w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), w.scales_and_zeros.shape[-1],
+                                w.out_features, w.in_features,
+                                w.group_size, x.data_ptr(), x.shape[0], y.data_ptr(), threads) == 0
     return y
+
+
+def _rounded8(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the int8 form rounds it: per row and group, in its float32 order of operations."""
+    parts = x.unflatten(1, (-1, group))
+    top = parts.abs().amax(2, keepdim=True).double()
+    inv = torch.where(top > 0, 127 / top, torch.zeros_like(top)).float()
+    return (torch.round(parts * inv) * (top / 127).float()).flatten(1)
 
 
 def _rounded(x: torch.Tensor) -> torch.Tensor:
@@ -80,16 +92,72 @@ def test_a_zero_row_gives_zero_outputs_of_the_zeros_alone():
 @needs_gemm
 def test_int4_linear_takes_it_below_the_dense_rows():
     w, dense = _int4_case(128, 256, 64, seed=5)
-    below = torch.randn(weight_only.int4_dense_min_rows() - 1, 256)
+    s8 = bool(LIB.ps_gemm_int4_s8_built())
+    below = torch.randn((weight_only.INT4_INT8_MIN_ROWS if s8 else weight_only.int4_dense_min_rows()) - 1, 256)
     assert torch.equal(weight_only.int4_linear(below, w), _gemm(below, w))
     fewest = LIB.ps_gemm_int4_min_rows()
     assert torch.equal(weight_only.int4_linear(below[:fewest], w), _gemm(below[:fewest], w))
     for rows in range(1, fewest):                                                   # fewer: the GEMV
         assert torch.equal(weight_only.int4_linear(below[:rows], w), weight_only._int4_gemv(below[:rows], w))
-    at = torch.randn(weight_only.int4_dense_min_rows(), 256)
-    assert not torch.equal(weight_only.int4_linear(at, w), _gemm(at, w))                # widened + oneDNN
+    if not s8:                                  # (with the int8 form nothing widens: the test below)
+        at = torch.randn(weight_only.int4_dense_min_rows(), 256)
+        assert not torch.equal(weight_only.int4_linear(at, w), _gemm(at, w))            # widened + oneDNN
     # A bfloat16 caller gets bfloat16 back, and a bias is added.
     x, bias = below[:5].to(torch.bfloat16), torch.randn(128).to(torch.bfloat16)
     got = weight_only.int4_linear(x, w, bias)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, _gemm(x.float(), w).to(torch.bfloat16) + bias)
+
+
+@needs_s8
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 64, 131, 300])
+@pytest.mark.parametrize("out,cols,group", [(64, 64, 32), (192, 576, 32), (128, 256, 64), (128, 512, 128),
+                                            (64, 512, 256)])
+def test_int8_form_matches_the_weights(rows, out, cols, group):
+    w, dense = _int4_case(out, cols, group, seed=rows + out + group, symmetric=group == 32)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+    x[0, cols // 3] = 50.0                              # one outlier: it sets its group's step alone
+    y = _gemm(x, w, kernel="ps_gemm_int4_s8")
+    _close(y, _rounded8(x, group), dense)               # only float32 sums differ from the rounded inputs
+    _close(y, x, dense, int8_group=group)               # and the rounding is within half a step per input
+
+
+@needs_gemm
+@pytest.mark.parametrize("kernel", ["ps_gemm_int4", "ps_gemm_int4_s8"])
+def test_a_row_gets_the_same_bits_whatever_rows_run_beside_it(kernel):
+    """What a speculative verify pass of k + 1 rows needs: each row exactly as a one-row call computes it.
+    Rows 1-3 take the GEMV form where the build has one, 4 and more the tile, past 256 rows (int8 form) a
+    second pass over the groups."""
+    if not getattr(LIB, "ps_gemm_int4_s8_built")() and kernel == "ps_gemm_int4_s8":
+        pytest.skip("no int8-input form in this build")
+    for group in (32, 128):
+        w, _ = _int4_case(192, 512, group, seed=group, symmetric=group == 32)
+        x = torch.randn(270, 512, generator=torch.Generator().manual_seed(group)) * torch.rand(270, 1) * 4
+        alone = torch.cat([_gemm(x[r:r + 1].contiguous(), w, kernel=kernel) for r in range(x.shape[0])])
+        for rows in (2, 3, 4, 5, 7, 9, 64, 257, 270):
+            assert torch.equal(_gemm(x[:rows].contiguous(), w, kernel=kernel), alone[:rows]), (group, rows)
+
+
+@needs_s8
+def test_int4_linear_takes_the_int8_form_from_its_rows_and_never_widens():
+    w, _ = _int4_case(128, 256, 64, seed=9)
+    at = weight_only.INT4_INT8_MIN_ROWS
+    x = torch.randn(at + 40, 256)
+    assert weight_only.int4_dense_min_rows() == weight_only.INT4_NEVER_DENSE
+    assert torch.equal(weight_only.int4_linear(x[:at], w), _gemm(x[:at].contiguous(), w, kernel="ps_gemm_int4_s8"))
+    assert torch.equal(weight_only.int4_linear(x, w), _gemm(x, w, kernel="ps_gemm_int4_s8"))
+    below = x[:at - 1].contiguous()                                       # below it: the int16 form
+    assert torch.equal(weight_only.int4_linear(below, w), _gemm(below, w))
+    assert not torch.equal(_gemm(below, w), _gemm(below, w, kernel="ps_gemm_int4_s8"))
+
+
+def test_the_int8_form_declines_shapes_it_does_not_take():
+    if LIB is None:
+        pytest.skip("no C compiler")
+    w, _ = _int4_case(64, 64, 32, seed=1)
+    x, y = torch.randn(2, 64), torch.empty(2, 96)
+    # n not a multiple of 64, and no rows: 2 (the caller keeps its other paths), never a crash
+    assert LIB.ps_gemm_int4_s8(w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), 2, 96, 64, 32, x.data_ptr(), 2,
+                               y.data_ptr(), 2) == 2
+    assert LIB.ps_gemm_int4_s8(w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), 2, 64, 64, 32, x.data_ptr(), 0,
+                               y.data_ptr(), 2) == 2
