@@ -7,7 +7,7 @@ bfloat16 matrix and hand that to oneDNN's bfloat16 GEMM. This file does only the
 own packed layouts, so the weights are stored once. Built at first use by kernels/cpu_native.py. */
 #include <stdlib.h>
 
-#include "common.h"
+#include "gemv.h"
 
 typedef struct {
     const uint8_t *packed;    /* torch's CPU int4 pack: [n / 64, k, 32] bytes, low nibble row j, high row j + 32 */
@@ -26,11 +26,8 @@ static void *int4_job(void *arg) {
     for (int64_t kk = j->k0; kk < j->k1; ++kk) {
         int64_t g = kk / j->group;
         if (g != loaded) {    /* one group's scales serve `group` rows: widen them once */
-            const uint16_t *row = j->sz + g * j->n * j->stride;
-            for (int64_t c = 0; c < j->n; ++c) {
-                scale[c] = bf16_to_f32(row[j->stride * c]);
-                zero[c] = (j->stride == 2 ? bf16_to_f32(row[2 * c + 1]) : 0.0f) - 8.0f * scale[c];
-            }
+            const GemvInt4 w = {j->packed, j->sz, j->n, j->k, j->group, j->stride};
+            for (int64_t c = 0; c < j->n; ++c) ps_int4_scale_zero(&w, g, c, &scale[c], &zero[c]);
             loaded = g;
         }
         uint16_t *o = j->out + kk * j->n;

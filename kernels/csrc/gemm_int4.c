@@ -110,8 +110,7 @@ static void unpack_group(const uint8_t *p, int64_t pairs, __m512i (*tile)[4]) {
     /* Two shuffles and two masks a pair, where widening byte by byte below takes a dozen instructions. */
     const PairShuffle sh = pair_shuffle();
     for (int64_t i = 0; i < pairs; ++i, p += 64) unpack_pair(&sh, p, tile[i]);
-    return;
-#endif
+#else
     const __m512i low = _mm512_set1_epi32(0x0F), high = _mm512_set1_epi32(0x000F0000);
     for (int64_t i = 0; i < pairs; ++i, p += 64) {
         __m512i a0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
@@ -123,6 +122,7 @@ static void unpack_group(const uint8_t *p, int64_t pairs, __m512i (*tile)[4]) {
         tile[i][2] = _mm512_or_si512(_mm512_srli_epi32(a0, 4), _mm512_and_si512(_mm512_slli_epi32(b0, 12), high));
         tile[i][3] = _mm512_or_si512(_mm512_srli_epi32(a1, 4), _mm512_and_si512(_mm512_slli_epi32(b1, 12), high));
     }
+#endif
 }
 
 /* vpdpwssd as inline assembly: through the intrinsic gcc 12 copied every sum to a new register after each
