@@ -109,8 +109,10 @@ def _flag_type(hint: Any, where: str) -> Any:
         hint = args[0]
     if typing.get_origin(hint) is tuple and typing.get_args(hint) == (str, ...):
         return json_str_list
+    if typing.get_origin(hint) is dict:
+        return json_object
     if hint not in _SCALARS:
-        raise TypeError(f"{where}: flags parse {', '.join(t.__name__ for t in _SCALARS)} or tuple[str, ...], "
+        raise TypeError(f"{where}: flags parse {', '.join(t.__name__ for t in _SCALARS)}, tuple[str, ...] or dict, "
                         f"got {hint}")
     return hint
 
@@ -125,6 +127,17 @@ def json_str_list(value: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"a\", \"b\"]', "
                                          f"got {value!r}")
     return tuple(items)
+
+
+def json_object(value: str) -> dict[str, Any]:
+    """An object flag's value: a JSON object, as vLLM takes them (`--speculative-config '{"method": "ngram"}'`)."""
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError:
+        obj = None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": 1}}', got {value!r}")
+    return obj
 
 
 def _help_text(meta: Mapping[str, Any], default: Any) -> str:

@@ -17,6 +17,7 @@ from pagedserve.common.model_files import ModelSource, load_hf_config, resolve_m
 from pagedserve.common.quantization import (QUANTIZATION_CHOICES, QuantSpec,
                                             checkpoint_quant_spec, resolve_quantization)
 from pagedserve.common.reasoning import REASONING_PARSERS
+from pagedserve.common.speculative import SpeculativeConfig, parse_speculative_config
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     structured_outputs: StructuredOutputsConfig
+    speculative: SpeculativeConfig | None     # None: no speculative decoding
 
 
 @dataclass
@@ -230,6 +232,10 @@ class EngineArgs:
     structured_outputs_compile_timeout: float = setting(
         10.0, help="seconds a request's grammar (response_format, structured_outputs, guided_*) may take to "
                    "compile before the request fails with a 400; compiles run beside the engine loop")
+    speculative_config: dict[str, Any] | None = setting(
+        None, help="speculative decoding, vLLM's keys as a JSON object: {\"method\": \"ngram\", "
+                   "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} "
+                   "(docs/speculative_decoding.md; unset: off)")
     worker_heartbeat_timeout: float | None = setting(
         None, help=f"seconds a worker process may go without a heartbeat before the engine fails (TP > 1); its "
                    f"own thread beats, so a long step does not count; under torchrun, how long a rank may keep the "
@@ -261,7 +267,8 @@ class EngineArgs:
         structured = StructuredOutputsConfig(reasoning_parser=self.reasoning_parser,
                                              compile_timeout_s=float(self.structured_outputs_compile_timeout))
         return EngineConfig(model=model, cache=cache, scheduler=self._scheduler_config(model.max_model_len),
-                            parallel=parallel, structured_outputs=structured)
+                            parallel=parallel, structured_outputs=structured,
+                            speculative=parse_speculative_config(self.speculative_config))
 
     def _model_config(self) -> ModelConfig:
         source = resolve_model(self.model, self.revision, self.download_dir)
@@ -342,6 +349,7 @@ class EngineArgs:
             one_of("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
         if self.reasoning_parser is not None:
             one_of("reasoning_parser", self.reasoning_parser, tuple(REASONING_PARSERS))
+        parse_speculative_config(self.speculative_config)
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -55,7 +55,8 @@ class EngineCore:
         cache = config.cache
         self.kv_cache_manager = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.structured_outputs = make_structured_output_manager(config)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured_outputs)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured_outputs,
+                                   config.speculative)
         self.block_hasher = BlockHasher(cache.block_size) if cache.enable_prefix_caching else None
         self.eos_token_ids = config.model.eos_token_ids
         self.async_scheduling = config.scheduler.async_scheduling

@@ -5,12 +5,14 @@ import logging
 from collections.abc import Iterable
 
 from pagedserve.common.config import SchedulerConfig
+from pagedserve.common.speculative import SpeculativeConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.request_queue import make_queue
+from pagedserve.core.spec_decode import SpecDecodeState
 from pagedserve.core.structured_output import StructuredOutputManager
 from pagedserve.core.structured_output.waiting import GrammarWaiters
-from pagedserve.ipc.messages import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+from pagedserve.ipc.messages import (CachedRequestData, EngineCoreOutput, LogprobsEntry, ModelRunnerOutput,
                                      NewRequestData, SchedulerOutput, SchedulerStats, refused_output)
 
 logger = logging.getLogger(__name__)
@@ -28,8 +30,10 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 structured: StructuredOutputManager | None = None) -> None:
+                 structured: StructuredOutputManager | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
+        self.spec = SpecDecodeState(speculative, config.max_model_len) if speculative is not None else None
         self.kv = kv_cache_manager
         self.structured = structured
         self.grammar_waiters = GrammarWaiters(structured) if structured is not None else None
@@ -75,8 +79,9 @@ class Scheduler:
 
     def needs_each_output_before_scheduling(self) -> bool:
         """True while a request has structured outputs: its grammar must accept step N's token before step
-        N+1's bitmask can be built, so async scheduling waits for each step's output then."""
-        return self._num_structured > 0
+        N+1's bitmask can be built, so async scheduling waits for each step's output then. With speculative
+        decoding always: drafts come from the tokens step N accepts."""
+        return self._num_structured > 0 or self.spec is not None
 
     def _unqueue(self, request: Request) -> None:
         if request.status == RequestStatus.RUNNING:
@@ -102,6 +107,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
+        drafts: dict[str, list[int]] = {}
         preempted_any = False
         if self.grammar_waiters is not None:
             self._admit_compiled()
@@ -113,10 +119,16 @@ class Scheduler:
             if num_new <= 0:
                 idx += 1
                 continue
+            if num_new == 1 and self.spec is not None:
+                drafted = sum(map(len, drafts.values()))
+                if draft := self.spec.drafts_for(request, len(self.running), budget, drafted):
+                    drafts[request.request_id] = draft
+                    num_new += len(draft)
             while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < idx:
                     idx -= 1
+                drafts.pop(victim.request_id, None)
                 if victim.request_id in num_scheduled:   # priority policy may pick one already scheduled
                     budget += num_scheduled.pop(victim.request_id)
                     self._unemit(victim, new_reqs, cached)
@@ -125,6 +137,7 @@ class Scheduler:
                 if victim is request:
                     break
             if new_blocks is None:
+                drafts.pop(request.request_id, None)
                 break
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -154,7 +167,7 @@ class Scheduler:
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
-            finished_req_ids=self._finished_ids)
+            finished_req_ids=self._finished_ids, scheduled_spec_decode_tokens=drafts)
         self._finished_ids = []
         sampling = self._advance(num_scheduled)
         if num_scheduled:                # a step with no tokens gets no output to match
@@ -258,7 +271,6 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        logprobs = result.logprobs
         prompt_logprobs = result.prompt_logprobs or {}
         scheduled = self._scheduled.pop(id(sched), {})
         for i, rid in enumerate(result.req_ids):
@@ -279,14 +291,8 @@ class Scheduler:
                 continue
             status = RequestStatus.FINISHED_LENGTH_CAPPED    # max_tokens=0: the prompt only, nothing sampled
             if request.max_tokens > 0:
-                request.append_output_token(token)
-                status = request.check_stop(self.config.max_model_len)
-                if (request.structured is not None and request.structured.accept(token, request.output_token_ids)
-                        and status is None):
-                    status = RequestStatus.FINISHED_STOPPED      # the grammar is complete
-                entry = logprobs[i] if logprobs is not None else None
-                out.new_token_ids = [token]
-                out.new_logprobs = [entry] if entry is not None else None
+                tokens, entries = self._step_tokens(sched, result, i, request, token)
+                status = self._append_tokens(request, tokens, entries, out)
             if status is not None:
                 self._unqueue(request)
                 request.status = status
@@ -294,11 +300,50 @@ class Scheduler:
                 out.stop_reason = request.stop_reason
                 self._free(request)
             outputs.append(out)
+        if self.spec is not None:
+            self.spec.maybe_log()
         return outputs
+
+    def _step_tokens(self, sched: SchedulerOutput, result: ModelRunnerOutput, i: int, request: Request,
+                     token: int) -> tuple[list[int], list[LogprobsEntry | None]]:
+        """Row i's new tokens (accepted drafts, then the sampled one) and their logprobs entries. Rejected
+        drafts' KV slots are given back: num_computed_tokens counted them, the next step overwrites them."""
+        entry = result.logprobs[i] if result.logprobs is not None else None
+        scheduled = sched.scheduled_spec_decode_tokens.get(request.request_id)
+        if not scheduled:
+            return [token], [entry]
+        accepted = result.spec_token_ids[i] if result.spec_token_ids is not None else []
+        request.num_computed_tokens -= len(scheduled) - len(accepted)
+        self.spec.record(len(scheduled), len(accepted))
+        spec_entries = result.spec_logprobs[i] if result.spec_logprobs is not None else None
+        return [*accepted, token], [*(spec_entries or [None] * len(accepted)), entry]
+
+    def _append_tokens(self, request: Request, tokens: list[int], entries: list[LogprobsEntry | None],
+                       out: EngineCoreOutput) -> RequestStatus | None:
+        """Append one step's tokens up to the first that ends the request (tokens past a stop are never
+        emitted); fills the output's ids and logprobs. Returns the finished status, or None."""
+        status = None
+        for n, token in enumerate(tokens, 1):
+            request.append_output_token(token)
+            status = request.check_stop(self.config.max_model_len)
+            if (request.structured is not None and request.structured.accept(token, request.output_token_ids)
+                    and status is None):
+                status = RequestStatus.FINISHED_STOPPED      # the grammar is complete
+            if status is not None:
+                break
+        out.new_token_ids = tokens[:n]
+        kept = entries[:n]
+        out.new_logprobs = kept if all(e is not None for e in kept) else None
+        return status
 
     def make_stats(self) -> SchedulerStats:
         stats = self.kv.prefix_stats
-        return SchedulerStats(
+        out = SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=self.kv.usage,
             prefix_cache_queries=stats.queries, prefix_cache_hits=stats.hits,
             num_preemptions=self.num_preemptions)
+        if self.spec is not None:
+            out.spec_num_drafts, out.spec_num_draft_tokens = self.spec.num_drafts, self.spec.num_draft_tokens
+            out.spec_num_accepted_tokens = self.spec.num_accepted_tokens
+            out.spec_accepted_per_pos = list(self.spec.accepted_per_pos)
+        return out

@@ -32,10 +32,12 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._decode_ids(ids, self.skip_special)
 
-    def add_tokens(self, token_ids: list[int]) -> None:
-        for token_id in token_ids:
+    def add_tokens(self, token_ids: list[int]) -> int:
+        """Returns how many of the ids it took: all, or up to the one that completed a stop string (a step
+        that accepted speculative drafts brings several, and the ones after a stop are never output)."""
+        for taken, token_id in enumerate(token_ids):
             if self.stop_hit is not None:
-                return
+                return taken
             self.ids.append(token_id)
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
             full = self._decode(self.ids[self.prefix_offset:])
@@ -44,6 +46,7 @@ class IncrementalDetokenizer:
             new = full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             self._append_text(new)
+        return len(token_ids)
 
     def _append_text(self, new: str) -> None:
         search_from = max(0, len(self.text) - self.hold)

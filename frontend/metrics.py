@@ -86,11 +86,20 @@ class Metrics:
                                    _REQUEST_BUCKETS)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step.",
                                           (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
+        # Speculative decoding (vLLM's names): verify passes with drafts, draft tokens, accepted ones, and
+        # accepted ones by draft position.
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            labels + ["position"], registry=r)
         # pagedserve's own: vLLM has no admission bounds, so no name for their refusals.
         self.rejected = Counter("pagedserve:request_rejected", "Requests refused with HTTP 429 (reason: "
                                 "concurrency = this server's in-flight bound, queue = the engine's waiting "
                                 "bound)", ["model_name", "reason"], registry=r)
-        self._last_totals = (0, 0, 0)
+        self._last_totals: dict[str, int] = {}
+        self._last_per_pos: list[int] = []
 
     def observe_stats(self, stats: SchedulerStats | None) -> None:
         if stats is None:
@@ -100,11 +109,17 @@ class Metrics:
         self.kv_usage.set(stats.kv_cache_usage)
         self.gpu_kv_usage.set(stats.kv_cache_usage)
         # The core reports running totals; counters advance by the difference.
-        q, h, pre = self._last_totals
-        self.prefix_queries.inc(max(0, stats.prefix_cache_queries - q))
-        self.prefix_hits.inc(max(0, stats.prefix_cache_hits - h))
-        self.preemptions.inc(max(0, stats.num_preemptions - pre))
-        self._last_totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
+        for counter, field in ((self.prefix_queries, "prefix_cache_queries"), (self.prefix_hits, "prefix_cache_hits"),
+                               (self.preemptions, "num_preemptions"), (self.spec_drafts, "spec_num_drafts"),
+                               (self.spec_draft_tokens, "spec_num_draft_tokens"),
+                               (self.spec_accepted, "spec_num_accepted_tokens")):
+            total = getattr(stats, field)
+            counter.inc(max(0, total - self._last_totals.get(field, 0)))
+            self._last_totals[field] = total
+        for pos, total in enumerate(stats.spec_accepted_per_pos):
+            last = self._last_per_pos[pos] if pos < len(self._last_per_pos) else 0
+            self.spec_accepted_per_pos.labels(self.model, ENGINE_INDEX, str(pos)).inc(max(0, total - last))
+        self._last_per_pos = list(stats.spec_accepted_per_pos)
 
     def observe_step(self, stats: SchedulerStats) -> None:
         if stats.num_step_tokens > 0:

@@ -115,13 +115,12 @@ class OutputProcessor:
         return ProcessedOutputs(results, to_abort, intervals)
 
     def _update_sequence(self, seq: _Sequence, out: EngineCoreOutput) -> None:
-        new_ids = out.new_token_ids
-        seq.token_ids.extend(new_ids)
-        seq.detok.add_tokens(new_ids)
+        taken = seq.detok.add_tokens(out.new_token_ids)
+        seq.token_ids.extend(out.new_token_ids[:taken])
         if seq.parent.prompt_logprobs is not None and out.new_prompt_logprobs:
             seq.parent.prompt_logprobs.extend(self._logprob_dict(seq.detok, e) for e in out.new_prompt_logprobs)
         if seq.logprobs is not None and out.new_logprobs:
-            for entry in out.new_logprobs:
+            for entry in out.new_logprobs[:taken]:
                 seq.logprobs.append(self._logprob_dict(seq.detok, entry))
                 seq.cumulative_logprob += entry.logprobs[0]
 

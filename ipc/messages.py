@@ -75,6 +75,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_cache_hits: int
     num_preemptions: int
     num_step_tokens: int = 0    # tokens the step that sent these stats ran (0: stats sent without a step)
+    # Speculative decoding, totals since start (vLLM's vllm:spec_decode_* counters): verify passes of a
+    # request with drafts, draft tokens verified, accepted, and accepted at each draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -154,6 +160,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]          # finished, aborted or preempted: drop from the batch
     grammar_bitmask: Optional[GrammarBitmask] = None   # None when no scheduled row is constrained
+    # Draft tokens to verify, by request: such a request's num_scheduled_tokens counts them after its one
+    # real token, and the workers read their ids from here (they are no token of the request yet).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
@@ -161,6 +170,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     sampled_token_ids: list[int]         # one per req_ids entry; -1 where a prefill chunk sampled nothing
     logprobs: Optional[list[Optional[LogprobsEntry]]] = None
     prompt_logprobs: Optional[dict[str, "PromptLogprobsChunk"]] = None   # rows that asked, by request id
+    # Rows that verified drafts: the accepted draft ids, which come before sampled_token_ids[i] (the token
+    # sampled after them), and their logprobs entries where the row asked for logprobs.
+    spec_token_ids: Optional[list[list[int]]] = None
+    spec_logprobs: Optional[list[Optional[list[LogprobsEntry]]]] = None
 
 
 class PromptLogprobsChunk(msgspec.Struct, array_like=True):

@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
@@ -68,13 +69,13 @@ class LlamaServer:
     """`llama-server -m GGUF -t THREADS -np PARALLEL -c CTX --cont-batching` on a free local port."""
 
     def __init__(self, binary: str, gguf: str, threads: int, parallel: int, ctx: int,
-                 startup_timeout_s: float = 600.0) -> None:
+                 startup_timeout_s: float = 600.0, extra_args: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.parallel = parallel
         self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
         cmd = [binary, "-m", gguf, "-t", str(threads), "-np", str(parallel), "-c", str(ctx), "--cont-batching",
-               "--host", "127.0.0.1", "--port", str(self.port)]
+               "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.rss = RssSampler(self.proc.pid)
         try:
@@ -114,6 +115,15 @@ class LlamaServer:
             raise RuntimeError(f"llama-server generated {got} tokens, asked for {n_predict} "
                                f"(prompt of {len(prompt_ids)} ids; stop_type {out.get('stop_type')!r})")
         return out
+
+    def generate(self, prompt_ids: list[int], n_predict: int) -> dict:
+        """One greedy completion that may stop at EOS (at most `n_predict` tokens)."""
+        body = {"prompt": prompt_ids, "n_predict": n_predict, "cache_prompt": False, "temperature": 0.0,
+                "stream": False}
+        req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            return json.loads(r.read())
 
     def run_batch(self, reqs: list[tuple[list[int], int]]) -> tuple[float, int]:
         """All requests at once, `parallel` in flight (one per slot); (seconds, output tokens)."""

@@ -1,6 +1,8 @@
 """Flatten one step of a ragged batch into the model's inputs (ids, positions, slots, block tables)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from pagedserve.executor.worker.request_state import CachedRequestState
@@ -17,7 +19,8 @@ def order_rows(states: dict[str, CachedRequestState], num_scheduled: dict[str, i
 
 
 def prepare_inputs(states: dict[str, CachedRequestState], num_scheduled: dict[str, int],
-                   block_size: int) -> HostBatch:
+                   block_size: int, drafts: Mapping[str, list[int]] | None = None) -> HostBatch:
+    """drafts: a request's draft tokens, run after its last real token (their ids are in no state yet)."""
     req_ids = order_rows(states, num_scheduled)
     num_seqs = len(req_ids)
     counts = np.fromiter((num_scheduled[r] for r in req_ids), dtype=np.int64, count=num_seqs)
@@ -39,7 +42,8 @@ def prepare_inputs(states: dict[str, CachedRequestState], num_scheduled: dict[st
         state = states[rid]
         block_tables[i, :len(state.block_ids)] = state.block_ids
         lo, hi = int(query_start[i]), int(query_start[i + 1])
-        input_ids[lo:hi] = state.token_ids[int(starts[i]):int(seq_lens[i])]
+        source = state.token_ids + drafts[rid] if drafts and rid in drafts else state.token_ids
+        input_ids[lo:hi] = source[int(starts[i]):int(seq_lens[i])]
         if seq_lens[i] >= len(state.token_ids):
             sample_rows.append(i)
     slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size

@@ -14,6 +14,7 @@ from pagedserve.executor.worker.cuda_graphs import CudaGraphRunner, capture_size
 from pagedserve.executor.worker.grammar_mask import grammar_rows
 from pagedserve.executor.worker.input_prep import prepare_inputs
 from pagedserve.executor.worker.prompt_logprobs import compute_prompt_logprobs
+from pagedserve.executor.worker.rejection_sampler import verify_drafts
 from pagedserve.executor.worker.request_state import CachedRequestState
 from pagedserve.executor.worker.sampler import Sampler
 from pagedserve.executor.worker.sampling_inputs import build_sampling_metadata
@@ -97,7 +98,8 @@ class ModelRunner:
             state.num_computed_tokens = num_computed
 
     def _forward(self, sched: SchedulerOutput) -> tuple[PreparedBatch, torch.Tensor]:
-        host = prepare_inputs(self.states, sched.num_scheduled_tokens, self.block_size)
+        host = prepare_inputs(self.states, sched.num_scheduled_tokens, self.block_size,
+                              sched.scheduled_spec_decode_tokens)
         decode_only = host.num_decodes == host.num_seqs
         size = self.graphs.padded_size(host.num_seqs) if self.graphs is not None and decode_only else None
         batch = self.buffers.commit(host, pad_to=size)
@@ -119,21 +121,52 @@ class ModelRunner:
                                                   batch.meta.query_start_loc_cpu, batch.meta.seq_lens_cpu)
         sampled = [-1] * len(batch.req_ids)
         logprobs = None
-        if batch.sample_rows:
-            states = [self.states[batch.req_ids[i]] for i in batch.sample_rows]
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        drafts = sched.scheduled_spec_decode_tokens
+        plain = [j for j, row in enumerate(batch.sample_rows) if batch.req_ids[row] not in drafts]
+        if plain:
+            rows = [batch.sample_rows[j] for j in plain]
+            states = [self.states[batch.req_ids[i]] for i in rows]
+            indices = batch.logits_indices if len(plain) == len(batch.sample_rows) else batch.logits_indices[plain]
+            logits = self.model.compute_logits(hidden[indices])
             meta = build_sampling_metadata(states, self.eos_token_ids, self.device)
-            meta.grammar = grammar_rows(sched.grammar_bitmask, [batch.req_ids[i] for i in batch.sample_rows],
-                                        self.device)
+            meta.grammar = grammar_rows(sched.grammar_bitmask, [batch.req_ids[i] for i in rows], self.device)
             out = self.sampler(logits, meta)
             tokens = out.sampled_token_ids.tolist()
-            for row, state, token in zip(batch.sample_rows, states, tokens):
+            for row, state, token in zip(rows, states, tokens):
                 state.append(token)
                 sampled[row] = token
             if out.logprobs is not None:
-                logprobs = self._logprobs_entries(out, states, batch.sample_rows, len(batch.req_ids))
-        return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs)
+                logprobs = self._logprobs_entries(out, states, rows, len(batch.req_ids))
+        result = ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+                                   prompt_logprobs=prompt_logprobs)
+        if drafts:
+            self._verify(batch, hidden, drafts, result)
+        return result
+
+    def _verify(self, batch: PreparedBatch, hidden: torch.Tensor, drafts: dict[str, list[int]],
+                result: ModelRunnerOutput) -> None:
+        """Rows with drafts: logits at each of their k + 1 positions, the rejection sampler's verdict, the
+        accepted tokens appended (the core rolls back the rejected ones' KV slots)."""
+        rows = [row for row in batch.sample_rows if batch.req_ids[row] in drafts]
+        ends = [batch.meta.query_start_loc_cpu[row + 1] for row in rows]
+        row_drafts = [drafts[batch.req_ids[row]] for row in rows]
+        indices = torch.tensor([i for end, d in zip(ends, row_drafts) for i in range(end - len(d) - 1, end)],
+                               device=hidden.device)
+        states = [self.states[batch.req_ids[row]] for row in rows]
+        verdicts = verify_drafts(self.model.compute_logits(hidden[indices]), states, row_drafts,
+                                 self.eos_token_ids, self.device)
+        result.spec_token_ids = [[] for _ in batch.req_ids]
+        result.spec_logprobs = [None] * len(batch.req_ids)
+        for row, state, verdict in zip(rows, states, verdicts):
+            for token in (*verdict.accepted, verdict.token):
+                state.append(token)
+            result.sampled_token_ids[row] = verdict.token
+            result.spec_token_ids[row] = verdict.accepted
+            if verdict.entries is not None:
+                if result.logprobs is None:
+                    result.logprobs = [None] * len(batch.req_ids)
+                result.spec_logprobs[row] = verdict.entries[:-1]
+                result.logprobs[row] = verdict.entries[-1]
 
     @staticmethod
     def _logprobs_entries(out, states: list[CachedRequestState], rows: list[int],

@@ -2,9 +2,9 @@
 
 The model runner asks the model for this step once, when the KV cache is bound (LlamaForCausalLM
 .make_decode_step), and offers it every step; the step takes the ones it can (`__call__`, the one
-eligibility test) and the model's own layers run the rest: prefills, mixed steps, more sequences than the
-C step takes, multi-token decodes. Models outside what it takes (other devices and dtypes, tensor
-parallelism, MoE blocks, sliding windows, unquantized or fp8 linears) get no step at all.
+eligibility test: at most MAX_ROWS tokens, decodes or a speculative verify pass) and the model's own layers
+run the rest. Models outside what it takes (other devices and dtypes, tensor parallelism, MoE blocks,
+sliding windows, unquantized or fp8 linears) get no step at all.
 PAGEDSERVE_CPU_DECODE_STEP=0 keeps the layers for every step (for A/B runs against them).
 """
 from __future__ import annotations
@@ -49,13 +49,20 @@ class LlamaCpuDecodeStep:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor | None:
-        """The final-normed hidden states of a step of 1..MAX_ROWS one-token decodes, every one with a cache
-        slot; None for any other step (the layers run it)."""
+        """The final-normed hidden states of a step of 1..MAX_ROWS tokens, every one with a cache slot; None
+        for any other step (the layers run it). Each token is a row of the C step that attends to its
+        sequence's context up to its own position: a one-token decode, or several tokens of one sequence (a
+        speculative verify pass, a short chunk), whose K/V every layer writes before any row attends. A
+        token's arithmetic is the same in either (docs/speculative_decoding.md)."""
         rows = input_ids.shape[0]
-        if not 1 <= rows <= MAX_ROWS or meta.num_decodes != rows or meta.num_seqs != rows \
-                or int(meta.slot_mapping.min()) < 0:
+        if not 1 <= rows <= MAX_ROWS or int(meta.slot_mapping.min()) < 0:
             return None
+        if meta.num_seqs == rows:
+            tables = meta.block_tables[:rows]
+        else:
+            counts = torch.tensor(meta.query_start_loc_cpu[1:]) - torch.tensor(meta.query_start_loc_cpu[:-1])
+            tables = meta.block_tables.repeat_interleave(counts, dim=0)
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb.cos_sin(positions, torch.float32)
-        return self.c_step(h, cos.view(rows, -1), sin.view(rows, -1), meta.slot_mapping, meta.block_tables[:rows],
-                           meta.seq_lens)
+        return self.c_step(h, cos.view(rows, -1), sin.view(rows, -1), meta.slot_mapping, tables,
+                           (positions + 1).to(torch.int32))

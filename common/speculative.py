@@ -1,0 +1,74 @@
+"""--speculative-config: vLLM's keys, parsed and checked once, into a frozen SpeculativeConfig.
+
+Speculative decoding proposes up to k tokens a step that the target model then verifies in one pass
+(docs/speculative_decoding.md). `ngram` (prompt lookup over the prompt and the output so far) runs here;
+`draft_model`, `eagle` and `eagle3` are vLLM's other methods, refused at start until they land (issue 26).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram",)
+PLANNED_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
+# Keys vLLM's SpeculativeConfig takes that mean something for ngram here.
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+# vLLM's rule: one of prompt_lookup_min / _max unset takes the other's value, both unset are 5.
+DEFAULT_PROMPT_LOOKUP = 5
+# Running requests beyond which no request gets drafts (vLLM's disable_by_batch_size): with 3 and k = 5 a step
+# is at most 8 tokens, what the CPU's one-call decode step takes (kernels/cpu_decode_step.py MAX_ROWS).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 3
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str                      # one of METHODS
+    num_speculative_tokens: int      # k: the most draft tokens a request gets per step
+    prompt_lookup_min: int           # ngram: shortest suffix looked up
+    prompt_lookup_max: int           # ngram: longest suffix looked up (tried first)
+    disable_by_batch_size: int       # no drafts while more requests than this run
+
+
+def parse_speculative_config(value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
+    """The config a user gave (a dict, or its JSON as the flag takes it); ValueError naming the field."""
+    if value is None or value == "" or value == {}:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config must be a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be an object of vLLM's keys, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(_KEYS) - {"model", "draft_tensor_parallel_size"})
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} (known: {', '.join(_KEYS)})")
+    method = value.get("method") or ("draft_model" if value.get("model") else None)
+    if method is None:
+        raise ValueError("speculative_config.method is required (one of: " + ", ".join(METHODS) + ")")
+    if method in PLANNED_METHODS:
+        raise ValueError(f"speculative_config.method {method!r} is not supported yet; this build runs: "
+                         + ", ".join(METHODS))
+    if method not in METHODS:
+        raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {method!r}")
+    if value.get("model") is not None:
+        raise ValueError("speculative_config.model is only for method draft_model")
+    k = _int(value, "num_speculative_tokens", None)
+    given_lo, given_hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+    lo = _int(value, "prompt_lookup_min", given_hi if given_hi is not None else DEFAULT_PROMPT_LOOKUP)
+    hi = _int(value, "prompt_lookup_max", given_lo if given_lo is not None else DEFAULT_PROMPT_LOOKUP)
+    if lo > hi:
+        raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+    disable = _int(value, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+    return SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_min=lo,
+                             prompt_lookup_max=hi, disable_by_batch_size=disable)
+
+
+def _int(value: dict[str, Any], key: str, default: int | None) -> int:
+    got = value.get(key, default)
+    if got is None:
+        raise ValueError(f"speculative_config.{key} is required")
+    if isinstance(got, bool) or not isinstance(got, int) or got < 1:
+        raise ValueError(f"speculative_config.{key} must be an integer >= 1, got {got!r}")
+    return got

@@ -1,0 +1,132 @@
+"""Speculative decoding through the whole engine: the same greedy tokens (and logprobs) as without it on the
+embedded quantized model, where its C decode step verifies the drafts, and on a tiny float model through the
+PyTorch layers with chunked prefill, preemption and prefix hits; stops, max_tokens, n > 1, min_tokens and
+seeds with drafts in flight."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+
+PASSAGE = ("def merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+           "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
+           "            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n"
+           "    return out\n")
+MESSAGES = [[{"role": "user", "content": "Rewrite this function, renaming `out` to `result`, and change nothing "
+                                         "else:\n\n" + PASSAGE}],
+            [{"role": "user", "content": "Repeat this list exactly: apples, pears, plums, apples, pears, figs, "
+                                         "apples, pears, plums, cherries."}]]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+CASES = {
+    "greedy": SamplingParams(temperature=0.0, max_tokens=120, logprobs=2),
+    "max_tokens": SamplingParams(temperature=0.0, max_tokens=37),
+    "stop": SamplingParams(temperature=0.0, max_tokens=120, stop=["result.extend"]),
+    "min_tokens": SamplingParams(temperature=0.0, max_tokens=60, min_tokens=50),
+    "n2_seeded": SamplingParams(temperature=0.7, max_tokens=60, n=2, seed=11),
+}
+
+
+def _run(llm: LLM) -> dict[str, list]:
+    return {name: [list(c.outputs) for c in llm.chat(MESSAGES, params, use_tqdm=False)]
+            for name, params in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def embedded_runs(smollm2_path):
+    with LLM(smollm2_path, max_model_len=1024) as llm:
+        off = _run(llm)
+    with LLM(smollm2_path, max_model_len=1024, speculative_config=NGRAM) as llm:
+        on = _run(llm)
+        again = _run(llm)
+        stats = llm.engine.scheduler.make_stats()
+    return off, on, again, stats
+
+
+@pytest.mark.slow
+def test_greedy_tokens_and_logprobs_equal_without_drafts(embedded_runs):
+    off, on, _, stats = embedded_runs
+    assert stats.spec_num_accepted_tokens > 50                   # drafts were accepted, often
+    for a, b in zip(off["greedy"], on["greedy"]):
+        assert a[0].token_ids == b[0].token_ids
+        assert a[0].text == b[0].text
+        # The C step gives a verified token the bits a one-token decode gives it.
+        assert [{t: lp.logprob for t, lp in e.items()} for e in a[0].logprobs] == \
+               [{t: lp.logprob for t, lp in e.items()} for e in b[0].logprobs]
+
+
+@pytest.mark.slow
+def test_stops_and_lengths_inside_a_draft(embedded_runs):
+    off, on, _, _ = embedded_runs
+    for name in ("max_tokens", "stop", "min_tokens"):
+        for a, b in zip(off[name], on[name]):
+            assert (a[0].token_ids, a[0].text, a[0].finish_reason) == (b[0].token_ids, b[0].text, b[0].finish_reason)
+    assert len(on["max_tokens"][0][0].token_ids) == 37 and on["max_tokens"][0][0].finish_reason == "length"
+    assert on["stop"][0][0].finish_reason == "stop" and "result.extend" not in on["stop"][0][0].text
+    assert all(len(o[0].token_ids) >= 50 for o in on["min_tokens"])
+    assert len(off["min_tokens"][1][0].token_ids) > len(off["greedy"][1][0].token_ids)    # it held off an EOS
+
+
+@pytest.mark.slow
+def test_seeded_samples_repeat_with_drafts(embedded_runs):
+    _, on, again, _ = embedded_runs
+    for a, b in zip(on["n2_seeded"], again["n2_seeded"]):
+        assert len(a) == 2 and [c.token_ids for c in a] == [c.token_ids for c in b]
+
+
+def _repetitive_prompts(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randrange(4, 9))] * rng.randrange(3, 7)}
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("engine_kw", [
+    dict(max_num_batched_tokens=24),                              # prompts chunked, drafts beside them
+    dict(num_gpu_blocks_override=40, max_num_seqs=8),             # preemption with drafts in flight
+    dict(enable_prefix_caching=True),                             # shared prompts hit the cache
+])
+def test_tiny_model_same_greedy_tokens_with_drafts(tiny_llama_dir, engine_kw):
+    prompts = _repetitive_prompts(6, seed=3)
+    prompts += [dict(p) for p in prompts[:2]]                     # repeats: prefix hits
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    runs = {}
+    for name, spec in (("off", None), ("on", {**NGRAM, "disable_by_batch_size": 8})):
+        with LLM(tiny_llama_dir, dtype="float32", max_model_len=512, speculative_config=spec, **engine_kw) as llm:
+            runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            stats = llm.engine.scheduler.make_stats()
+            if spec:
+                assert stats.spec_num_drafts > 0
+            if "num_gpu_blocks_override" in engine_kw:
+                assert stats.num_preemptions > 0
+    assert runs["on"] == runs["off"]
+
+
+def test_a_rejected_draft_is_never_served_from_the_prefix_cache(tiny_llama_dir):
+    """After steps that rejected drafts, a prompt that runs over those positions hits the cache: its greedy
+    continuation equals the one computed with no cache at all."""
+    prompt = _repetitive_prompts(1, seed=5)[0]["prompt_token_ids"]
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    with LLM(tiny_llama_dir, dtype="float32", max_model_len=512, speculative_config=NGRAM, block_size=4) as llm:
+        first = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+        stats = llm.engine.scheduler.make_stats()
+        assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens          # some were rejected
+        longer = {"prompt_token_ids": prompt + first}
+        hit = llm.generate([longer], params, use_tqdm=False)[0]
+        assert hit.num_cached_tokens > len(prompt)
+    with LLM(tiny_llama_dir, dtype="float32", max_model_len=512, enable_prefix_caching=False) as llm:
+        fresh = llm.generate([longer], params, use_tqdm=False)[0]
+    assert hit.outputs[0].token_ids == fresh.outputs[0].token_ids
+
+
+def test_tensor_parallel_and_async_scheduling_keep_the_greedy_tokens(tiny_llama_dir):
+    """TP = 2 (a worker process per rank, gloo) verifies the same drafts on both ranks; async scheduling waits for
+    each step's output while drafts run. Both give what one rank without drafts gives."""
+    prompts = _repetitive_prompts(3, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    runs = {}
+    for name, kw in (("plain", {}), ("tp2", dict(tensor_parallel_size=2, speculative_config=NGRAM)),
+                     ("async", dict(async_scheduling=True, speculative_config=NGRAM))):
+        with LLM(tiny_llama_dir, dtype="float32", max_model_len=512, **kw) as llm:
+            runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert runs["tp2"] == runs["plain"] and runs["async"] == runs["plain"]
