@@ -139,6 +139,7 @@ class EngineConfig:
     parallel: ParallelConfig
     structured_outputs: StructuredOutputsConfig
     speculative: SpeculativeConfig | None     # None: no speculative decoding
+    draft_model: ModelConfig | None           # speculative_config's draft model, resolved like the model
 
 
 @dataclass
@@ -266,9 +267,10 @@ class EngineArgs:
                        getattr(model.hf_config, "intermediate_size", None))
         structured = StructuredOutputsConfig(reasoning_parser=self.reasoning_parser,
                                              compile_timeout_s=float(self.structured_outputs_compile_timeout))
+        speculative = parse_speculative_config(self.speculative_config)
         return EngineConfig(model=model, cache=cache, scheduler=self._scheduler_config(model.max_model_len),
-                            parallel=parallel, structured_outputs=structured,
-                            speculative=parse_speculative_config(self.speculative_config))
+                            parallel=parallel, structured_outputs=structured, speculative=speculative,
+                            draft_model=self._draft_model_config(speculative, model))
 
     def _model_config(self) -> ModelConfig:
         source = resolve_model(self.model, self.revision, self.download_dir)
@@ -285,6 +287,21 @@ class EngineArgs:
             served_model_name=self.served_model_name or source.name, enforce_eager=self.enforce_eager,
             tokenizer=self._resolve_tokenizer(source), default_sampling=gen.sampling,
             generation_eos_token_ids=gen.eos_token_ids, quantization=quantization)
+
+    def _draft_model_config(self, spec: SpeculativeConfig | None, target: ModelConfig) -> ModelConfig | None:
+        """The draft model of method draft_model, in the model's dtype and length; ValueError naming the field."""
+        if spec is None or spec.model is None:
+            return None
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: method draft_model runs with tensor_parallel_size 1 only")
+        args = dataclasses.replace(self, model=spec.model, tokenizer=None, tokenizer_revision=None, revision=None,
+                                   quantization=None, served_model_name=None, speculative_config=None,
+                                   dtype=target.dtype, max_model_len=target.max_model_len)
+        draft = args._model_config()
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocabulary ({draft.vocab_size} tokens) differs "
+                             f"from the model's ({target.vocab_size}); a draft must share the tokenizer")
+        return draft
 
     def _scheduler_config(self, max_len: int) -> SchedulerConfig:
         unset_batched = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill else max_len

@@ -18,7 +18,10 @@ def config_to_builtins(config: EngineConfig) -> dict[str, Any]:
     # The transformers config first, by hand: msgspec would take a transformers 5 config (a dataclass) field
     # by field, class-level tables included, and a 4.x one not at all.
     model = dataclasses.replace(config.model, hf_config=config.model.hf_config.to_dict())
-    return msgspec.to_builtins(dataclasses.replace(config, model=model))
+    draft = config.draft_model
+    if draft is not None:
+        draft = dataclasses.replace(draft, hf_config=draft.hf_config.to_dict())
+    return msgspec.to_builtins(dataclasses.replace(config, model=model, draft_model=draft))
 
 
 def config_from_builtins(data: Any) -> EngineConfig:
@@ -28,7 +31,10 @@ def config_from_builtins(data: Any) -> EngineConfig:
     except msgspec.ValidationError as exc:
         raise ValueError(f"not an encoded EngineConfig: {exc}") from None
     model = dataclasses.replace(config.model, hf_config=hf_config_from_dict(config.model.hf_config))
-    return dataclasses.replace(config, model=model)
+    draft = config.draft_model
+    if draft is not None:
+        draft = dataclasses.replace(draft, hf_config=hf_config_from_dict(draft.hf_config))
+    return dataclasses.replace(config, model=model, draft_model=draft)
 
 
 def encode_engine_config(config: EngineConfig) -> bytes:

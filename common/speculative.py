@@ -1,8 +1,9 @@
 """--speculative-config: vLLM's keys, parsed and checked once, into a frozen SpeculativeConfig.
 
 Speculative decoding proposes up to k tokens a step that the target model then verifies in one pass
-(docs/speculative_decoding.md). `ngram` (prompt lookup over the prompt and the output so far) runs here;
-`draft_model`, `eagle` and `eagle3` are vLLM's other methods, refused at start until they land (issue 26).
+(docs/speculative_decoding.md). `ngram` (prompt lookup over the prompt and the output so far) and
+`draft_model` (a smaller model with the same vocabulary, drafting greedily) run here; `eagle` and `eagle3` are
+refused at start until they land (issue 26).
 """
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
-PLANNED_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
-# Keys vLLM's SpeculativeConfig takes that mean something for ngram here.
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+METHODS = ("ngram", "draft_model")
+PLANNED_METHODS = ("eagle", "eagle3", "medusa", "mtp")
+# Keys of vLLM's SpeculativeConfig that mean something here.
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
+         "model", "draft_tensor_parallel_size")
 # vLLM's rule: one of prompt_lookup_min / _max unset takes the other's value, both unset are 5.
 DEFAULT_PROMPT_LOOKUP = 5
 # Running requests beyond which no request gets drafts (vLLM's disable_by_batch_size): with 3 and k = 5 a step
@@ -28,6 +30,12 @@ class SpeculativeConfig:
     prompt_lookup_min: int           # ngram: shortest suffix looked up
     prompt_lookup_max: int           # ngram: longest suffix looked up (tried first)
     disable_by_batch_size: int       # no drafts while more requests than this run
+    model: str | None = None         # draft_model: a path or Hub id (resolved into EngineConfig.draft_model)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request holds past its scheduled tokens: a draft model writes its k proposals there."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
 
 def parse_speculative_config(value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -41,7 +49,7 @@ def parse_speculative_config(value: dict[str, Any] | str | None) -> SpeculativeC
             raise ValueError(f"speculative_config must be a JSON object: {exc}") from None
     if not isinstance(value, dict):
         raise ValueError(f"speculative_config must be an object of vLLM's keys, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(_KEYS) - {"model", "draft_tensor_parallel_size"})
+    unknown = sorted(set(value) - set(_KEYS))
     if unknown:
         raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} (known: {', '.join(_KEYS)})")
     method = value.get("method") or ("draft_model" if value.get("model") else None)
@@ -52,7 +60,14 @@ def parse_speculative_config(value: dict[str, Any] | str | None) -> SpeculativeC
                          + ", ".join(METHODS))
     if method not in METHODS:
         raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {method!r}")
-    if value.get("model") is not None:
+    model = value.get("model")
+    if method == "draft_model":
+        if not isinstance(model, str) or not model:
+            raise ValueError("speculative_config.model (a path or Hub id) is required for method draft_model")
+        if value.get("draft_tensor_parallel_size", 1) != 1:
+            raise ValueError("speculative_config.draft_tensor_parallel_size: the draft model runs unsharded "
+                             f"(1), got {value['draft_tensor_parallel_size']!r}")
+    elif model is not None:
         raise ValueError("speculative_config.model is only for method draft_model")
     k = _int(value, "num_speculative_tokens", None)
     given_lo, given_hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
@@ -62,7 +77,7 @@ def parse_speculative_config(value: dict[str, Any] | str | None) -> SpeculativeC
         raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
     disable = _int(value, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
     return SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_min=lo,
-                             prompt_lookup_max=hi, disable_by_batch_size=disable)
+                             prompt_lookup_max=hi, disable_by_batch_size=disable, model=model)
 
 
 def _int(value: dict[str, Any], key: str, default: int | None) -> int:

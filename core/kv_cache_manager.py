@@ -54,14 +54,16 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVCacheBlock] = (),
-                       num_new_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
+                       num_new_computed_tokens: int = 0, num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
         """Make room for num_new_tokens more tokens after the computed ones; None if the pool is short.
 
         new_computed_blocks are prefix hits (for a request being scheduled from the waiting queue).
+        num_lookahead_tokens: slots past those a speculative draft model writes its proposals to; they hold
+        no token of the request, so they never make a block count as computed for the prefix cache.
         """
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
         # Hit blocks with no other user sit in the free queue: taking them uses up free capacity.
         num_hit_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

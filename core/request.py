@@ -62,6 +62,8 @@ class Request:
         # core.structured_output.StructuredOutputRequest when the request has structured_outputs
         self.structured: Any = None
         self.num_prompt_logprobs_sent = 0   # prompt positions already reported (a preempted request rescores)
+        self.spec_token_ids: list[int] = []  # a draft model's proposals for the next step (method draft_model)
+        self.spec_acceptance = 1.0           # recent share of its draft tokens accepted (core/spec_decode.py)
         self._hasher = block_hasher
         self._stop_ids = frozenset(self.eos_token_ids) | frozenset(sampling_params.stop_token_ids or ())
         self._update_hashes()

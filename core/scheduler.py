@@ -34,6 +34,7 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
         self.spec = SpecDecodeState(speculative, config.max_model_len) if speculative is not None else None
+        self.lookahead = speculative.num_lookahead_tokens if speculative is not None else 0
         self.kv = kv_cache_manager
         self.structured = structured
         self.grammar_waiters = GrammarWaiters(structured) if structured is not None else None
@@ -124,7 +125,8 @@ class Scheduler:
                 if draft := self.spec.drafts_for(request, len(self.running), budget, drafted):
                     drafts[request.request_id] = draft
                     num_new += len(draft)
-            while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
+            while (new_blocks := self.kv.allocate_slots(request, num_new,
+                                                        num_lookahead_tokens=self.lookahead)) is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < idx:
                     idx -= 1
@@ -220,6 +222,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0  # recompute: prefix caching usually makes this cheap
+        request.spec_token_ids = []      # proposed from KV the preemption dropped
         request.num_preemptions += 1
         self.num_preemptions += 1
         if request.request_id in self._sent_to_workers:
@@ -234,7 +237,7 @@ class Scheduler:
         if not self.config.enable_chunked_prefill and num_new > budget:
             return None
         num_new = min(num_new, budget)
-        new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks, num_hit)
+        new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks, num_hit, self.lookahead)
         if new_blocks is None:
             return None
         if request.num_cached_tokens < 0:
@@ -290,6 +293,8 @@ class Scheduler:
                 outputs.append(out)
                 continue
             status = RequestStatus.FINISHED_LENGTH_CAPPED    # max_tokens=0: the prompt only, nothing sampled
+            if result.draft_token_ids is not None:
+                request.spec_token_ids = result.draft_token_ids[i]
             if request.max_tokens > 0:
                 tokens, entries = self._step_tokens(sched, result, i, request, token)
                 status = self._append_tokens(request, tokens, entries, out)
@@ -314,7 +319,7 @@ class Scheduler:
             return [token], [entry]
         accepted = result.spec_token_ids[i] if result.spec_token_ids is not None else []
         request.num_computed_tokens -= len(scheduled) - len(accepted)
-        self.spec.record(len(scheduled), len(accepted))
+        self.spec.record(request, len(scheduled), len(accepted))
         spec_entries = result.spec_logprobs[i] if result.spec_logprobs is not None else None
         return [*accepted, token], [*(spec_entries or [None] * len(accepted)), entry]
 

@@ -1,7 +1,8 @@
 """The engine core's side of speculative decoding: which requests get drafts this step, and the counters.
 
 A request gets drafts when it decodes (its one new token is its last sampled one), has no grammar (drafts
-are not yet checked against one), and at most `disable_by_batch_size` requests run. One step verifies at
+are not yet checked against one), at most `disable_by_batch_size` requests run, and its recent drafts were
+accepted often enough (below). One step verifies at
 most `num_speculative_tokens` drafts in all, shared out in running order: a verify pass stops being nearly
 free once its rows make the step compute-bound (on the 2-core CPU a 6-token step of the embedded model cost
 ~2.5x a 1-token one), so under load the drafts shrink to nothing rather than slow every request
@@ -11,6 +12,7 @@ token budget.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from pagedserve.common.speculative import SpeculativeConfig
@@ -19,6 +21,13 @@ from pagedserve.core.request import Request
 
 logger = logging.getLogger(__name__)
 LOG_INTERVAL_S = 10.0     # the acceptance log line, at most this often (vLLM logs its stats every 10 s too)
+# A request's recent acceptance: an average over its last verify passes (each weighs ACCEPTANCE_WEIGHT).
+# Drafts it keeps rejecting are verify rows for nothing, so its drafts shrink with that rate, and below
+# MIN_ACCEPTANCE stop, but for a one-token probe every PROBE_EVERY output tokens (a request that starts
+# copying its input gets its drafts back).
+ACCEPTANCE_WEIGHT = 0.3
+MIN_ACCEPTANCE = 0.15
+PROBE_EVERY = 8
 
 
 class SpecDecodeState:
@@ -42,11 +51,17 @@ class SpecDecodeState:
         room = min(cfg.num_speculative_tokens - drafted, budget - 1,
                    request.max_tokens - request.num_output_tokens - 1,    # tokens past max_tokens are dropped
                    self.max_model_len - request.num_tokens)                # a draft's KV slot must exist
+        if request.spec_acceptance < MIN_ACCEPTANCE:
+            room = min(room, 1 if request.num_output_tokens % PROBE_EVERY == 0 else 0)
+        room = min(room, math.ceil(cfg.num_speculative_tokens * request.spec_acceptance))
         if room < 1:
             return []
+        if cfg.method == "draft_model":      # proposed by the workers' draft model after the last step
+            return request.spec_token_ids[:room]
         return propose_ngram(request.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
+    def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        request.spec_acceptance += ACCEPTANCE_WEIGHT * (num_accepted / num_drafts - request.spec_acceptance)
         self.num_drafts += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted

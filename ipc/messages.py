@@ -174,6 +174,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     # sampled after them), and their logprobs entries where the row asked for logprobs.
     spec_token_ids: Optional[list[list[int]]] = None
     spec_logprobs: Optional[list[Optional[list[LogprobsEntry]]]] = None
+    # A draft model's proposals for each row's next step (speculative method draft_model; [] for none).
+    draft_token_ids: Optional[list[list[int]]] = None
 
 
 class PromptLogprobsChunk(msgspec.Struct, array_like=True):

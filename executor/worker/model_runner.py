@@ -11,6 +11,7 @@ from torch import nn
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.executor.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from pagedserve.executor.worker.draft_proposer import DraftModelProposer, bind_draft_cache
 from pagedserve.executor.worker.grammar_mask import grammar_rows
 from pagedserve.executor.worker.input_prep import prepare_inputs
 from pagedserve.executor.worker.prompt_logprobs import compute_prompt_logprobs
@@ -44,7 +45,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device, dtype: torch.dtype,
+                 draft_model: nn.Module | None = None) -> None:
         self.config = config
         self.model = model
         self.device = device
@@ -66,6 +68,10 @@ class ModelRunner:
                                    self.attn_backend.get_builder_cls()(self.attn_backend))
         self.graphs: CudaGraphRunner | None = None
         self.decode_step: DecodeStep | None = None
+        spec = config.speculative
+        self.drafter = None if draft_model is None else DraftModelProposer(
+            draft_model, spec.num_speculative_tokens, config.model.max_model_len, self.block_size)
+        self.draft_caches: list[torch.Tensor] = []
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
@@ -76,6 +82,12 @@ class ModelRunner:
         self.kv_caches = [_zeros(shape, self.kv_dtype, self.device) for _ in layers]
         for layer, cache in zip(layers, self.kv_caches):
             layer.bind_kv_cache(cache, self.attn_backend)
+        if self.drafter is not None:       # the draft's own cache, indexed by the same block ids
+            draft_layers = self.drafter.model.attention_layers()
+            shape = (2, num_blocks, draft_layers[0].num_kv_heads, self.block_size, draft_layers[0].head_dim)
+            self.draft_caches = []
+            self.draft_caches = [_zeros(shape, self.kv_dtype, self.device) for _ in draft_layers]
+            bind_draft_cache(self.drafter.model, self.draft_caches, self.attn_backend)
         make_step = getattr(self.model, "make_decode_step", None)
         self.decode_step = make_step() if make_step is not None else None
         logger.debug("whole-decoder decode step: %s", type(self.decode_step).__name__ if self.decode_step else None)
@@ -141,7 +153,22 @@ class ModelRunner:
                                    prompt_logprobs=prompt_logprobs)
         if drafts:
             self._verify(batch, hidden, drafts, result)
+        if self.drafter is not None:
+            self._propose(batch, result)
         return result
+
+    def _propose(self, batch: PreparedBatch, result: ModelRunnerOutput) -> None:
+        """The draft model runs the step's tokens, then drafts for the rows that sampled (none past the
+        batch size that gets drafts, nor for a request with a grammar: the core would not use them)."""
+        spec = self.config.speculative
+        rows = [row for row in batch.sample_rows
+                if self.states[batch.req_ids[row]].sampling_params.structured_outputs is None]
+        if len(batch.sample_rows) > spec.disable_by_batch_size:
+            rows = []
+        drafts = self.drafter.propose(batch, self.states, rows, self.buffers)
+        result.draft_token_ids = [[] for _ in batch.req_ids]
+        for row, draft in zip(rows, drafts):
+            result.draft_token_ids[row] = draft
 
     def _verify(self, batch: PreparedBatch, hidden: torch.Tensor, drafts: dict[str, list[int]],
                 result: ModelRunnerOutput) -> None:

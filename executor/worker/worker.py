@@ -56,7 +56,10 @@ class Worker:
     def load_model(self) -> None:
         from pagedserve.executor.model.model_loader import load_model
         model = load_model(self.config.model, self.tp)
-        self.runner = ModelRunner(self.config, model, self.device, self.dtype)
+        draft = None
+        if self.config.draft_model is not None:    # unsharded: config refuses it with tensor parallelism
+            draft = load_model(self.config.draft_model, TPGroup(rank=0, size=1))
+        self.runner = ModelRunner(self.config, model, self.device, self.dtype, draft)
 
     def remote_refusal(self, method: str) -> str | None:
         """Why `method` may not be called from another process, or None if it is in REMOTE_METHODS."""
@@ -74,10 +77,14 @@ class Worker:
         return "pong"
 
     def kv_bytes_per_block(self) -> int:
-        m = self.config.model
-        kv_heads = max(1, m.num_kv_heads // self.tp.size)
+        """A block's bytes in every layer's cache: the model's, and a speculative draft model's beside it."""
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()      # fp8: 1 byte
-        return 2 * m.num_layers * self.config.cache.block_size * kv_heads * m.head_dim * elem
+        total = 0
+        for m, shards in ((self.config.model, self.tp.size), (self.config.draft_model, 1)):
+            if m is not None:
+                total += 2 * m.num_layers * self.config.cache.block_size * max(1, m.num_kv_heads // shards) \
+                    * m.head_dim * elem
+        return total
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache

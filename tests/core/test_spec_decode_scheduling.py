@@ -40,7 +40,11 @@ def test_config_takes_vllms_keys_and_defaults():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "speculative_config.prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "speculative_config.method"),
+    ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "speculative_config.method"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+     "speculative_config.draft_tensor_parallel_size"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "speculative_config.model"),
     ("{not json", "speculative_config"),
 ])
 def test_bad_configs_are_refused_naming_the_field(value, field):
@@ -178,3 +182,18 @@ def test_requests_with_a_grammar_get_no_drafts():
     req = _request("a", [1, 2, 3, 1, 2, 3, 1, 2])
     req.structured = object()            # what a request with structured outputs carries
     assert sched.spec.drafts_for(req, 1, 64, 0) == []
+
+
+def test_a_request_whose_drafts_keep_failing_gets_fewer_then_only_probes():
+    sched = _scheduler(k=4)
+    req = _request("a", [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], max_tokens=60)
+    sched.add_request(req)
+    _answer(sched, sched.schedule(), {"a": 7})
+    sizes = []
+    for _ in range(12):
+        out = sched.schedule()
+        sizes.append(len(out.scheduled_spec_decode_tokens.get("a", [])))
+        _answer(sched, out, {"a": 7 if req.num_output_tokens % 3 else 5}, {"a": []})     # every draft rejected
+    assert sizes[0] == 3 and sizes[2] < 3                  # the lookup's 3, then less as acceptance falls
+    assert max(sizes[6:]) <= 1 and sum(sizes[6:]) < 6      # then only one-token probes, now and then
+    assert req.spec_acceptance < 0.15

@@ -130,3 +130,64 @@ def test_tensor_parallel_and_async_scheduling_keep_the_greedy_tokens(tiny_llama_
         with LLM(tiny_llama_dir, dtype="float32", max_model_len=512, **kw) as llm:
             runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert runs["tp2"] == runs["plain"] and runs["async"] == runs["plain"]
+
+
+# ---------------------------------------------------------------- method draft_model
+
+
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tmp_path_factory) -> str:
+    """A one-layer random Llama with the tiny model's vocabulary: it guesses badly, so most drafts are rejected."""
+    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_draft")), arch="llama", seed=1, num_hidden_layers=1)
+
+
+@pytest.mark.parametrize("engine_kw", [dict(max_num_batched_tokens=24), dict(num_gpu_blocks_override=40, max_num_seqs=8)])
+def test_draft_model_keeps_the_greedy_tokens(tiny_llama_dir, tiny_draft_dir, engine_kw):
+    """The model drafting for itself (every draft accepted: the lookahead slots and the draft's own cache through
+    chunked prefill and preemption) and a poor draft (most rejected): both give the tokens of no drafts."""
+    prompts = _repetitive_prompts(6, seed=3)
+    prompts += [dict(p) for p in prompts[:2]]                     # repeats: prefix hits for both caches
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    runs, stats = {}, {}
+    for name, draft in (("off", None), ("self", tiny_llama_dir), ("poor", tiny_draft_dir)):
+        spec = None if draft is None else {"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
+                                           "disable_by_batch_size": 8}
+        with LLM(tiny_llama_dir, dtype="float32", max_model_len=512, speculative_config=spec, **engine_kw) as llm:
+            runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            stats[name] = llm.engine.scheduler.make_stats()
+    assert runs["self"] == runs["off"] and runs["poor"] == runs["off"]
+    assert stats["self"].spec_num_accepted_tokens == stats["self"].spec_num_draft_tokens > 0
+    assert stats["poor"].spec_num_accepted_tokens < stats["poor"].spec_num_draft_tokens
+    if "num_gpu_blocks_override" in engine_kw:
+        assert stats["self"].num_preemptions > 0
+
+
+def test_draft_model_sampled_runs_repeat_with_a_seed(tiny_llama_dir, tiny_draft_dir):
+    prompts = _repetitive_prompts(3, seed=4)
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=40, seed=5, ignore_eos=True)
+    spec = {"method": "draft_model", "model": tiny_llama_dir, "num_speculative_tokens": 4}
+    with LLM(tiny_llama_dir, dtype="float32", max_model_len=512, speculative_config=spec) as llm:
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.scheduler.make_stats().spec_num_accepted_tokens > 0
+    assert first == again and all(len(t) == 40 for t in first)
+
+
+def test_draft_model_shares_the_cache_memory_and_bad_drafts_are_refused(tiny_llama_dir, tiny_draft_dir, tmp_path):
+    from pagedserve.common.config import EngineArgs
+    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    with LLM(tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=0.01) as llm:
+        alone = llm.engine.num_blocks
+    spec = {"method": "draft_model", "model": tiny_draft_dir, "num_speculative_tokens": 2}
+    with LLM(tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=0.01, speculative_config=spec) as llm:
+        # the draft's one layer beside the model's two: a block costs 3/2 of what it did
+        assert llm.engine.num_blocks == alone * 2 // 3
+    other_vocab = make_tiny_model(str(tmp_path / "v"), arch="llama", vocab_size=1024)
+    with pytest.raises(ValueError, match=r"speculative_config\.model: the draft's vocabulary"):
+        EngineArgs(model=tiny_llama_dir, speculative_config={**spec, "model": other_vocab}).create_engine_config()
+    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
+        EngineArgs(model=tiny_llama_dir, tensor_parallel_size=2, speculative_config=spec).create_engine_config()
+    with pytest.raises(ValueError, match=r"speculative_config\.model"):
+        EngineArgs(model=tiny_llama_dir, speculative_config={"method": "draft_model",
+                                                             "num_speculative_tokens": 2}).create_engine_config()
