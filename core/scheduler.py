@@ -176,7 +176,7 @@ class Scheduler:
             self._scheduled[id(out)] = {rid: self.requests[rid] for rid in num_scheduled}
         if self.structured is not None:
             out.grammar_bitmask = self.structured.grammar_bitmask(
-                [(r.request_id, r.structured) for r in sampling if r.structured is not None])
+                [(r.request_id, r.structured) for r in sampling if r.structured is not None], drafts)
         return out
 
     def _advance(self, num_scheduled: dict[str, int]) -> list[Request]:

@@ -1,8 +1,8 @@
 """The engine core's side of speculative decoding: which requests get drafts this step, and the counters.
 
-A request gets drafts when it decodes (its one new token is its last sampled one), has no grammar (drafts
-are not yet checked against one), at most `disable_by_batch_size` requests run, and its recent drafts were
-accepted often enough (below). One step verifies at
+A request gets drafts when it decodes (its one new token is its last sampled one), at most
+`disable_by_batch_size` requests run, and its recent drafts were accepted often enough (below); under a
+grammar, the drafts' longest prefix the grammar accepts (the step then carries a mask row per position). One step verifies at
 most `num_speculative_tokens` drafts in all, shared out in running order: a verify pass stops being nearly
 free once its rows make the step compute-bound (on the 2-core CPU a 6-token step of the embedded model cost
 ~2.5x a 1-token one), so under load the drafts shrink to nothing rather than slow every request
@@ -18,6 +18,7 @@ import time
 from pagedserve.common.speculative import SpeculativeConfig
 from pagedserve.core.ngram_proposer import propose_ngram
 from pagedserve.core.request import Request
+from pagedserve.core.structured_output.request import valid_draft
 
 logger = logging.getLogger(__name__)
 LOG_INTERVAL_S = 10.0     # the acceptance log line, at most this often (vLLM logs its stats every 10 s too)
@@ -45,8 +46,7 @@ class SpecDecodeState:
         """The draft tokens to verify with this request's next token ([] for none); drafted: the draft
         tokens other requests got this step."""
         cfg = self.config
-        if (num_running > cfg.disable_by_batch_size or request.structured is not None
-                or request.num_output_placeholders):
+        if num_running > cfg.disable_by_batch_size or request.num_output_placeholders:
             return []
         room = min(cfg.num_speculative_tokens - drafted, budget - 1,
                    request.max_tokens - request.num_output_tokens - 1,    # tokens past max_tokens are dropped
@@ -57,8 +57,11 @@ class SpecDecodeState:
         if room < 1:
             return []
         if cfg.method == "draft_model":      # proposed by the workers' draft model after the last step
-            return request.spec_token_ids[:room]
-        return propose_ngram(request.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            draft = request.spec_token_ids[:room]
+        else:
+            draft = propose_ngram(request.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        # Under a grammar, only what it accepts: a draft it forbids has no chance under the masked distribution.
+        return draft if request.structured is None or not draft else valid_draft(request.structured, draft)
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         request.spec_acceptance += ACCEPTANCE_WEIGHT * (num_accepted / num_drafts - request.spec_acceptance)

@@ -21,7 +21,7 @@ from pagedserve.common.errors import RequestError
 from pagedserve.common.reasoning import REASONING_PARSERS
 from pagedserve.common.structured_outputs import StructuredOutputsParams
 from pagedserve.core.structured_output.backend_xgrammar import XgrammarBackend
-from pagedserve.core.structured_output.request import StructuredOutputRequest
+from pagedserve.core.structured_output.request import StructuredOutputRequest, fill_draft_masks
 from pagedserve.ipc.messages import GrammarBitmask
 
 logger = logging.getLogger(__name__)
@@ -128,16 +128,23 @@ class StructuredOutputManager:
         from concurrent.futures import FIRST_COMPLETED, wait
         wait([s.compiled for s in states], timeout=timeout, return_when=FIRST_COMPLETED)
 
-    def grammar_bitmask(self, rows: list[tuple[str, StructuredOutputRequest]]) -> Optional[GrammarBitmask]:
-        """One bitmask row per request that samples under its grammar this step; None when none does."""
+    def grammar_bitmask(self, rows: list[tuple[str, StructuredOutputRequest]],
+                        drafts: Optional[dict[str, list[int]]] = None) -> Optional[GrammarBitmask]:
+        """One bitmask row per request that samples under its grammar this step, and one more per draft token
+        of a request that verifies drafts (its rows consecutive, in position order); None when none does."""
         rows = [(rid, s) for rid, s in rows if s.constrains_next]
         if not rows:
             return None
+        drafts = drafts or {}
         words = (self.vocab_size + 31) // 32
-        mask = np.full((len(rows), words), -1, dtype=np.int32)
-        for i, (_, state) in enumerate(rows):
-            state.matcher.fill(mask, i)
-        return GrammarBitmask(req_ids=[rid for rid, _ in rows], data=mask.tobytes(), num_words=words)
+        counts = [1 + len(drafts.get(rid, ())) for rid, _ in rows]
+        mask = np.full((sum(counts), words), -1, dtype=np.int32)
+        row = 0
+        for (rid, state), count in zip(rows, counts):
+            fill_draft_masks(state, drafts.get(rid, []), mask, row)
+            row += count
+        return GrammarBitmask(req_ids=[rid for (rid, _), count in zip(rows, counts) for _ in range(count)],
+                              data=mask.tobytes(), num_words=words)
 
     def stats(self) -> dict[str, int]:
         return {"num_compiles": self.num_compiles, "num_cached_grammars": len(self._cache)}

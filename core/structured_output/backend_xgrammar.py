@@ -82,6 +82,10 @@ class Matcher:
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
 
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._m.rollback(num_tokens)
+
     @property
     def terminated(self) -> bool:
         return bool(self._m.is_terminated())

@@ -6,6 +6,8 @@ import time
 from concurrent.futures import Future
 from typing import Any, Optional
 
+import numpy as np
+
 from pagedserve.common.structured_outputs import StructuredOutputsParams
 from pagedserve.core.structured_output.backend_xgrammar import Matcher
 
@@ -46,6 +48,34 @@ class StructuredOutputRequest:
             # request rather than let it run unconstrained.
             return True
         return self.matcher.terminated
+
+
+def valid_draft(state: StructuredOutputRequest, draft: list[int]) -> list[int]:
+    """The longest prefix of a speculative draft the grammar accepts (through the token that completes it); the
+    matcher is left where it was. No drafts while the reasoning runs (its end marker would switch the grammar on
+    mid-draft)."""
+    if not state.constrains_next:
+        return []
+    n = 0
+    for token in draft:
+        if not state.matcher.accept(token):
+            break
+        n += 1
+        if state.matcher.terminated:
+            break
+    state.matcher.rollback(n)
+    return draft[:n]
+
+
+def fill_draft_masks(state: StructuredOutputRequest, draft: list[int], mask: np.ndarray, row: int) -> None:
+    """Rows row .. row + len(draft) of the mask: what the grammar allows after each prefix of a valid draft
+    (every token after one that completes the grammar: that position's token is never emitted)."""
+    state.matcher.fill(mask, row)
+    for j, token in enumerate(draft, 1):
+        state.matcher.accept(token)
+        if not state.matcher.terminated:
+            state.matcher.fill(mask, row + j)
+    state.matcher.rollback(len(draft))
 
 
 def _ends_thinking(tokens: list[int], marker: list[int]) -> bool:

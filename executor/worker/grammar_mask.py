@@ -23,13 +23,22 @@ class GrammarRows:
     words: torch.Tensor     # [m, num_words] int32 packed bits
 
 
-def grammar_rows(bitmask: Optional[GrammarBitmask], sample_req_ids: list[str],
+def grammar_rows(bitmask: Optional[GrammarBitmask], row_req_ids: list[str],
                  device: torch.device) -> Optional[GrammarRows]:
-    """Map the core's mask rows (by request id) onto this step's logits rows."""
+    """Map the core's mask rows onto logits rows: row i of the logits is row_req_ids[i]'s, and a request with
+    several logits rows (a speculative verify pass: one per position, in order) takes its mask rows in order."""
     if bitmask is None:
         return None
-    row_of = {rid: i for i, rid in enumerate(sample_req_ids)}
-    pairs = [(row_of[rid], i) for i, rid in enumerate(bitmask.req_ids) if rid in row_of]
+    mask_rows: dict[str, list[int]] = {}
+    for i, rid in enumerate(bitmask.req_ids):
+        mask_rows.setdefault(rid, []).append(i)
+    taken: dict[str, int] = {}
+    pairs = []
+    for row, rid in enumerate(row_req_ids):
+        n = taken.get(rid, 0)
+        if n < len(mask_rows.get(rid, ())):
+            pairs.append((row, mask_rows[rid][n]))
+            taken[rid] = n + 1
     if not pairs:
         return None
     words = np.frombuffer(bitmask.data, dtype=np.int32).reshape(len(bitmask.req_ids), bitmask.num_words)

@@ -20,7 +20,7 @@ from pagedserve.executor.worker.request_state import CachedRequestState
 from pagedserve.executor.worker.sampler import Sampler
 from pagedserve.executor.worker.sampling_inputs import build_sampling_metadata
 from pagedserve.executor.worker.step_buffers import PreparedBatch, StepBuffers
-from pagedserve.ipc.messages import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from pagedserve.ipc.messages import GrammarBitmask, LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from pagedserve.kernels.attention_backends import get_attn_backend
 from pagedserve.kernels.kv_quant import kv_cache_torch_dtype
 from pagedserve.kernels.metadata import AttentionMetadata
@@ -152,26 +152,23 @@ class ModelRunner:
         result = ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                                    prompt_logprobs=prompt_logprobs)
         if drafts:
-            self._verify(batch, hidden, drafts, result)
+            self._verify(batch, hidden, drafts, result, sched.grammar_bitmask)
         if self.drafter is not None:
             self._propose(batch, result)
         return result
 
     def _propose(self, batch: PreparedBatch, result: ModelRunnerOutput) -> None:
         """The draft model runs the step's tokens, then drafts for the rows that sampled (none past the
-        batch size that gets drafts, nor for a request with a grammar: the core would not use them)."""
+        batch size that gets drafts: the core would not use them)."""
         spec = self.config.speculative
-        rows = [row for row in batch.sample_rows
-                if self.states[batch.req_ids[row]].sampling_params.structured_outputs is None]
-        if len(batch.sample_rows) > spec.disable_by_batch_size:
-            rows = []
+        rows = [] if len(batch.sample_rows) > spec.disable_by_batch_size else batch.sample_rows
         drafts = self.drafter.propose(batch, self.states, rows, self.buffers)
         result.draft_token_ids = [[] for _ in batch.req_ids]
         for row, draft in zip(rows, drafts):
             result.draft_token_ids[row] = draft
 
     def _verify(self, batch: PreparedBatch, hidden: torch.Tensor, drafts: dict[str, list[int]],
-                result: ModelRunnerOutput) -> None:
+                result: ModelRunnerOutput, grammar: GrammarBitmask | None) -> None:
         """Rows with drafts: logits at each of their k + 1 positions, the rejection sampler's verdict, the
         accepted tokens appended (the core rolls back the rejected ones' KV slots)."""
         rows = [row for row in batch.sample_rows if batch.req_ids[row] in drafts]
@@ -180,8 +177,9 @@ class ModelRunner:
         indices = torch.tensor([i for end, d in zip(ends, row_drafts) for i in range(end - len(d) - 1, end)],
                                device=hidden.device)
         states = [self.states[batch.req_ids[row]] for row in rows]
+        positions = [batch.req_ids[row] for row, d in zip(rows, row_drafts) for _ in range(len(d) + 1)]
         verdicts = verify_drafts(self.model.compute_logits(hidden[indices]), states, row_drafts,
-                                 self.eos_token_ids, self.device)
+                                 self.eos_token_ids, self.device, grammar_rows(grammar, positions, self.device))
         result.spec_token_ids = [[] for _ in batch.req_ids]
         result.spec_logprobs = [None] * len(batch.req_ids)
         for row, state, verdict in zip(rows, states, verdicts):

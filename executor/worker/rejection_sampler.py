@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.executor.worker.grammar_mask import GrammarRows
 from pagedserve.executor.worker.request_state import CachedRequestState
 from pagedserve.executor.worker.sampler import exponential_race, process_logits, sampling_probs
 from pagedserve.executor.worker.sampling_inputs import build_sampling_metadata
@@ -38,10 +39,13 @@ def _at_position(state: CachedRequestState, drafted: list[int]) -> CachedRequest
 
 
 def verify_drafts(logits: torch.Tensor, states: list[CachedRequestState], drafts: list[list[int]],
-                  eos_token_ids: tuple[int, ...], device: torch.device) -> list[VerifiedRow]:
-    """logits: [sum(len(d) + 1), V], each row's positions in order (its real token's, then each draft's)."""
+                  eos_token_ids: tuple[int, ...], device: torch.device,
+                  grammar: GrammarRows | None = None) -> list[VerifiedRow]:
+    """logits: [sum(len(d) + 1), V], each row's positions in order (its real token's, then each draft's);
+    grammar: the mask rows of those positions, for requests under a grammar."""
     virtual = [_at_position(s, d[:j]) for s, d in zip(states, drafts) for j in range(len(d) + 1)]
     meta = build_sampling_metadata(virtual, eos_token_ids, device)
+    meta.grammar = grammar
     raw = torch.log_softmax(logits.float(), dim=-1) if meta.max_num_logprobs is not None else None
     processed = process_logits(logits, meta)
     argmax = None if meta.all_random else processed.argmax(dim=-1).tolist()

@@ -177,13 +177,6 @@ def test_the_steps_drafts_shrink_with_load_and_stop_past_the_batch_bound():
     assert out.scheduled_spec_decode_tokens == {}
 
 
-def test_requests_with_a_grammar_get_no_drafts():
-    sched = _scheduler(k=3)
-    req = _request("a", [1, 2, 3, 1, 2, 3, 1, 2])
-    req.structured = object()            # what a request with structured outputs carries
-    assert sched.spec.drafts_for(req, 1, 64, 0) == []
-
-
 def test_a_request_whose_drafts_keep_failing_gets_fewer_then_only_probes():
     sched = _scheduler(k=4)
     req = _request("a", [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], max_tokens=60)

@@ -191,3 +191,28 @@ def test_draft_model_shares_the_cache_memory_and_bad_drafts_are_refused(tiny_lla
     with pytest.raises(ValueError, match=r"speculative_config\.model"):
         EngineArgs(model=tiny_llama_dir, speculative_config={"method": "draft_model",
                                                              "num_speculative_tokens": 2}).create_engine_config()
+
+
+@pytest.mark.slow
+def test_drafts_under_a_grammar_are_checked_and_masked_per_position(smollm2_path):
+    """A JSON schema and a regex with ngram drafts: every draft the grammar forbids is cut before the pass, each
+    verified position gets its own mask row, and the output is the greedy output without drafts."""
+    import json as _json
+    from pagedserve import StructuredOutputsParams
+    schema = {"type": "object", "properties": {"fruits": {"type": "array", "items": {"type": "string"}}},
+              "required": ["fruits"]}
+    messages = [[{"role": "user", "content": "Return JSON with the key fruits listing: apples, pears, plums, "
+                                             "apples, pears, figs, apples, pears, plums."}],
+                [{"role": "user", "content": "Say apples, pears, apples, pears, apples, pears."}]]
+    params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(temperature=0.0, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(regex=r"(apples, pears, ){2,5}apples"))]
+    runs = {}
+    for name, spec in (("off", None), ("on", NGRAM)):
+        with LLM(smollm2_path, max_model_len=1024, speculative_config=spec) as llm:
+            runs[name] = [o.outputs[0] for o in llm.chat(messages, params, use_tqdm=False)]
+            stats = llm.engine.scheduler.make_stats()
+    assert [o.token_ids for o in runs["on"]] == [o.token_ids for o in runs["off"]]
+    assert stats.spec_num_accepted_tokens > 5
+    assert _json.dumps(runs["on"][0].text).startswith('"{') and '"fruits"' in runs["on"][0].text
+    assert runs["on"][1].text.startswith("apples, pears, apples") and runs["on"][1].text.endswith("apples")
