@@ -30,7 +30,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int           # ngram: shortest suffix looked up
     prompt_lookup_max: int           # ngram: longest suffix looked up (tried first)
     disable_by_batch_size: int       # no drafts while more requests than this run
-    model: str | None = None         # draft_model: a path or Hub id (resolved into EngineConfig.draft_model)
+    model: str | None                # draft_model: a path or Hub id (resolved into EngineConfig.draft_model)
 
     @property
     def num_lookahead_tokens(self) -> int:

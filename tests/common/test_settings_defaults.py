@@ -22,6 +22,7 @@ from pagedserve.common.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_
                                       DEFAULT_TORCHRUN_COLLECTIVE_TIMEOUT_S, DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S,
                                       CacheConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig,
                                       SchedulerConfig, StructuredOutputsConfig)
+from pagedserve.common.speculative import SpeculativeConfig
 
 ROOT = os.path.dirname(os.path.abspath(pagedserve.__file__))         # the package: the repository root
 DEFAULTS = EngineArgs()
@@ -40,7 +41,8 @@ WHERE = {
 }
 RESOLVED = {"model", "tokenizer", "revision", "tokenizer_revision", "download_dir", "generation_config",
             "served_model_name", "dtype", "device", "quantization", "max_model_len", "kv_cache_dtype",
-            "kv_cache_memory", "max_num_batched_tokens", "distributed_executor_backend", "worker_heartbeat_timeout"}
+            "kv_cache_memory", "max_num_batched_tokens", "distributed_executor_backend", "worker_heartbeat_timeout",
+            "speculative_config"}
 # Not the engine core's: the client that starts the core reads it; accepted vLLM no-ops.
 ELSEWHERE = {"engine_heartbeat_timeout", "trust_remote_code", "disable_log_stats"}
 
@@ -59,7 +61,7 @@ def load_script(name: str):
 
 
 @pytest.mark.parametrize("cls", [ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig,
-                                 StructuredOutputsConfig, EngineConfig])
+                                 StructuredOutputsConfig, SpeculativeConfig, EngineConfig])
 def test_frozen_configs_repeat_no_default(cls):
     with_default = [f.name for f in dataclasses.fields(cls)
                     if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
@@ -81,6 +83,7 @@ def test_unset_settings_resolve_to_the_engine_args_defaults(tiny_llama_dir):
     assert config.parallel.worker_heartbeat_timeout_s == DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S
     assert config.parallel.distributed_executor_backend == "uni"
     assert config.model.max_model_len == config.scheduler.max_model_len == 1024      # max_position_embeddings
+    assert config.speculative is None and config.draft_model is None                  # unset: no speculation
 
 
 @pytest.mark.parametrize("name, value", [
