@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import ladder_models as lm  # scripts/ is on sys.path when a script runs
+from bench_child import report, run_child
 from bench_cpu_peer import PEER, decode_ms, engine_args_overrides, find_llama_server, single_prompt, w1_requests
 from llama_server_peer import LlamaServer, free_port, version as llama_version
 
@@ -107,17 +108,11 @@ def child_main(payload: str) -> None:
               "w1_output_tokens": sum(m for _, m in reqs), "torch_threads": torch.get_num_threads(),
               "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
               "subprocess_peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
-    print("RESULT " + json.dumps(result), flush=True)
+    report(result)
 
 
 def run_pagedserve(cfg: dict) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg["threads"])}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)],
-                          capture_output=True, text=True, env=env)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"pagedserve failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_child(__file__, json.dumps(cfg), cfg["threads"], "pagedserve")
 
 
 def measure(engine: str, cfg: dict, bound: float) -> dict:

@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from bench_child import report, run_child  # scripts/ is on sys.path when a script runs
 from llama_server_peer import LlamaServer, version as llama_version  # scripts/ is on sys.path when a script runs
 
 from pagedserve.frontend.bench.datasets import w1
@@ -205,20 +206,14 @@ def child_main(payload: str) -> None:
     # Processes the engine started (none by default; torch.compile workers, a core process) apart, as the
     # largest of them: adding them up would count helpers that never hold the model.
     result["subprocess_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    print("RESULT " + json.dumps(result), flush=True)
+    report(result)
 
 
 def run_engine(engine: dict, cfg: dict) -> dict:
     if engine["kind"] == "llama":
         result = run_llama(cfg)
     else:
-        env = {**os.environ, "OMP_NUM_THREADS": str(cfg["threads"])}
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps({"engine": engine, "cfg": cfg})]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            raise RuntimeError(f"{engine['name']} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-        result = json.loads(lines[-1][len("RESULT "):])
+        result = run_child(__file__, json.dumps({"engine": engine, "cfg": cfg}), cfg["threads"], engine["name"])
     result["engine"] = engine["name"]
     result["tok_per_s"] = result["output_tokens"] / result["seconds"]
     return result

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 
+from bench_child import report, run_child
 from bench_cpu_peer import default_gguf, find_llama_server, w1_requests   # scripts/ is on sys.path
 from llama_server_peer import LlamaServer, version as llama_version
 
@@ -118,20 +116,14 @@ def run_llama(cfg: dict, spec_type: str | None) -> dict:
 
 def child_main(payload: str) -> None:
     job = json.loads(payload)
-    print("RESULT " + json.dumps(run_pagedserve(job["cfg"], job["spec"])), flush=True)
+    report(run_pagedserve(job["cfg"], job["spec"]))
 
 
 def run_engine(name: str, cfg: dict, spec: dict) -> dict:
     if name.startswith("llama.cpp"):
         return run_llama(cfg, name.split("-", 1)[1] if "-" in name else None)
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg["threads"])}
     job = {"cfg": cfg, "spec": spec if name.endswith("ngram") else None}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(job)],
-                          capture_output=True, text=True, env=env)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_child(__file__, json.dumps(job), cfg["threads"], name)
 
 
 def main() -> None:
