@@ -5,7 +5,10 @@ process never imports its launcher's __main__, so a user's script needs no main 
 from __future__ import annotations
 
 import logging
+import queue
 import signal
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -21,7 +24,8 @@ from pagedserve.ipc.messages import ExecuteModel, WorkerInput, WorkerResponse, W
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from pagedserve.ipc.sockets import make_socket
 
-if TYPE_CHECKING:     # for the annotation only: the real import is lazy, in run_worker
+if TYPE_CHECKING:     # for the annotations only: the real import is lazy, in run_worker
+    from pagedserve.executor.worker.step_output import PendingStep
     from pagedserve.executor.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -75,9 +79,52 @@ def run_worker(launch: WorkerLaunch) -> None:
     exit_without_teardown(code)
 
 
-def _serve(worker: Worker, reader: BroadcastReader, reply, rank: int) -> int:
+class _Replies:
+    """The rank's answers, sent in order from a thread of their own: a step's output is taken (waited for
+    on the device) there, while the main loop launches the next step (async scheduling on the device)."""
+
+    def __init__(self, reply: Callable[[WorkerResponse], None], rank: int) -> None:
+        self._reply = reply
+        self._rank = rank
+        self._queue: queue.SimpleQueue[PendingStep | WorkerResponse | None] = queue.SimpleQueue()
+        self.failed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"ps-worker-{rank}-replies", daemon=True)
+        self._thread.start()
+
+    def put(self, item: PendingStep | WorkerResponse) -> None:
+        self._queue.put(item)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, WorkerResponse):
+                self._reply(item)
+                continue
+            try:
+                output = item.result()
+            except BaseException as exc:
+                logger.exception("worker %d failed", self._rank)
+                self._reply(WorkerResponse(rank=self._rank, kind="error", error=describe_exception(exc)))
+                self.failed.set()
+                return
+            if self._rank == 0:          # every rank computes the same tokens; one answer is enough
+                self._reply(WorkerResponse(rank=self._rank, kind="output", output=output))
+
+
+def _serve(worker: Worker, reader: BroadcastReader, reply: Callable[[WorkerResponse], None], rank: int) -> int:
+    replies = _Replies(reply, rank)
+    try:
+        return _serve_loop(worker, reader, replies, rank)
+    finally:
+        replies.close()
+
+
+def _serve_loop(worker: Worker, reader: BroadcastReader, replies: _Replies, rank: int) -> int:
     decoder = MsgpackDecoder(WorkerInput)
-    while True:
+    while not replies.failed.is_set():
         try:
             frames = reader.recv(timeout_s=1.0)
         except TimeoutError:
@@ -93,18 +140,17 @@ def _serve(worker: Worker, reader: BroadcastReader, reply, rank: int) -> int:
             return 0
         try:
             if isinstance(msg, ExecuteModel):
-                output = worker.execute_model(msg.scheduler_output)
-                if rank == 0:                # every rank computes the same tokens; one answer is enough
-                    reply(WorkerResponse(rank=rank, kind="output", output=output))
+                replies.put(worker.execute_model_async(msg.scheduler_output))
             elif (why := worker.remote_refusal(msg.method)) is not None:
                 # The caller's mistake, not this rank's failure: answer it and keep serving.
-                reply(WorkerResponse(rank=rank, kind="refused", error=why))
+                replies.put(WorkerResponse(rank=rank, kind="refused", error=why))
             else:
-                reply(WorkerResponse(rank=rank, kind="result", result=worker.call_remote(msg.method, msg.args)))
+                replies.put(WorkerResponse(rank=rank, kind="result", result=worker.call_remote(msg.method, msg.args)))
         except BaseException as exc:
             logger.exception("worker %d failed", rank)
-            reply(WorkerResponse(rank=rank, kind="error", error=describe_exception(exc)))
+            replies.put(WorkerResponse(rank=rank, kind="error", error=describe_exception(exc)))
             return 1
+    return 1
 
 
 def main() -> None:

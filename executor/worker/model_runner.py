@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import threading
 from collections.abc import Callable
 
 import torch
@@ -20,7 +21,8 @@ from pagedserve.executor.worker.request_state import CachedRequestState
 from pagedserve.executor.worker.sampler import Sampler
 from pagedserve.executor.worker.sampling_inputs import build_sampling_metadata
 from pagedserve.executor.worker.step_buffers import PreparedBatch, StepBuffers
-from pagedserve.ipc.messages import GrammarBitmask, LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from pagedserve.executor.worker.step_output import PendingStep, PinnedPool
+from pagedserve.ipc.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagedserve.kernels.attention_backends import get_attn_backend
 from pagedserve.kernels.kv_quant import kv_cache_torch_dtype
 from pagedserve.kernels.metadata import AttentionMetadata
@@ -72,6 +74,9 @@ class ModelRunner:
         self.drafter = None if draft_model is None else DraftModelProposer(
             draft_model, spec.num_speculative_tokens, config.model.max_model_len, self.block_size)
         self.draft_caches: list[torch.Tensor] = []
+        # Guards the request states between launch() and a PendingStep.result() taken on another thread.
+        self._lock = threading.RLock()
+        self._pinned = PinnedPool(sched.max_num_seqs, device)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
@@ -110,11 +115,14 @@ class ModelRunner:
             state.num_computed_tokens = num_computed
 
     def _forward(self, sched: SchedulerOutput) -> tuple[PreparedBatch, torch.Tensor]:
-        host = prepare_inputs(self.states, sched.num_scheduled_tokens, self.block_size,
-                              sched.scheduled_spec_decode_tokens)
+        with self._lock:
+            host = prepare_inputs(self.states, sched.num_scheduled_tokens, self.block_size,
+                                  sched.scheduled_spec_decode_tokens)
         decode_only = host.num_decodes == host.num_seqs
         size = self.graphs.padded_size(host.num_seqs) if self.graphs is not None and decode_only else None
         batch = self.buffers.commit(host, pad_to=size)
+        if host.pending_inputs:
+            self.buffers.apply_pending(batch.input_ids, host.pending_inputs)
         if size is not None:
             return batch, self.graphs.replay(size)
         if self.decode_step is not None:
@@ -123,39 +131,50 @@ class ModelRunner:
                 return batch, hidden
         return batch, self.model(batch.input_ids, batch.positions, batch.meta)
 
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(sched).result()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> PendingStep:
+        """Queue the step on the device and return before its sampled ids reach the host. A request whose
+        sampling reads its earlier ids (penalties, bad words) waits for them; drafts and a draft model
+        need the ids on the host, so those steps finish here."""
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return PendingStep.ready(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         batch, hidden = self._forward(sched)
         prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch.req_ids, self.states,
                                                   batch.meta.query_start_loc_cpu, batch.meta.seq_lens_cpu)
-        sampled = [-1] * len(batch.req_ids)
-        logprobs = None
+        step = PendingStep(batch.req_ids, self._lock, self._pinned, prompt_logprobs)
         drafts = sched.scheduled_spec_decode_tokens
         plain = [j for j, row in enumerate(batch.sample_rows) if batch.req_ids[row] not in drafts]
         if plain:
             rows = [batch.sample_rows[j] for j in plain]
             states = [self.states[batch.req_ids[i]] for i in rows]
+            self._settle(states)
             indices = batch.logits_indices if len(plain) == len(batch.sample_rows) else batch.logits_indices[plain]
             logits = self.model.compute_logits(hidden[indices])
             meta = build_sampling_metadata(states, self.eos_token_ids, self.device)
             meta.grammar = grammar_rows(sched.grammar_bitmask, [batch.req_ids[i] for i in rows], self.device)
             out = self.sampler(logits, meta)
-            tokens = out.sampled_token_ids.tolist()
-            for row, state, token in zip(rows, states, tokens):
-                state.append(token)
-                sampled[row] = token
-            if out.logprobs is not None:
-                logprobs = self._logprobs_entries(out, states, rows, len(batch.req_ids))
-        result = ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                   prompt_logprobs=prompt_logprobs)
+            with self._lock:
+                step.record(rows, states, out)
+        if not drafts and self.drafter is None:
+            return step
+        result = step.result()
         if drafts:
             self._verify(batch, hidden, drafts, result, sched.grammar_bitmask)
         if self.drafter is not None:
             self._propose(batch, result)
-        return result
+        return PendingStep.ready(result)
+
+    @staticmethod
+    def _settle(states: list[CachedRequestState]) -> None:
+        """Take the outputs of the steps whose ids these requests' sampling reads (see needs_token_values)."""
+        for state in states:
+            if state.pending and state.needs_token_values:
+                for step, _ in list(state.pending.values()):
+                    step.result()
 
     def _propose(self, batch: PreparedBatch, result: ModelRunnerOutput) -> None:
         """The draft model runs the step's tokens, then drafts for the rows that sampled (none past the
@@ -192,17 +211,3 @@ class ModelRunner:
                     result.logprobs = [None] * len(batch.req_ids)
                 result.spec_logprobs[row] = verdict.entries[:-1]
                 result.logprobs[row] = verdict.entries[-1]
-
-    @staticmethod
-    def _logprobs_entries(out, states: list[CachedRequestState], rows: list[int],
-                          num_rows: int) -> list[LogprobsEntry | None]:
-        entries: list[LogprobsEntry | None] = [None] * num_rows
-        ids = out.logprob_token_ids.tolist()
-        lps = out.logprobs.tolist()
-        ranks = out.sampled_ranks.tolist()
-        for k, (row, state) in enumerate(zip(rows, states)):
-            wanted = state.sampling_params.logprobs
-            if wanted is not None:
-                entries[row] = LogprobsEntry(token_ids=ids[k][:wanted + 1], logprobs=lps[k][:wanted + 1],
-                                             sampled_rank=ranks[k])
-        return entries

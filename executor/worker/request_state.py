@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.executor.worker.logit_constraints import RowConstraints
 from pagedserve.ipc.messages import NewRequestData
+
+if TYPE_CHECKING:
+    from pagedserve.executor.worker.step_output import PendingStep
 
 _MASK63 = (1 << 63) - 1
 
@@ -23,6 +27,10 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None = field(default=None, repr=False)
     constraints: RowConstraints | None = field(default=None, repr=False)   # logit_bias, allowed ids, bad words
+    # token_ids index -> (the launched step that samples it, its row there): ids still on the device. The
+    # next step reads such an id from the device (step_buffers.apply_pending); its host value is -1 until
+    # that step's output is taken (fill).
+    pending: dict[int, tuple["PendingStep", int]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "CachedRequestState":
@@ -49,3 +57,22 @@ class CachedRequestState:
     def append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+
+    def append_pending(self, step: "PendingStep", row: int) -> None:
+        """A token sampled by a step still on the device: counted at once (positions, seeds, min_tokens),
+        its value filled when the step's output is taken."""
+        self.pending[len(self.token_ids)] = (step, row)
+        self.append(-1)
+
+    def fill(self, index: int, token_id: int) -> None:
+        self.token_ids[index] = token_id
+        self.output_token_ids[index - self.num_prompt_tokens] = token_id
+        del self.pending[index]
+
+    @property
+    def needs_token_values(self) -> bool:
+        """Sampling reads this request's earlier output ids themselves (penalties, bad words), not only
+        their count: a pending one must be on the host before the request samples again."""
+        p = self.sampling_params
+        return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                    or (self.constraints is not None and self.constraints.bad_words))

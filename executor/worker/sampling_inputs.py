@@ -24,13 +24,16 @@ def build_sampling_metadata(states: list[CachedRequestState], eos_token_ids: tup
         if any(p.min_p > 0 for p in params):
             meta.min_p = _tensor([p.min_p for p in params], device)
         meta.generators = {row: g for row, s in enumerate(states) if (g := s.step_generator()) is not None}
-    if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
+    penalised = [bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0) for p in params]
+    if any(penalised):
         meta.no_penalties = False
         meta.presence_penalties = _tensor([p.presence_penalty for p in params], device)
         meta.frequency_penalties = _tensor([p.frequency_penalty for p in params], device)
         meta.repetition_penalties = _tensor([p.repetition_penalty for p in params], device)
-        meta.prompt_token_ids = [s.token_ids[:s.num_prompt_tokens] for s in states]
-        meta.output_token_ids = [s.output_token_ids for s in states]
+        # Only penalised rows' ids: another row's latest id may still be on the device (async scheduling),
+        # and with no penalty its counts change nothing.
+        meta.prompt_token_ids = [s.token_ids[:s.num_prompt_tokens] if pen else [] for s, pen in zip(states, penalised)]
+        meta.output_token_ids = [s.output_token_ids if pen else [] for s, pen in zip(states, penalised)]
     for row, (state, p) in enumerate(zip(states, params)):
         if len(state.output_token_ids) < p.min_tokens:
             blocked = list(p.stop_token_ids or ())

@@ -2,17 +2,22 @@
 
 On CUDA every step's inputs go numpy -> pinned host tensor -> fixed device tensor with non-blocking
 copies; the device tensors keep their addresses for the whole run, which is what CUDA graphs replay
-against. On CPU the numpy arrays are wrapped as they are (no copy at all).
+against. The pinned tensors come in two sets used in turn: with async scheduling the host fills step N+1's
+while step N's copies may still be queued. On CPU the numpy arrays are wrapped as they are (no copy at all).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagedserve.kernels.attention_interface import AttentionMetadataBuilder
 from pagedserve.kernels.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from pagedserve.executor.worker.step_output import PendingStep
 
 _SPECS = {   # name -> (dtype, shape kind): "tok" = per token, "seq" = per sequence, "seq1" = num_seqs + 1
     "input_ids": (torch.int64, "tok"), "positions": (torch.int64, "tok"), "slot_mapping": (torch.int64, "tok"),
@@ -33,6 +38,8 @@ class HostBatch:
     logits_indices: np.ndarray
     sample_rows: list[int]
     num_decodes: int
+    # (token index, launched step, its row): input ids the previous step sampled, still on the device
+    pending_inputs: list[tuple[int, "PendingStep", int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -55,16 +62,18 @@ class StepBuffers:
         self.device = device
         self.builder = builder
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks_per_seq
-        self.host: dict[str, torch.Tensor] = {}
         self.dev: dict[str, torch.Tensor] = {}
+        self._hosts: list[dict[str, torch.Tensor]] = []
+        self._copied: list[torch.cuda.Event | None] = [None, None]   # each set's copies, once queued
+        self._turn = 0
         if device.type == "cpu":
             return
         sizes = {"tok": max_tokens, "seq": max_seqs, "seq1": max_seqs + 1}
         for name, (dtype, kind) in _SPECS.items():
-            self.host[name] = torch.zeros(sizes[kind], dtype=dtype, pin_memory=True)
             self.dev[name] = torch.zeros(sizes[kind], dtype=dtype, device=device)
-        self.host["block_tables"] = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
         self.dev["block_tables"] = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self._hosts = [{name: torch.zeros(t.shape, dtype=t.dtype, pin_memory=True) for name, t in self.dev.items()}
+                       for _ in range(2)]
 
     def commit(self, batch: HostBatch, pad_to: int | None = None) -> PreparedBatch:
         """Device tensors for this step. pad_to (decode-only steps): pad to that many one-token rows,
@@ -77,7 +86,10 @@ class StepBuffers:
         self._check_fits(batch, pad_to)
         n, tokens = batch.num_seqs, int(batch.query_start_loc[-1])
         seqs, total = (pad_to, pad_to) if pad_to else (n, tokens)
-        host = {name: t.numpy() for name, t in self.host.items()}
+        pinned = self._hosts[self._turn]
+        if (copied := self._copied[self._turn]) is not None:
+            copied.synchronize()        # the device has read this set (two steps ago): it may be rewritten
+        host = {name: t.numpy() for name, t in pinned.items()}
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "logits_indices"):
             host[name][:len(getattr(batch, name))] = getattr(batch, name)
         host["query_start_loc"][:n + 1] = batch.query_start_loc
@@ -93,10 +105,27 @@ class StepBuffers:
         for name, (_, kind) in _SPECS.items():
             count = len(batch.logits_indices) if name == "logits_indices" else sizes[kind]
             arrays[name] = self.dev[name][:count]
-            arrays[name].copy_(self.host[name][:count], non_blocking=True)
+            arrays[name].copy_(pinned[name][:count], non_blocking=True)
         arrays["block_tables"] = self.dev["block_tables"][:seqs]
-        arrays["block_tables"].copy_(self.host["block_tables"][:seqs], non_blocking=True)
+        arrays["block_tables"].copy_(pinned["block_tables"][:seqs], non_blocking=True)
+        self._copied[self._turn] = torch.cuda.Event()
+        self._copied[self._turn].record()
+        self._turn ^= 1
         return self._prepared(batch, arrays, seqs, total)
+
+    @staticmethod
+    def apply_pending(input_ids: torch.Tensor, pending: list[tuple[int, "PendingStep", int]]) -> None:
+        """Write the input ids that earlier steps sampled and the host does not have yet, device to device
+        (queued after this step's input copy, before its forward)."""
+        by_step: dict[int, tuple["PendingStep", list[int], list[int]]] = {}
+        for dst, step, k in pending:
+            entry = by_step.setdefault(id(step), (step, [], []))
+            entry[1].append(dst)
+            entry[2].append(k)
+        for step, dsts, ks in by_step.values():
+            source = step.device_ids()
+            index = torch.tensor(dsts, dtype=torch.int64).to(input_ids.device, non_blocking=True)
+            input_ids[index] = source[torch.tensor(ks, dtype=torch.int64).to(source.device, non_blocking=True)]
 
     def decode_view(self, num_seqs: int) -> PreparedBatch:
         """The fixed device tensors of a decode-only step of num_seqs rows (what a CUDA graph captures)."""

@@ -10,6 +10,7 @@ import torch
 from pagedserve.common import envs
 from pagedserve.common.config import EngineConfig
 from pagedserve.executor.worker.model_runner import ModelRunner
+from pagedserve.executor.worker.step_output import PendingStep
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
 from pagedserve.kernels.kv_quant import check_fp8_kv_device, kv_cache_torch_dtype
@@ -135,3 +136,8 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None
         return self.runner.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Queue the step on the device; its output is taken with .result() (async scheduling)."""
+        assert self.runner is not None
+        return self.runner.launch(scheduler_output)
