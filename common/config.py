@@ -17,7 +17,7 @@ from pagedserve.common.model_files import ModelSource, load_hf_config, resolve_m
 from pagedserve.common.quantization import (QUANTIZATION_CHOICES, QuantSpec,
                                             checkpoint_quant_spec, resolve_quantization)
 from pagedserve.common.reasoning import REASONING_PARSERS
-from pagedserve.common.speculative import SpeculativeConfig, parse_speculative_config
+from pagedserve.common.speculative import SpeculativeConfig, mark_eagle_head, parse_speculative_config
 
 logger = logging.getLogger(__name__)
 
@@ -289,11 +289,12 @@ class EngineArgs:
             generation_eos_token_ids=gen.eos_token_ids, quantization=quantization)
 
     def _draft_model_config(self, spec: SpeculativeConfig | None, target: ModelConfig) -> ModelConfig | None:
-        """The draft model of method draft_model, in the model's dtype and length; ValueError naming the field."""
+        """The draft model (or EAGLE head) of speculative_config.model, in the model's dtype and length;
+        ValueError naming the field."""
         if spec is None or spec.model is None:
             return None
         if self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config: method draft_model runs with tensor_parallel_size 1 only")
+            raise ValueError(f"speculative_config: method {spec.method} runs with tensor_parallel_size 1 only")
         args = dataclasses.replace(self, model=spec.model, tokenizer=None, tokenizer_revision=None, revision=None,
                                    quantization=None, served_model_name=None, speculative_config=None,
                                    dtype=target.dtype, max_model_len=target.max_model_len)
@@ -301,6 +302,8 @@ class EngineArgs:
         if draft.vocab_size != target.vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocabulary ({draft.vocab_size} tokens) differs "
                              f"from the model's ({target.vocab_size}); a draft must share the tokenizer")
+        if spec.is_eagle:
+            mark_eagle_head(draft.hf_config, spec.method, target.hf_config)
         return draft
 
     def _scheduler_config(self, max_len: int) -> SchedulerConfig:

@@ -1,9 +1,9 @@
 """--speculative-config: vLLM's keys, parsed and checked once, into a frozen SpeculativeConfig.
 
 Speculative decoding proposes up to k tokens a step that the target model then verifies in one pass
-(docs/speculative_decoding.md). `ngram` (prompt lookup over the prompt and the output so far) and
-`draft_model` (a smaller model with the same vocabulary, drafting greedily) run here; `eagle` and `eagle3` are
-refused at start until they land (issue 26).
+(docs/speculative_decoding.md). `ngram` (prompt lookup over the prompt and the output so far), `draft_model` (a
+smaller model with the same vocabulary, drafting greedily) and `eagle` / `eagle3` (a draft head from an EAGLE
+checkpoint that reads the model's hidden states) run here.
 """
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
-PLANNED_METHODS = ("eagle", "eagle3", "medusa", "mtp")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+PLANNED_METHODS = ("medusa", "mtp")
+# Methods that load `model`: a draft model, or an EAGLE head.
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 # Keys of vLLM's SpeculativeConfig that mean something here.
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
          "model", "draft_tensor_parallel_size")
@@ -30,12 +32,16 @@ class SpeculativeConfig:
     prompt_lookup_min: int           # ngram: shortest suffix looked up
     prompt_lookup_max: int           # ngram: longest suffix looked up (tried first)
     disable_by_batch_size: int       # no drafts while more requests than this run
-    model: str | None                # draft_model: a path or Hub id (resolved into EngineConfig.draft_model)
+    model: str | None                # MODEL_METHODS: a path or Hub id (resolved into EngineConfig.draft_model)
 
     @property
     def num_lookahead_tokens(self) -> int:
-        """KV slots a request holds past its scheduled tokens: a draft model writes its k proposals there."""
-        return self.num_speculative_tokens if self.method == "draft_model" else 0
+        """KV slots a request holds past its scheduled tokens: a draft model or head writes its proposals there."""
+        return self.num_speculative_tokens if self.method in MODEL_METHODS else 0
+
+    @property
+    def is_eagle(self) -> bool:
+        return self.method in ("eagle", "eagle3")
 
 
 def parse_speculative_config(value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -61,14 +67,14 @@ def parse_speculative_config(value: dict[str, Any] | str | None) -> SpeculativeC
     if method not in METHODS:
         raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {method!r}")
     model = value.get("model")
-    if method == "draft_model":
+    if method in MODEL_METHODS:
         if not isinstance(model, str) or not model:
-            raise ValueError("speculative_config.model (a path or Hub id) is required for method draft_model")
+            raise ValueError(f"speculative_config.model (a path or Hub id) is required for method {method}")
         if value.get("draft_tensor_parallel_size", 1) != 1:
             raise ValueError("speculative_config.draft_tensor_parallel_size: the draft model runs unsharded "
                              f"(1), got {value['draft_tensor_parallel_size']!r}")
     elif model is not None:
-        raise ValueError("speculative_config.model is only for method draft_model")
+        raise ValueError(f"speculative_config.model is only for methods {', '.join(MODEL_METHODS)}")
     k = _int(value, "num_speculative_tokens", None)
     given_lo, given_hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
     lo = _int(value, "prompt_lookup_min", given_hi if given_hi is not None else DEFAULT_PROMPT_LOOKUP)
@@ -87,3 +93,32 @@ def _int(value: dict[str, Any], key: str, default: int | None) -> int:
     if isinstance(got, bool) or not isinstance(got, int) or got < 1:
         raise ValueError(f"speculative_config.{key} must be an integer >= 1, got {got!r}")
     return got
+
+
+# EAGLE-3 reads the residual stream entering these target layers (vLLM's default: an early, a middle and a late one).
+def default_eagle3_layers(num_target_layers: int) -> list[int]:
+    return [2, num_target_layers // 2, num_target_layers - 3]
+
+
+def mark_eagle_head(head_config: Any, method: str, target_config: Any) -> None:
+    """Point an EAGLE checkpoint's config at our head classes (EAGLE-1 checkpoints say LlamaForCausalLM, EAGLE-3
+    ones LlamaForCausalLMEagle3) and fill what the head needs from the model it drafts for; ValueError naming
+    the field where the pair cannot work."""
+    if getattr(head_config, "model_type", None) != "llama":
+        raise ValueError(f"speculative_config.model: method {method} takes a Llama-style EAGLE head, got "
+                         f"model_type {getattr(head_config, 'model_type', None)!r}")
+    target_hidden = target_config.hidden_size
+    if method == "eagle":
+        if head_config.hidden_size != target_hidden:
+            raise ValueError(f"speculative_config.model: the EAGLE head's hidden_size ({head_config.hidden_size}) "
+                             f"differs from the model's ({target_hidden})")
+        head_config.architectures = ["EagleLlamaForCausalLM"]
+        return
+    layers = getattr(head_config, "eagle_aux_hidden_state_layer_ids", None) \
+        or default_eagle3_layers(target_config.num_hidden_layers)
+    if any(not 0 < i < target_config.num_hidden_layers for i in layers):
+        raise ValueError(f"speculative_config.model: EAGLE-3 reads target layers {layers}, but the model has "
+                         f"{target_config.num_hidden_layers}")
+    head_config.eagle_aux_hidden_state_layer_ids = list(layers)
+    head_config.target_hidden_size = getattr(head_config, "target_hidden_size", None) or target_hidden
+    head_config.architectures = ["Eagle3LlamaForCausalLM"]

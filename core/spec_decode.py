@@ -15,7 +15,7 @@ import logging
 import math
 import time
 
-from pagedserve.common.speculative import SpeculativeConfig
+from pagedserve.common.speculative import MODEL_METHODS, SpeculativeConfig
 from pagedserve.core.ngram_proposer import propose_ngram
 from pagedserve.core.request import Request
 from pagedserve.core.structured_output.request import valid_draft
@@ -56,7 +56,7 @@ class SpecDecodeState:
         room = min(room, math.ceil(cfg.num_speculative_tokens * request.spec_acceptance))
         if room < 1:
             return []
-        if cfg.method == "draft_model":      # proposed by the workers' draft model after the last step
+        if cfg.method in MODEL_METHODS:      # proposed by the workers' draft model / head after the last step
             draft = request.spec_token_ids[:room]
         else:
             draft = propose_ngram(request.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)

@@ -24,10 +24,11 @@ class DraftModelProposer:
         self.max_model_len = max_model_len
         self.block_size = block_size
 
-    def propose(self, batch: PreparedBatch, states: dict[str, CachedRequestState], rows: list[int],
-                buffers: StepBuffers) -> list[list[int]]:
+    def propose(self, batch: PreparedBatch, hidden: torch.Tensor, states: dict[str, CachedRequestState],
+                rows: list[int], buffers: StepBuffers) -> list[list[int]]:
         """Drafts for `rows` (rows that sampled this step: their states already hold the sampled tokens),
-        after running the step's own tokens through the draft (always: its cache must hold every token)."""
+        after running the step's own tokens through the draft (always: its cache must hold every token).
+        `hidden` (the model's) is not read: a draft model has its own."""
         self.model(batch.input_ids, batch.positions, batch.meta)
         if not rows:
             return []
@@ -39,7 +40,7 @@ class DraftModelProposer:
             live = [i for i, p in enumerate(positions) if p < self.max_model_len]
             if not live:
                 break
-            host = _one_token_batch([states[rids[i]] for i in live], [tokens[i] for i in live],
+            host = one_token_batch([states[rids[i]] for i in live], [tokens[i] for i in live],
                                     [positions[i] for i in live], [rids[i] for i in live], self.block_size)
             step_batch = buffers.commit(host)
             hidden = self.model(step_batch.input_ids, step_batch.positions, step_batch.meta)
@@ -51,7 +52,7 @@ class DraftModelProposer:
         return drafts
 
 
-def _one_token_batch(states: list[CachedRequestState], tokens: list[int], positions: list[int],
+def one_token_batch(states: list[CachedRequestState], tokens: list[int], positions: list[int],
                      rids: list[str], block_size: int) -> HostBatch:
     """A decode step of one token per request at the given positions (its slot in the request's blocks)."""
     n = len(states)

@@ -13,6 +13,7 @@ from torch import nn
 from pagedserve.common.config import EngineConfig
 from pagedserve.executor.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagedserve.executor.worker.draft_proposer import DraftModelProposer, bind_draft_cache
+from pagedserve.executor.worker.eagle_proposer import EagleProposer
 from pagedserve.executor.worker.grammar_mask import grammar_rows
 from pagedserve.executor.worker.input_prep import prepare_inputs
 from pagedserve.executor.worker.prompt_logprobs import compute_prompt_logprobs
@@ -71,8 +72,12 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.decode_step: DecodeStep | None = None
         spec = config.speculative
-        self.drafter = None if draft_model is None else DraftModelProposer(
-            draft_model, spec.num_speculative_tokens, config.model.max_model_len, self.block_size)
+        self.drafter: DraftModelProposer | EagleProposer | None = None
+        if draft_model is not None:
+            kind = EagleProposer if spec.is_eagle else DraftModelProposer
+            extra = (model,) if spec.is_eagle else ()
+            self.drafter = kind(draft_model, *extra, spec.num_speculative_tokens, config.model.max_model_len,
+                                self.block_size)
         self.draft_caches: list[torch.Tensor] = []
         # Guards the request states between launch() and a PendingStep.result() taken on another thread.
         self._lock = threading.RLock()
@@ -93,15 +98,22 @@ class ModelRunner:
             self.draft_caches = []
             self.draft_caches = [_zeros(shape, self.kv_dtype, self.device) for _ in draft_layers]
             bind_draft_cache(self.drafter.model, self.draft_caches, self.attn_backend)
-        make_step = getattr(self.model, "make_decode_step", None)
+        make_step = None if self._needs_aux_hidden else getattr(self.model, "make_decode_step", None)
         self.decode_step = make_step() if make_step is not None else None
         logger.debug("whole-decoder decode step: %s", type(self.decode_step).__name__ if self.decode_step else None)
 
     def capture_cuda_graphs(self) -> int:
         """Capture decode graphs (CUDA only); returns the bytes their memory pool took."""
+        if self._needs_aux_hidden:
+            logger.info("no CUDA graphs: EAGLE-3 reads the model's inner layers, which a replay does not keep")
+            return 0
         self.graphs = CudaGraphRunner(self.model, self.buffers, capture_sizes(self.config.scheduler.max_num_seqs))
         self.graphs.capture()
         return self.graphs.pool_bytes
+
+    @property
+    def _needs_aux_hidden(self) -> bool:
+        return isinstance(self.drafter, EagleProposer) and self.drafter.needs_aux_hidden
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids:
@@ -165,7 +177,7 @@ class ModelRunner:
         if drafts:
             self._verify(batch, hidden, drafts, result, sched.grammar_bitmask)
         if self.drafter is not None:
-            self._propose(batch, result)
+            self._propose(batch, hidden, result)
         return PendingStep.ready(result)
 
     @staticmethod
@@ -176,12 +188,12 @@ class ModelRunner:
                 for step, _ in list(state.pending.values()):
                     step.result()
 
-    def _propose(self, batch: PreparedBatch, result: ModelRunnerOutput) -> None:
+    def _propose(self, batch: PreparedBatch, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
         """The draft model runs the step's tokens, then drafts for the rows that sampled (none past the
         batch size that gets drafts: the core would not use them)."""
         spec = self.config.speculative
         rows = [] if len(batch.sample_rows) > spec.disable_by_batch_size else batch.sample_rows
-        drafts = self.drafter.propose(batch, self.states, rows, self.buffers)
+        drafts = self.drafter.propose(batch, hidden, self.states, rows, self.buffers)
         result.draft_token_ids = [[] for _ in batch.req_ids]
         for row, draft in zip(rows, drafts):
             result.draft_token_ids[row] = draft

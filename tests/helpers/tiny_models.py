@@ -141,3 +141,52 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
                              attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
         outs.append(seq[0, len(ids):].tolist())
     return outs
+
+
+def make_tiny_eagle_head(path: str, target_dir: str, method: str = "eagle", seed: int = 1,
+                         draft_vocab_size: int | None = None, with_embedding: bool = False) -> str:
+    """A random EAGLE head for the tiny model at target_dir, saved as its published checkpoints are: an
+    EAGLE-1 head (`fc`, `layers.0.*` without the input norm; config architectures LlamaForCausalLM) or an
+    EAGLE-3 one (`fc`, `midlayer.*`, `norm`, `lm_head` over `draft_vocab_size` ids, `d2t`, `t2d`; config
+    architectures LlamaForCausalLMEagle3)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+    target = json.load(open(os.path.join(target_dir, "config.json")))
+    h, vocab = target["hidden_size"], target["vocab_size"]
+    heads, kv_heads = target["num_attention_heads"], target.get("num_key_value_heads") or target["num_attention_heads"]
+    hd, inter = h // heads, target["intermediate_size"]
+    fields = dict(hidden_size=h, num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  intermediate_size=inter, vocab_size=vocab, max_position_embeddings=target["max_position_embeddings"],
+                  rms_norm_eps=target["rms_norm_eps"], tie_word_embeddings=False)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    def norm() -> torch.Tensor:
+        return 1.0 + rand(h, scale=0.1)
+    attn_in = 2 * h if method == "eagle3" else h
+    layer = {"self_attn.q_proj.weight": rand(heads * hd, attn_in), "self_attn.k_proj.weight": rand(kv_heads * hd, attn_in),
+             "self_attn.v_proj.weight": rand(kv_heads * hd, attn_in), "self_attn.o_proj.weight": rand(h, heads * hd),
+             "post_attention_layernorm.weight": norm(), "mlp.gate_proj.weight": rand(inter, h),
+             "mlp.up_proj.weight": rand(inter, h), "mlp.down_proj.weight": rand(h, inter)}
+    if method == "eagle":
+        config = LlamaConfig(**fields, architectures=["LlamaForCausalLM"])
+        tensors = {"fc.weight": rand(h, 2 * h), **{f"layers.0.{k}": v for k, v in layer.items()}}
+    else:
+        draft_vocab = draft_vocab_size or vocab
+        config = LlamaConfig(**fields, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab)
+        # The draft vocabulary: a random subset of the model's ids, in order; d2t[i] = its id - i.
+        keep = torch.sort(torch.randperm(vocab, generator=gen)[:draft_vocab]).values
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[keep] = True
+        tensors = {"fc.weight": rand(h, 3 * h), "norm.weight": norm(), "lm_head.weight": rand(draft_vocab, h),
+                   "d2t": keep - torch.arange(draft_vocab), "t2d": t2d,
+                   "midlayer.input_layernorm.weight": norm(), "midlayer.hidden_norm.weight": norm(),
+                   **{f"midlayer.{k}": v for k, v in layer.items()}}
+    if with_embedding:
+        tensors["embed_tokens.weight"] = rand(vocab, h, scale=1.0)
+    os.makedirs(path, exist_ok=True)
+    config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    return path

@@ -24,6 +24,11 @@ _BY_ARCHITECTURE: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
 }
+# Draft heads, never a served model: common/speculative.mark_eagle_head names them in an EAGLE checkpoint's config.
+_HEADS: dict[str, tuple[str, str]] = {
+    "EagleLlamaForCausalLM": ("llama_eagle", "EagleLlamaForCausalLM"),
+    "Eagle3LlamaForCausalLM": ("llama_eagle", "Eagle3LlamaForCausalLM"),
+}
 # Configs built from GGUF metadata carry no `architectures`, only `model_type`.
 _BY_MODEL_TYPE: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -53,5 +58,9 @@ def resolve_architecture(hf_config: Any) -> str:
 
 
 def get_model_class(hf_config: Any) -> type[nn.Module]:
-    module, name = _BY_ARCHITECTURE[resolve_architecture(hf_config)]
+    architectures = getattr(hf_config, "architectures", None) or []
+    if architectures and architectures[0] in _HEADS:
+        module, name = _HEADS[architectures[0]]
+    else:
+        module, name = _BY_ARCHITECTURE[resolve_architecture(hf_config)]
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -108,13 +108,22 @@ class LlamaModel(nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = get_rope(cfg, _head_dim(cfg))     # shared by all layers
+        # EAGLE-3 drafting: the residual stream entering these layers, side by side, is kept in aux_hidden after
+        # each forward (the forward's second output, read by the runner before the next forward).
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions, h.dtype)
         residual = None
-        for layer in self.layers:
+        aux: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux[i] = h + residual
             h, residual = layer(h, residual, rope, meta)
+        if aux:        # in the head's order, a layer named twice given twice
+            self.aux_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
         return self.norm(h, residual)[0]
 
     def cpu_step_weights(self) -> DecoderWeights | None:
