@@ -293,8 +293,6 @@ class EngineArgs:
         ValueError naming the field."""
         if spec is None or spec.model is None:
             return None
-        if self.tensor_parallel_size > 1:
-            raise ValueError(f"speculative_config: method {spec.method} runs with tensor_parallel_size 1 only")
         args = dataclasses.replace(self, model=spec.model, tokenizer=None, tokenizer_revision=None, revision=None,
                                    quantization=None, served_model_name=None, speculative_config=None,
                                    dtype=target.dtype, max_model_len=target.max_model_len)

@@ -183,15 +183,16 @@ def test_drafts_equal_the_dense_reference_every_step(tmp_path_factory, target_di
         assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, (spec.num_accepted_tokens, spec.num_draft_tokens)
 
 
-@pytest.mark.parametrize("method,backend", [("eagle", "uni"), ("eagle3", "uni"), ("eagle3", "mp")])
-def test_greedy_output_unchanged_by_a_head(tmp_path_factory, bigram_dir, target_dir, method, backend):
-    """mp: the head's config (its aux layers, set at start) crosses to a worker process."""
+@pytest.mark.parametrize("method,tp", [("eagle", 1), ("eagle3", 1), ("eagle", 2), ("eagle3", 2)])
+def test_greedy_output_unchanged_by_a_head(tmp_path_factory, bigram_dir, target_dir, method, tp):
+    """TP = 2: a worker process per rank (the head's config, with its aux layers set at start, crosses to them);
+    each rank runs the unsharded head with the model's sharded embedding and LM head."""
     target = bigram_dir if method == "eagle" else target_dir
     head = head_dir(tmp_path_factory, target, method, predictive=method == "eagle")
     prompts = random_prompts(5, [9, 40, 17, 70, 3], 512)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(target, dtype="float32").generate(prompts, params, use_tqdm=False)]
-    llm = LLM(target, dtype="float32", max_num_batched_tokens=32, distributed_executor_backend=backend,
+    llm = LLM(target, dtype="float32", max_num_batched_tokens=32, tensor_parallel_size=tp,
               speculative_config={
         "method": method, "model": head, "num_speculative_tokens": K, "disable_by_batch_size": 8})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
@@ -208,9 +209,13 @@ def test_head_config_refusals(tmp_path_factory, target_dir):
         json.dump({**cfg, "hidden_size": 2 * cfg["hidden_size"]}, f)
     with pytest.raises(ValueError, match="hidden_size"):
         EngineArgs(model=target_dir, speculative_config={"method": "eagle", "model": wide,
-                                                                  "num_speculative_tokens": 2}).create_engine_config()
+                                                         "num_speculative_tokens": 2}).create_engine_config()
     with pytest.raises(ValueError, match="speculative_config.model .*required"):
-        EngineArgs(model=target_dir, speculative_config={"method": "eagle3", "num_speculative_tokens": 2}).create_engine_config()
-    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        EngineArgs(model=target_dir, tensor_parallel_size=2,
-                   speculative_config={"method": "eagle", "model": head, "num_speculative_tokens": 2}).create_engine_config()
+        EngineArgs(model=target_dir,
+                   speculative_config={"method": "eagle3", "num_speculative_tokens": 2}).create_engine_config()
+    # EAGLE-3 reads target layers 2, L/2 and L-3: a two-layer model has none of them.
+    two = make_tiny_model(str(tmp_path_factory.mktemp("two_layers")), arch="llama", tokenizer="synthetic")
+    head3 = head_dir(tmp_path_factory, two, "eagle3")
+    with pytest.raises(ValueError, match="EAGLE-3 reads target layers"):
+        EngineArgs(model=two, speculative_config={"method": "eagle3", "model": head3,
+                                                  "num_speculative_tokens": 2}).create_engine_config()

@@ -120,16 +120,19 @@ def test_a_rejected_draft_is_never_served_from_the_prefix_cache(tiny_llama_dir):
 
 
 def test_tensor_parallel_and_async_scheduling_keep_the_greedy_tokens(tiny_llama_dir):
-    """TP = 2 (a worker process per rank, gloo) verifies the same drafts on both ranks; async scheduling waits for
-    each step's output while drafts run. Both give what one rank without drafts gives."""
+    """TP = 2 (a worker process per rank, gloo) verifies the same drafts on both ranks, ngram's and an unsharded
+    draft model's (each rank runs its own copy); async scheduling waits for each step's output while drafts run.
+    All give what one rank without drafts gives."""
     prompts = _repetitive_prompts(3, seed=9)
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     runs = {}
     for name, kw in (("plain", {}), ("tp2", dict(tensor_parallel_size=2, speculative_config=NGRAM)),
-                     ("async", dict(async_scheduling=True, speculative_config=NGRAM))):
+                     ("async", dict(async_scheduling=True, speculative_config=NGRAM)),
+                     ("tp2_draft", dict(tensor_parallel_size=2, speculative_config={
+                         "method": "draft_model", "model": tiny_llama_dir, "num_speculative_tokens": 3}))):
         with LLM(tiny_llama_dir, dtype="float32", max_model_len=512, **kw) as llm:
             runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert runs["tp2"] == runs["plain"] and runs["async"] == runs["plain"]
+    assert runs["tp2"] == runs["plain"] and runs["async"] == runs["plain"] and runs["tp2_draft"] == runs["plain"]
 
 
 # ---------------------------------------------------------------- method draft_model
@@ -186,8 +189,6 @@ def test_draft_model_shares_the_cache_memory_and_bad_drafts_are_refused(tiny_lla
     other_vocab = make_tiny_model(str(tmp_path / "v"), arch="llama", vocab_size=1024)
     with pytest.raises(ValueError, match=r"speculative_config\.model: the draft's vocabulary"):
         EngineArgs(model=tiny_llama_dir, speculative_config={**spec, "model": other_vocab}).create_engine_config()
-    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
-        EngineArgs(model=tiny_llama_dir, tensor_parallel_size=2, speculative_config=spec).create_engine_config()
     with pytest.raises(ValueError, match=r"speculative_config\.model"):
         EngineArgs(model=tiny_llama_dir, speculative_config={"method": "draft_model",
                                                              "num_speculative_tokens": 2}).create_engine_config()
