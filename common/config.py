@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.common.arg_utils import setting
-from pagedserve.common.config_rules import (check_parallel, check_positive, check_timeout, one_of, resolve_device,
-                                            resolve_max_model_len, weight_only)
+from pagedserve.common.config_rules import (check_parallel, check_pipeline, check_positive, check_timeout, one_of,
+                                            resolve_device, resolve_max_model_len, weight_only)
 from pagedserve.common.dtype import DTYPE_CHOICES, checkpoint_dtype, resolve_dtype, resolve_kv_cache_dtype
 from pagedserve.common.generation_config import AUTO, check_setting, load_generation_defaults
 from pagedserve.common.hub import TOKENIZER_FILES, local_or_hub_path, looks_like_hub_id
@@ -111,6 +111,8 @@ class SchedulerConfig:
     max_waiting_requests: int | None
     # Schedule step N+1 while step N runs: requests carry output placeholders until the sampled ids arrive.
     async_scheduling: bool
+    # Batches in flight at once (pipeline parallelism: one per stage); a request is never in two of them.
+    batch_queue_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,12 @@ class ParallelConfig:
     # fails. The beat comes from its own thread, so a long step does not count against it. Under torchrun
     # it bounds every collective instead.
     worker_heartbeat_timeout_s: float
+    # Stages the layers are split over; rank = stage * tensor_parallel_size + its rank within the stage.
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -217,7 +225,10 @@ class EngineArgs:
              "field, lower first)")
     enable_chunked_prefill: bool = setting(
         True, help="split long prompts over several steps, so decodes keep running beside them")
-    tensor_parallel_size: int = setting(1, aliases=("-tp",), help="ranks the model is split over")
+    tensor_parallel_size: int = setting(1, aliases=("-tp",), help="ranks each layer is split over")
+    pipeline_parallel_size: int = setting(
+        1, aliases=("-pp",), help="stages the layers are split over (by count: the embedding on the first, the "
+                                  "final norm and LM head on the last); tensor_parallel_size x this ranks in all")
     distributed_executor_backend: str | None = setting(
         None, choices=EXECUTOR_BACKENDS,
         help="uni: in-process, mp: a process per rank, torchrun: ranks started by torchrun (unset: uni for "
@@ -262,9 +273,12 @@ class EngineArgs:
                                                weight_only(model.quantization)))
         parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                   distributed_executor_backend=self.executor_backend(),
-                                  worker_heartbeat_timeout_s=self.resolved_worker_heartbeat_timeout())
+                                  worker_heartbeat_timeout_s=self.resolved_worker_heartbeat_timeout(),
+                                  pipeline_parallel_size=self.pipeline_parallel_size)
         check_parallel(parallel.tensor_parallel_size, model.num_heads, model.num_kv_heads,
                        getattr(model.hf_config, "intermediate_size", None))
+        check_pipeline(self.pipeline_parallel_size, model.hf_config, parallel.distributed_executor_backend,
+                       self.speculative_config, self.async_scheduling)
         structured = StructuredOutputsConfig(reasoning_parser=self.reasoning_parser,
                                              compile_timeout_s=float(self.structured_outputs_compile_timeout))
         speculative = parse_speculative_config(self.speculative_config)
@@ -313,7 +327,8 @@ class EngineArgs:
         return SchedulerConfig(
             max_num_batched_tokens=batched, max_num_seqs=self.max_num_seqs, max_model_len=max_len,
             policy=self.scheduling_policy, enable_chunked_prefill=self.enable_chunked_prefill,
-            max_waiting_requests=self.max_waiting_requests, async_scheduling=self.async_scheduling)
+            max_waiting_requests=self.max_waiting_requests, async_scheduling=self.async_scheduling,
+            batch_queue_size=self.pipeline_parallel_size)
 
     def _resolve_tokenizer(self, source: ModelSource) -> str | None:
         """A local folder for --tokenizer or --tokenizer-revision; None: the model's own files."""
@@ -327,7 +342,8 @@ class EngineArgs:
 
     def executor_backend(self) -> str:
         """The executor backend to build: the one asked for, else in-process for one rank."""
-        return self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "mp")
+        one_rank = self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1
+        return self.distributed_executor_backend or ("uni" if one_rank else "mp")
 
     def resolved_worker_heartbeat_timeout(self) -> float:
         """worker_heartbeat_timeout, or its default for the executor backend (a torchrun launcher needs it
@@ -347,6 +363,7 @@ class EngineArgs:
         check_positive("block_size", self.block_size)
         check_positive("max_num_seqs", self.max_num_seqs)
         check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
         for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override", "max_waiting_requests"):
             value = getattr(self, name)
             if value is not None:

@@ -59,3 +59,29 @@ def check_parallel(tp: int, num_heads: int, num_kv_heads: int, intermediate_size
                          "the other")
     if intermediate_size is not None and intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size ({intermediate_size})")
+
+
+# Families whose model class splits its layers over pipeline stages (executor/model/models/llama.py and the
+# mixture-of-experts models built on it).
+PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                          "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def check_pipeline(pp: int, hf_config: Any, backend: str, speculative: Any, async_scheduling: bool) -> None:
+    """pipeline_parallel_size > 1 is possible for this model and these settings; ValueError with the numbers."""
+    if pp == 1:
+        return
+    layers = hf_config.num_hidden_layers
+    if pp > layers:
+        raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {layers} layers (a stage needs one)")
+    arch = (getattr(hf_config, "architectures", None) or [None])[0]
+    if arch is not None and arch not in PIPELINE_ARCHITECTURES:
+        raise ValueError(f"pipeline_parallel_size={pp}: {arch} runs in one stage only (pipeline stages: "
+                         f"{', '.join(PIPELINE_ARCHITECTURES)})")
+    if backend != "mp":
+        raise ValueError(f"pipeline_parallel_size={pp} runs with distributed_executor_backend 'mp', got {backend!r}")
+    if speculative:
+        raise ValueError("speculative_config cannot be combined with pipeline_parallel_size > 1 yet")
+    if async_scheduling:
+        raise ValueError("async_scheduling with pipeline_parallel_size > 1: the stages already keep one batch "
+                         "each in flight (a batch queue); leave async_scheduling off")

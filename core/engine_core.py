@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -61,6 +62,9 @@ class EngineCore:
         self.eos_token_ids = config.model.eos_token_ids
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None    # async scheduling's step N
+        # Pipeline parallelism: up to one batch per stage in flight, oldest first (vLLM's batch queue).
+        self.batch_queue_size = config.scheduler.batch_queue_size
+        self._batch_queue: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self._info: EngineInfo | None = None
         logger.info("engine core ready in %.1f s: %d KV blocks", time.perf_counter() - start, self.num_blocks)
 
@@ -112,11 +116,13 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         # A step still in flight counts: its output must be taken even if all its requests were aborted.
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._batch_queue)
 
     # ---------------------------------------------------------------- the step
 
     def step(self) -> EngineCoreOutputs:
+        if self.batch_queue_size > 1:
+            return self._step_batch_queue()
         if self.async_scheduling:
             return self._step_async()
         sched = self.scheduler.schedule()
@@ -144,6 +150,27 @@ class EngineCore:
         if started is None and not outputs:
             self.scheduler.grammar_waiters.wait()   # only compiles pending: do not spin
         return self._outputs(outputs, sched.total_num_scheduled_tokens)
+
+    def _step_batch_queue(self) -> EngineCoreOutputs:
+        """Start a batch while the queue has room (the stages work on earlier ones meanwhile); take the oldest
+        batch's output once the queue is full or nothing new could start. A request sits in at most one
+        batch in flight (the scheduler skips the others), so each batch is scheduled from known tokens."""
+        outputs: list[EngineCoreOutput] = []
+        started = False
+        num_tokens = 0
+        if len(self._batch_queue) < self.batch_queue_size:
+            sched = self.scheduler.schedule()
+            outputs += self._take_grammar_errors()
+            num_tokens = sched.total_num_scheduled_tokens
+            if _has_work(sched):
+                self._batch_queue.append((sched, self.executor.execute_model_async(sched)))
+                started = True
+        if self._batch_queue and (not started or len(self._batch_queue) >= self.batch_queue_size):
+            sched, future = self._batch_queue.popleft()
+            outputs += self.scheduler.update_from_output(sched, future.result())
+        elif not started and not outputs:
+            self.scheduler.grammar_waiters.wait()   # only compiles pending: do not spin
+        return self._outputs(outputs, num_tokens)
 
     def _take_grammar_errors(self) -> list[EngineCoreOutput]:
         """The requests whose grammar failed in the schedule() just run: their error goes out with this step,

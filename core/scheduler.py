@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable
 
 from pagedserve.common.config import SchedulerConfig
@@ -48,6 +49,9 @@ class Scheduler:
         # id(SchedulerOutput) -> the Request objects it scheduled: an output is applied only to those, never
         # to a later request that reused the id of one aborted while the step ran.
         self._scheduled: dict[int, dict[str, Request]] = {}
+        # Request id -> batches in flight that hold it (batch queue, pipeline parallelism): none is scheduled
+        # again, nor preempted, until its batch is back.
+        self._in_flight: Counter[str] = Counter()
         self._num_structured = 0
 
     # ---------------------------------------------------------------- requests in and out
@@ -116,7 +120,7 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
-            num_new = self._num_new_tokens(request, budget)
+            num_new = 0 if request.request_id in self._in_flight else self._num_new_tokens(request, budget)
             if num_new <= 0:
                 idx += 1
                 continue
@@ -128,6 +132,8 @@ class Scheduler:
             while (new_blocks := self.kv.allocate_slots(request, num_new,
                                                         num_lookahead_tokens=self.lookahead)) is None:
                 victim = self._pick_victim()
+                if victim is None:
+                    break
                 if self.running.index(victim) < idx:
                     idx -= 1
                 drafts.pop(victim.request_id, None)
@@ -143,7 +149,7 @@ class Scheduler:
                 break
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-            self._emit(request, [b.block_id for b in new_blocks], new_reqs, cached)
+            self._emit(request, num_new, [b.block_id for b in new_blocks], new_reqs, cached)
             idx += 1
 
         # Admit waiting requests only when nothing was preempted: otherwise the victim would be
@@ -151,7 +157,7 @@ class Scheduler:
         while (not preempted_any and budget > 0 and len(self.waiting)
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
-            if request.num_output_placeholders:
+            if request.num_output_placeholders or request.request_id in self._in_flight:
                 break                    # preempted with a step in flight: its ids come back first
             scheduled = self._admit(request, budget)
             if scheduled is None:
@@ -163,7 +169,7 @@ class Scheduler:
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-            self._emit(request, new_block_ids, new_reqs, cached)
+            self._emit(request, num_new, new_block_ids, new_reqs, cached)
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
@@ -174,6 +180,8 @@ class Scheduler:
         sampling = self._advance(num_scheduled)
         if num_scheduled:                # a step with no tokens gets no output to match
             self._scheduled[id(out)] = {rid: self.requests[rid] for rid in num_scheduled}
+            if self.config.batch_queue_size > 1:
+                self._in_flight.update(num_scheduled.keys())
         if self.structured is not None:
             out.grammar_bitmask = self.structured.grammar_bitmask(
                 [(r.request_id, r.structured) for r in sampling if r.structured is not None], drafts)
@@ -212,10 +220,15 @@ class Scheduler:
             return 0
         return min(num_new, budget)
 
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self) -> Request | None:
+        """The running request that gives way; never one in a batch in flight (None when all are)."""
+        candidates = [r for r in self.running if r.request_id not in self._in_flight] if self._in_flight \
+            else self.running
+        if not candidates:
+            return None
         if self.config.policy == "priority":
-            return max(self.running, key=Request.sort_key)
-        return self.running[-1]          # FCFS: the latest arrival gives way
+            return max(candidates, key=Request.sort_key)
+        return candidates[-1]            # FCFS: the latest arrival gives way
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -245,13 +258,16 @@ class Scheduler:
         request.num_computed_tokens = num_hit
         return [b.block_id for b in new_blocks], num_new
 
-    def _emit(self, request: Request, new_block_ids: list[int], new_reqs: list[NewRequestData],
+    def _emit(self, request: Request, num_new: int, new_block_ids: list[int], new_reqs: list[NewRequestData],
               cached: CachedRequestData) -> None:
         rid = request.request_id
         if rid in self._sent_to_workers:
             cached.req_ids.append(rid)
             cached.new_block_ids.append(new_block_ids)
             cached.num_computed_tokens.append(request.num_computed_tokens)
+            if self.config.batch_queue_size > 1:       # no placeholders: the request is in no batch in flight
+                start = request.num_computed_tokens
+                cached.new_token_ids.append(request.all_token_ids[start:start + num_new])
             return
         self._sent_to_workers.add(rid)
         new_reqs.append(NewRequestData(
@@ -269,6 +285,8 @@ class Scheduler:
         i = cached.req_ids.index(rid)
         for column in (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             del column[i]
+        if cached.new_token_ids:
+            del cached.new_token_ids[i]
 
     # ---------------------------------------------------------------- results of a step
 
@@ -276,6 +294,9 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         prompt_logprobs = result.prompt_logprobs or {}
         scheduled = self._scheduled.pop(id(sched), {})
+        if self.config.batch_queue_size > 1:
+            self._in_flight.subtract(scheduled.keys())
+            self._in_flight = +self._in_flight       # drop the zero counts
         for i, rid in enumerate(result.req_ids):
             token = result.sampled_token_ids[i]
             request = self.requests.get(rid)

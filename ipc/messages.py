@@ -142,6 +142,9 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     req_ids: list[str] = []
     new_block_ids: list[list[int]] = []
     num_computed_tokens: list[int] = []
+    # Pipeline parallelism: the ids of the tokens each request runs this step. Only the last stage samples,
+    # so the others learn each request's new tokens here (vLLM's new_token_ids); empty without stages.
+    new_token_ids: list[list[int]] = []
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True):

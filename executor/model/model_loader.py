@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from pagedserve.common.config import ModelConfig
 from pagedserve.executor.model.layers.rotary import engine_max_model_len
 from pagedserve.executor.model.models import get_model_class
-from pagedserve.executor.model.parallel_state import TPGroup
+from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 from pagedserve.executor.model.quant.awq_gptq import combine_quantized_tensors
 from pagedserve.executor.model.quant.gguf_blocks import GGUF_QUANT_TYPES, decode_gguf_tensor, reverse_permute_rows
 from pagedserve.executor.model.quant.kv_scales import apply_kv_scales, take_kv_scales
@@ -50,8 +50,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(model_config: ModelConfig, tp: TPGroup) -> nn.Module:
-    """The model for this rank, on model_config.device in model_config.dtype, weights loaded, eval mode."""
+def load_model(model_config: ModelConfig, tp: TPGroup, pp: PPGroup = PPGroup()) -> nn.Module:
+    """The model for this rank (its pipeline stage's layers), on model_config.device in model_config.dtype,
+    weights loaded, eval mode."""
     if model_config.dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {model_config.dtype!r}")
     cls = get_model_class(model_config.hf_config)
@@ -61,7 +62,7 @@ def load_model(model_config: ModelConfig, tp: TPGroup) -> nn.Module:
     # (A quantized layer's dense weight is allocated but never written, so it never takes memory.)
     with torch.device(model_config.device), _default_dtype(dtype), \
             engine_max_model_len(model_config.max_model_len):       # hook: longrope picks its factors by it
-        model = cls(model_config.hf_config, tp)
+        model = cls(model_config.hf_config, tp, pp) if pp.size > 1 else cls(model_config.hf_config, tp)
     method = model_config.quantization.method if model_config.quantization else None
     if method in PACKED_METHODS:
         begin_packed(model)

@@ -40,7 +40,7 @@ class WorkerDiedError(RuntimeError):
 class MultiProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.world_size = config.parallel.tensor_parallel_size
+        self.world_size = config.parallel.world_size
         self.paths = IpcPaths("exec")
         self.ctx = zmq.Context()
         self.responses = make_socket(self.ctx, self.paths.new("resp"), zmq.PULL, bind=True)

@@ -83,9 +83,10 @@ class _Replies:
     """The rank's answers, sent in order from a thread of their own: a step's output is taken (waited for
     on the device) there, while the main loop launches the next step (async scheduling on the device)."""
 
-    def __init__(self, reply: Callable[[WorkerResponse], None], rank: int) -> None:
+    def __init__(self, reply: Callable[[WorkerResponse], None], rank: int, sends_outputs: bool) -> None:
         self._reply = reply
         self._rank = rank
+        self._sends_outputs = sends_outputs
         self._queue: queue.SimpleQueue[PendingStep | WorkerResponse | None] = queue.SimpleQueue()
         self.failed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"ps-worker-{rank}-replies", daemon=True)
@@ -110,12 +111,14 @@ class _Replies:
                 self._reply(WorkerResponse(rank=self._rank, kind="error", error=describe_exception(exc)))
                 self.failed.set()
                 return
-            if self._rank == 0:          # every rank computes the same tokens; one answer is enough
+            if self._sends_outputs:
                 self._reply(WorkerResponse(rank=self._rank, kind="output", output=output))
 
 
 def _serve(worker: Worker, reader: BroadcastReader, reply: Callable[[WorkerResponse], None], rank: int) -> int:
-    replies = _Replies(reply, rank)
+    # The last stage's first rank: the ranks of a stage compute the same tokens, one answer is enough, and
+    # only the last stage samples.
+    replies = _Replies(reply, rank, worker.pp.is_last and worker.tp.rank == 0)
     try:
         return _serve_loop(worker, reader, replies, rank)
     finally:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pagedserve.common.config import EngineConfig
+from pagedserve.executor.model.parallel_state import PPGroup
 from pagedserve.executor.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagedserve.executor.worker.draft_proposer import DraftModelProposer, bind_draft_cache
 from pagedserve.executor.worker.eagle_proposer import EagleProposer
@@ -49,9 +50,11 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device, dtype: torch.dtype,
-                 draft_model: nn.Module | None = None) -> None:
+                 draft_model: nn.Module | None = None, pp: PPGroup = PPGroup()) -> None:
         self.config = config
         self.model = model
+        self.pp = pp
+        self._sends: list = []          # this stage's activations still being sent to the next
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_cache_torch_dtype(config.cache.cache_dtype, dtype)
@@ -104,8 +107,9 @@ class ModelRunner:
 
     def capture_cuda_graphs(self) -> int:
         """Capture decode graphs (CUDA only); returns the bytes their memory pool took."""
-        if self._needs_aux_hidden:
-            logger.info("no CUDA graphs: EAGLE-3 reads the model's inner layers, which a replay does not keep")
+        if self._needs_aux_hidden or self.pp.size > 1:
+            logger.info("no CUDA graphs: %s", "pipeline stages pass activations between them" if self.pp.size > 1
+                        else "EAGLE-3 reads the model's inner layers, which a replay does not keep")
             return 0
         self.graphs = CudaGraphRunner(self.model, self.buffers, capture_sizes(self.config.scheduler.max_num_seqs))
         self.graphs.capture()
@@ -125,6 +129,11 @@ class ModelRunner:
             state = self.states[rid]
             state.block_ids.extend(new_blocks)
             state.num_computed_tokens = num_computed
+        if cached.new_token_ids and not self.pp.is_last:     # the last stage sampled them itself
+            for rid, num_computed, ids in zip(cached.req_ids, cached.num_computed_tokens, cached.new_token_ids):
+                state = self.states[rid]
+                del state.token_ids[num_computed:]
+                state.token_ids.extend(ids)
 
     def _forward(self, sched: SchedulerOutput) -> tuple[PreparedBatch, torch.Tensor]:
         with self._lock:
@@ -141,6 +150,10 @@ class ModelRunner:
             hidden = self.decode_step(batch.input_ids, batch.positions, batch.meta)
             if hidden is not None:
                 return batch, hidden
+        if self.pp.size > 1:
+            intermediate = None if self.pp.is_first else self.pp.recv(
+                (len(batch.input_ids), self.config.model.hf_config.hidden_size), self.dtype, self.device, 2)
+            return batch, self.model(batch.input_ids, batch.positions, batch.meta, intermediate)
         return batch, self.model(batch.input_ids, batch.positions, batch.meta)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -155,6 +168,10 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return PendingStep.ready(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         batch, hidden = self._forward(sched)
+        if not self.pp.is_last:
+            self._send(hidden)
+            return PendingStep.ready(ModelRunnerOutput(req_ids=batch.req_ids,
+                                                       sampled_token_ids=[-1] * len(batch.req_ids)))
         prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch.req_ids, self.states,
                                                   batch.meta.query_start_loc_cpu, batch.meta.seq_lens_cpu)
         step = PendingStep(batch.req_ids, self._lock, self._pinned, prompt_logprobs)
@@ -179,6 +196,13 @@ class ModelRunner:
         if self.drafter is not None:
             self._propose(batch, hidden, result)
         return PendingStep.ready(result)
+
+    def _send(self, activations: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Hand (hidden, residual) to the next stage; the previous step's sends finish first, so at most one
+        step's activations are held."""
+        for work in self._sends:
+            work.wait()
+        self._sends = self.pp.send(activations)
 
     @staticmethod
     def _settle(states: list[CachedRequestState]) -> None:

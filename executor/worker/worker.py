@@ -11,7 +11,7 @@ from pagedserve.common import envs
 from pagedserve.common.config import EngineConfig
 from pagedserve.executor.worker.model_runner import ModelRunner
 from pagedserve.executor.worker.step_output import PendingStep
-from pagedserve.executor.model.parallel_state import TPGroup
+from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
 from pagedserve.kernels.kv_quant import check_fp8_kv_device, kv_cache_torch_dtype
 
@@ -27,7 +27,9 @@ class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
         self.config = config
         self.rank = rank
-        self.tp = TPGroup(rank=rank, size=config.parallel.tensor_parallel_size)
+        tp_size, pp_size = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
+        self.tp = TPGroup(rank=rank % tp_size, size=tp_size)
+        self.pp = PPGroup(rank=rank // tp_size, size=pp_size, tp_size=tp_size, tp_rank=rank % tp_size)
         self.distributed_init_method = distributed_init_method
         self.device = torch.device(config.model.device)
         self.dtype = _DTYPES[config.model.dtype]
@@ -41,12 +43,22 @@ class Worker:
             torch.cuda.set_device(self.device)
         if self.config.cache.cache_dtype == "fp8":
             check_fp8_kv_device(self.device)
-        if self.tp.size > 1 and not torch.distributed.is_initialized():
+        world = self.config.parallel.world_size
+        if world > 1 and not torch.distributed.is_initialized():
             import torch.distributed as dist
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=self.distributed_init_method,
-                                    world_size=self.tp.size, rank=self.rank)
+            dist.init_process_group(backend, init_method=self.distributed_init_method, world_size=world,
+                                    rank=self.rank)
+        if self.pp.size > 1 and self.tp.size > 1:
+            self.tp = TPGroup(rank=self.tp.rank, size=self.tp.size, group=self._stage_group())
         torch.manual_seed(self.config.model.seed)
+
+    def _stage_group(self) -> object:
+        """This stage's ranks as a torch.distributed group: every rank creates every stage's group, in order."""
+        import torch.distributed as dist
+        tp = self.tp.size
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(self.pp.size)]
+        return groups[self.pp.rank]
 
     def bind_thread(self) -> None:
         """Make this worker's device current in the calling thread (CUDA's current device is per thread):
@@ -56,11 +68,11 @@ class Worker:
 
     def load_model(self) -> None:
         from pagedserve.executor.model.model_loader import load_model
-        model = load_model(self.config.model, self.tp)
+        model = load_model(self.config.model, self.tp, self.pp)
         draft = None
         if self.config.draft_model is not None:    # unsharded: config refuses it with tensor parallelism
             draft = load_model(self.config.draft_model, TPGroup(rank=0, size=1))
-        self.runner = ModelRunner(self.config, model, self.device, self.dtype, draft)
+        self.runner = ModelRunner(self.config, model, self.device, self.dtype, draft, self.pp)
 
     def remote_refusal(self, method: str) -> str | None:
         """Why `method` may not be called from another process, or None if it is in REMOTE_METHODS."""
@@ -83,7 +95,9 @@ class Worker:
         total = 0
         for m, shards in ((self.config.model, self.tp.size), (self.config.draft_model, 1)):
             if m is not None:
-                total += 2 * m.num_layers * self.config.cache.block_size * max(1, m.num_kv_heads // shards) \
+                # this rank's layers: its stage's (a draft runs whole beside the model)
+                layers = len(self.pp.layers(m.num_layers)) if m is self.config.model else m.num_layers
+                total += 2 * layers * self.config.cache.block_size * max(1, m.num_kv_heads // shards) \
                     * m.head_dim * elem
         return total
 

@@ -16,7 +16,7 @@ from pagedserve.executor.model.layers.linear import (MergedColumnParallelLinear,
                                                copy_weight)
 from pagedserve.executor.model.layers.rotary import get_rope
 from pagedserve.executor.model.models.llama_cpu_step import LlamaCpuDecodeStep
-from pagedserve.executor.model.parallel_state import TPGroup
+from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 from pagedserve.kernels import ops
 from pagedserve.kernels.cpu_decode_step import DecoderWeights, LayerWeights
 from pagedserve.kernels.metadata import AttentionMetadata
@@ -99,35 +99,48 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: Any, tp: TPGroup, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 make_mlp: Callable[[int], nn.Module | None] | None = None) -> None:
-        """make_mlp(layer index): that layer's MLP, or None for Llama's dense one."""
+                 make_mlp: Callable[[int], nn.Module | None] | None = None, pp: PPGroup = PPGroup()) -> None:
+        """make_mlp(layer index): that layer's MLP, or None for Llama's dense one. pp: the layers of this
+        pipeline stage are built (the others are placeholders, so checkpoint names keep their indices), the
+        embedding on the first stage, the final norm on the last."""
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.pp = pp
+        self.stage = pp.layers(cfg.num_hidden_layers)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if pp.is_first else None
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, qkv_bias, o_bias, qk_norm,
                                                       make_mlp(i) if make_mlp else None)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+                                    if i in self.stage else nn.Identity() for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last else None
         self.rotary_emb = get_rope(cfg, _head_dim(cfg))     # shared by all layers
         # EAGLE-3 drafting: the residual stream entering these layers, side by side, is kept in aux_hidden after
         # each forward (the forward's second output, read by the runner before the next forward).
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        """Final-normed hidden states; on a stage before the last, (hidden, residual) for the next stage, which
+        passes them in as `intermediate`."""
+        if intermediate is None:
+            h, residual = self.embed_tokens(input_ids), None
+        else:
+            h, residual = intermediate
         rope = self.rotary_emb.cos_sin(positions, h.dtype)
-        residual = None
         aux: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
+        for i in self.stage:
             if i in self.aux_layers:
                 aux[i] = h + residual
-            h, residual = layer(h, residual, rope, meta)
+            h, residual = self.layers[i](h, residual, rope, meta)
         if aux:        # in the head's order, a layer named twice given twice
             self.aux_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
+        if self.norm is None:
+            return h, residual
         return self.norm(h, residual)[0]
 
     def cpu_step_weights(self) -> DecoderWeights | None:
         """What the C step reads, or None where a layer is outside what it takes."""
+        if self.pp.size > 1:
+            return None
         layers = []
         eps = self.norm.eps
         for layer in self.layers:
@@ -159,16 +172,17 @@ class LlamaForCausalLM(nn.Module):
     """Also the base for Mistral, Qwen2 and Qwen3, which differ only in the flags below."""
     qk_norm = False
 
-    def __init__(self, hf_config: Any, tp: TPGroup) -> None:
+    def __init__(self, hf_config: Any, tp: TPGroup, pp: PPGroup = PPGroup()) -> None:
         super().__init__()
         self.config = hf_config
+        self.pp = pp
         _warn_sliding_window(hf_config)
         qkv_bias, o_bias = self.attention_biases(hf_config)
         self.model = LlamaModel(hf_config, tp, qkv_bias, o_bias, self.qk_norm,
-                                lambda layer: self.make_mlp(hf_config, tp, layer))
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp)
+                                lambda layer: self.make_mlp(hf_config, tp, layer), pp)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp) if pp.is_last else None
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tied:
+        if self.tied and pp.size == 1:
             self.lm_head.tie(self.model.embed_tokens)
 
     @classmethod
@@ -181,9 +195,11 @@ class LlamaForCausalLM(nn.Module):
         """The MLP of decoder layer `layer`; None: the dense LlamaMLP (mixture-of-experts models override)."""
         return None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]."""
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]; before the last pipeline
+        stage, (hidden, residual) for the next, which gets them as `intermediate`."""
+        return self.model(input_ids, positions, meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size], full vocabulary on every rank."""
@@ -195,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         return LlamaCpuDecodeStep.build(self.model)
 
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [self.model.layers[i].self_attn.attn for i in self.model.stage]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into our (merged, sharded) parameters.
@@ -207,6 +223,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tied and name.startswith("lm_head.")):
                 continue
+            checkpoint_name = name
+            if self.pp.size > 1 and (name := self._stage_name(name)) is None:
+                continue
             target, shard_id = _target_param(name)
             param = params.get(target)
             if param is None:
@@ -216,11 +235,31 @@ class LlamaForCausalLM(nn.Module):
                 copy_weight(param.data, tensor, name)
             else:
                 loader(param, tensor, shard_id)
-            loaded.add(name)
+            loaded.add(checkpoint_name)
         return loaded
+
+    def _stage_name(self, name: str) -> str | None:
+        """A checkpoint name as this pipeline stage loads it, or None for another stage's tensor (a tied
+        embedding is the last stage's LM head too)."""
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and int(parts[2]) not in self.model.stage:
+            return None
+        if name.startswith("model.embed_tokens."):
+            if self.tied and self.pp.is_last:
+                return name.replace("model.embed_tokens.", "lm_head.") if not self.pp.is_first else name
+            return name if self.pp.is_first else None
+        if name.startswith(("model.norm.", "lm_head.")) and not self.pp.is_last:
+            return None
+        return name
 
     def expected_weights(self) -> set[str]:
         """Every checkpoint tensor name this model needs (merged parameters expanded to their parts)."""
+        names = self._expected_parameters()
+        if self.tied and self.pp.size > 1 and self.pp.is_last:      # loaded from the embedding's tensor
+            names = {n for n in names if not n.startswith("lm_head.")} | {"model.embed_tokens.weight"}
+        return names
+
+    def _expected_parameters(self) -> set[str]:
         names: set[str] = set()
         for name, _ in self.named_parameters():      # a tied lm_head is not listed: shared tensors appear once
             parent, _, leaf = name.rpartition(".")

@@ -13,7 +13,7 @@ from torch import nn
 
 from pagedserve.executor.model.layers.fused_moe import FusedMoE, Router
 from pagedserve.executor.model.models.moe_base import MoeForCausalLM
-from pagedserve.executor.model.parallel_state import TPGroup
+from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 
 
 def check_silu(hf_config: Any, arch: str) -> None:
@@ -37,9 +37,9 @@ class MixtralForCausalLM(MoeForCausalLM):
     expert_parts = ("w1", "w3", "w2")
     checkpoint_block = "block_sparse_moe"
 
-    def __init__(self, hf_config: Any, tp: TPGroup) -> None:
+    def __init__(self, hf_config: Any, tp: TPGroup, pp: PPGroup = PPGroup()) -> None:
         check_silu(hf_config, "MixtralForCausalLM")
-        super().__init__(hf_config, tp)
+        super().__init__(hf_config, tp, pp)
 
     @classmethod
     def attention_biases(cls, hf_config: Any) -> tuple[bool, bool]:

@@ -17,7 +17,7 @@ from pagedserve.executor.model.layers.fused_moe import FusedMoE, Router
 from pagedserve.executor.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedserve.executor.model.models.mixtral import check_silu
 from pagedserve.executor.model.models.moe_base import MoeForCausalLM
-from pagedserve.executor.model.parallel_state import TPGroup
+from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 
 
 class SharedExpertMLP(nn.Module):
@@ -59,9 +59,9 @@ def is_sparse_layer(cfg: Any, layer: int) -> bool:
 
 
 class Qwen2MoeForCausalLM(MoeForCausalLM):
-    def __init__(self, hf_config: Any, tp: TPGroup) -> None:
+    def __init__(self, hf_config: Any, tp: TPGroup, pp: PPGroup = PPGroup()) -> None:
         check_silu(hf_config, type(self).__name__)
-        super().__init__(hf_config, tp)
+        super().__init__(hf_config, tp, pp)
 
     @classmethod
     def attention_biases(cls, hf_config: Any) -> tuple[bool, bool]:
