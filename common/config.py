@@ -112,7 +112,7 @@ class SchedulerConfig:
     # Schedule step N+1 while step N runs: requests carry output placeholders until the sampled ids arrive.
     async_scheduling: bool
     # Batches in flight at once (pipeline parallelism: one per stage); a request is never in two of them.
-    batch_queue_size: int = 1
+    batch_queue_size: int
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class ParallelConfig:
     # it bounds every collective instead.
     worker_heartbeat_timeout_s: float
     # Stages the layers are split over; rank = stage * tensor_parallel_size + its rank within the stage.
-    pipeline_parallel_size: int = 1
+    pipeline_parallel_size: int
 
     @property
     def world_size(self) -> int:

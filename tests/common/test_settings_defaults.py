@@ -38,6 +38,7 @@ WHERE = {
     "reasoning_parser": "structured_outputs.reasoning_parser",
     "structured_outputs_compile_timeout": "structured_outputs.compile_timeout_s",
     "seed": "model.seed", "enforce_eager": "model.enforce_eager",
+    "pipeline_parallel_size": "parallel.pipeline_parallel_size",
 }
 RESOLVED = {"model", "tokenizer", "revision", "tokenizer_revision", "download_dir", "generation_config",
             "served_model_name", "dtype", "device", "quantization", "max_model_len", "kv_cache_dtype",

@@ -82,7 +82,8 @@ def test_ngram_drafts_what_followed_the_latest_match_of_the_longest_suffix():
 def _scheduler(k: int = 3, disable_by_batch_size: int = 8, budget: int = 64, max_seqs: int = 16):
     kv = KVCacheManager(64, BS, True)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=256, policy="fcfs",
-                          enable_chunked_prefill=True, max_waiting_requests=None, async_scheduling=False)
+                          enable_chunked_prefill=True, max_waiting_requests=None, async_scheduling=False,
+                          batch_queue_size=1)
     spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
                                      "prompt_lookup_max": 3, "disable_by_batch_size": disable_by_batch_size})
     return Scheduler(cfg, kv, speculative=spec)

@@ -20,7 +20,7 @@ from pagedserve.executor.model.layers.embedding import ParallelLMHead, VocabPara
 from pagedserve.executor.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedserve.executor.model.layers.rotary import RotaryEmbedding, get_rope
 from pagedserve.executor.model.models.llama import LlamaForCausalLM
-from pagedserve.executor.model.parallel_state import TPGroup
+from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 from pagedserve.kernels import ops
 from pagedserve.kernels.metadata import AttentionMetadata
 
@@ -202,9 +202,12 @@ class _GemmaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    # Checkpoint names follow the Llama layout (q/k/v and gate/up merged here), so loading is Llama's.
+    # Checkpoint names follow the Llama layout (q/k/v and gate/up merged here), so loading is Llama's; Gemma
+    # runs in one pipeline stage (common/config_rules.PIPELINE_ARCHITECTURES).
+    pp = PPGroup()
     load_weights = LlamaForCausalLM.load_weights
     expected_weights = LlamaForCausalLM.expected_weights
+    _expected_parameters = LlamaForCausalLM._expected_parameters
 
 
 class Gemma2ForCausalLM(_GemmaForCausalLM):
