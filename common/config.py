@@ -229,6 +229,9 @@ class EngineArgs:
     pipeline_parallel_size: int = setting(
         1, aliases=("-pp",), help="stages the layers are split over (by count: the embedding on the first, the "
                                   "final norm and LM head on the last); tensor_parallel_size x this ranks in all")
+    data_parallel_size: int = setting(
+        1, aliases=("-dp",), help="engine cores engine-serve starts, each with its own scheduler, KV cache and "
+                                  "ranks, behind one API server (requests routed by cached prefix and load)")
     distributed_executor_backend: str | None = setting(
         None, choices=EXECUTOR_BACKENDS,
         help="uni: in-process, mp: a process per rank, torchrun: ranks started by torchrun (unset: uni for "
@@ -364,6 +367,7 @@ class EngineArgs:
         check_positive("max_num_seqs", self.max_num_seqs)
         check_positive("tensor_parallel_size", self.tensor_parallel_size)
         check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        check_positive("data_parallel_size", self.data_parallel_size)
         for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override", "max_waiting_requests"):
             value = getattr(self, name)
             if value is not None:

@@ -62,7 +62,7 @@ def response_for(exc: BaseException, retry_after_s: int = RETRY_AFTER_S) -> JSON
 
 def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name: str) -> FastAPI:
     app = FastAPI(title="pagedserve", version=__version__, root_path=settings.root_path or "")
-    metrics = Metrics(served_model_name, engine.info.max_model_len)
+    metrics = Metrics(served_model_name, engine.info.max_model_len, engine.num_engines)
     engine.finished_hooks.append(metrics.observe_finished)
     engine.inter_token_hooks.append(metrics.observe_inter_token)
     engine.step_hooks.append(metrics.observe_step)
@@ -92,11 +92,14 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
             await engine.check_health()
         except Exception as exc:
             return error_response(503, f"engine unhealthy: {exc}", "service_unavailable")
+        if engine.num_engines > 1:        # data parallelism: each engine core's state
+            return JSONResponse({"status": "ok", "engines": engine.engine_states()})
         return Response(status_code=200)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        metrics.observe_stats(engine.last_stats)
+        for index, stats in engine.engine_stats.items():
+            metrics.observe_stats(stats, index)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/version")

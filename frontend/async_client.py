@@ -45,13 +45,15 @@ class AsyncEngineClient:
         self._handler: asyncio.Task | None = None
         self._connected = False
         self._connect_lock: asyncio.Lock | None = None
-        self.last_stats: SchedulerStats | None = None
+        # Each engine core's latest SchedulerStats, by its index (data-parallel engines 0, 1, ...).
+        self.engine_stats: dict[int, SchedulerStats] = {}
+        # Each hook's last argument is the index of the engine core the observation came from.
         # Called with every finished RequestOutput and its total generated tokens (metrics).
-        self.finished_hooks: list[Callable[[RequestOutput, int], None]] = []
+        self.finished_hooks: list[Callable[[RequestOutput, int, int], None]] = []
         # Called with the intervals between consecutive output tokens seen in each batch of outputs (metrics).
-        self.inter_token_hooks: list[Callable[[list[float]], None]] = []
+        self.inter_token_hooks: list[Callable[[list[float], int], None]] = []
         # Called with the SchedulerStats of every engine step (metrics).
-        self.step_hooks: list[Callable[[SchedulerStats], None]] = []
+        self.step_hooks: list[Callable[[SchedulerStats, int], None]] = []
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
 
@@ -89,6 +91,29 @@ class AsyncEngineClient:
         return engine
 
     # ---------------------------------------------------------------- the narrow face
+
+    @property
+    def last_stats(self) -> SchedulerStats | None:
+        """The engines' latest stats, summed over data-parallel engines (KV usage: the fullest engine's)."""
+        stats = list(self.engine_stats.values())
+        if len(stats) <= 1:
+            return stats[0] if stats else None
+        return SchedulerStats(
+            num_running=sum(s.num_running for s in stats), num_waiting=sum(s.num_waiting for s in stats),
+            kv_cache_usage=max(s.kv_cache_usage for s in stats),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+            num_preemptions=sum(s.num_preemptions for s in stats))
+
+    @property
+    def num_engines(self) -> int:
+        """Engine cores behind this client (data parallelism: more than one)."""
+        return getattr(self.client, "num_engines", 1)
+
+    def engine_states(self) -> list[dict[str, Any]]:
+        states = getattr(self.client, "engine_states", None)
+        return states() if states is not None else [
+            {"engine": 0, "state": "ok" if self.client.dead is None else f"dead: {self.client.dead}"}]
 
     @property
     def is_dead(self) -> bool:
@@ -198,18 +223,19 @@ class AsyncEngineClient:
         try:
             while True:
                 outputs = await self.client.get_output()
+                engine = outputs.engine_index
                 if outputs.scheduler_stats is not None:
-                    self.last_stats = outputs.scheduler_stats
-                    self._run_hooks(self.step_hooks, outputs.scheduler_stats)
+                    self.engine_stats[engine] = outputs.scheduler_stats
+                    self._run_hooks(self.step_hooks, outputs.scheduler_stats, engine)
                 # Chunks keep one huge batch from holding the event loop for long.
                 for i in range(0, len(outputs.outputs), 256):
                     processed = self.processors.output.process_outputs(outputs.outputs[i:i + 256])
                     if processed.inter_token_latencies:
-                        self._run_hooks(self.inter_token_hooks, processed.inter_token_latencies)
+                        self._run_hooks(self.inter_token_hooks, processed.inter_token_latencies, engine)
                     for out in processed.request_outputs:
                         if out.finished:
                             self._run_hooks(self.finished_hooks, out,
-                                            int(out.metrics.get("num_generation_tokens", 0)))
+                                            int(out.metrics.get("num_generation_tokens", 0)), engine)
                         queue = self._queues.get(out.request_id)
                         if queue is not None:
                             queue.put_nowait(out if not out.error else

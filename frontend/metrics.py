@@ -7,6 +7,8 @@ finished RequestOutput (counts and per-request latencies; the queue time is meas
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedserve.frontend.outputs import RequestOutput
@@ -19,7 +21,6 @@ _TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                   20.0, 40.0, 80.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0)
-ENGINE_INDEX = "0"      # one engine core per server; vLLM labels data-parallel engines 0, 1, ...
 
 
 def count_buckets(max_value: int) -> list[int]:
@@ -34,63 +35,26 @@ def count_buckets(max_value: int) -> list[int]:
 
 
 class Metrics:
-    def __init__(self, model_name: str, max_model_len: int = 2048) -> None:
+    """Every metric carries vLLM's `engine` label: the index of the engine core (data-parallel engines 0, 1,
+    ...) whose step or request it observes."""
+
+    def __init__(self, model_name: str, max_model_len: int = 2048, num_engines: int = 1) -> None:
         self.registry = r = CollectorRegistry()
         self.model = model_name
         labels = ["model_name", "engine"]
+        self._families: dict[str, Gauge | Counter | Histogram] = {}
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r).labels(model_name, ENGINE_INDEX)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=r).labels(model_name, ENGINE_INDEX)
-
-        def histogram(name: str, doc: str, buckets: tuple | list) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name, ENGINE_INDEX)
-
-        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        # vLLM's name before 0.9; older dashboards and autoscaling rules still read it.
-        self.gpu_kv_usage = gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (1 = full); the same value as "
-                                  "vllm:kv_cache_usage_perc, under vLLM's older name.")
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions in the engine.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        def add(kind: type, attr: str, name: str, doc: str, **kw: object) -> None:
+            self._families[attr] = kind(name, doc, labels, registry=r, **kw)
+        for attr, name, doc in _GAUGES:
+            add(Gauge, attr, name, doc)
+        for attr, name, doc in _COUNTERS:
+            add(Counter, attr, name, doc)
+        counts = count_buckets(max_model_len)
+        for attr, name, doc, buckets in _histograms(counts):
+            add(Histogram, attr, name, doc, buckets=buckets)
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                labels + ["finished_reason"], registry=r)
-        self.req_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
-                                           count_buckets(max_model_len))
-        self.req_generation_tokens = histogram("vllm:request_generation_tokens", "Generated tokens per request.",
-                                               count_buckets(max_model_len))
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.",
-                              _TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             _TOKEN_BUCKETS)
-        # The same intervals under vLLM's older name, which its Grafana dashboard plots.
-        self.tpot = histogram("vllm:time_per_output_token_seconds", "Time between consecutive output tokens "
-                              "(vLLM's older name of vllm:inter_token_latency_seconds).", _TOKEN_BUCKETS)
-        self.req_tpot = histogram("vllm:request_time_per_output_token_seconds",
-                                  "Mean time per output token of each request after its first.", _TOKEN_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token, per request.",
-                             _REQUEST_BUCKETS)
-        self.queue = histogram("vllm:request_queue_time_seconds", "Time a request waited before the engine "
-                               "first scheduled it.", _REQUEST_BUCKETS)
-        self.prefill = histogram("vllm:request_prefill_time_seconds", "First scheduling to first token.",
-                                 _REQUEST_BUCKETS)
-        self.decode = histogram("vllm:request_decode_time_seconds", "First token to last token.",
-                                _REQUEST_BUCKETS)
-        self.inference = histogram("vllm:request_inference_time_seconds", "First scheduling to last token.",
-                                   _REQUEST_BUCKETS)
-        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step.",
-                                          (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
-        # Speculative decoding (vLLM's names): verify passes with drafts, draft tokens, accepted ones, and
-        # accepted ones by draft position.
-        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
-        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
-        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
         self.spec_accepted_per_pos = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
             labels + ["position"], registry=r)
@@ -98,69 +62,127 @@ class Metrics:
         self.rejected = Counter("pagedserve:request_rejected", "Requests refused with HTTP 429 (reason: "
                                 "concurrency = this server's in-flight bound, queue = the engine's waiting "
                                 "bound)", ["model_name", "reason"], registry=r)
-        self._last_totals: dict[str, int] = {}
-        self._last_per_pos: list[int] = []
+        self._series: dict[int, SimpleNamespace] = {}
+        self._last_totals: dict[tuple[int, str], int] = {}
+        self._last_per_pos: dict[int, list[int]] = {}
+        for engine in range(num_engines):      # every engine's series exist (at zero) before any traffic
+            self.at(engine)
 
-    def observe_stats(self, stats: SchedulerStats | None) -> None:
+    def at(self, engine: int) -> SimpleNamespace:
+        """Engine `engine`'s series, by attribute (running, ttft, ...)."""
+        if engine not in self._series:
+            self._series[engine] = SimpleNamespace(**{attr: family.labels(self.model, str(engine))
+                                                      for attr, family in self._families.items()})
+        return self._series[engine]
+
+    def observe_stats(self, stats: SchedulerStats | None, engine: int = 0) -> None:
         if stats is None:
             return
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.gpu_kv_usage.set(stats.kv_cache_usage)
+        m = self.at(engine)
+        m.running.set(stats.num_running)
+        m.waiting.set(stats.num_waiting)
+        m.kv_usage.set(stats.kv_cache_usage)
+        m.gpu_kv_usage.set(stats.kv_cache_usage)
         # The core reports running totals; counters advance by the difference.
-        for counter, field in ((self.prefix_queries, "prefix_cache_queries"), (self.prefix_hits, "prefix_cache_hits"),
-                               (self.preemptions, "num_preemptions"), (self.spec_drafts, "spec_num_drafts"),
-                               (self.spec_draft_tokens, "spec_num_draft_tokens"),
-                               (self.spec_accepted, "spec_num_accepted_tokens")):
+        for attr, field in (("prefix_queries", "prefix_cache_queries"), ("prefix_hits", "prefix_cache_hits"),
+                            ("preemptions", "num_preemptions"), ("spec_drafts", "spec_num_drafts"),
+                            ("spec_draft_tokens", "spec_num_draft_tokens"),
+                            ("spec_accepted", "spec_num_accepted_tokens")):
             total = getattr(stats, field)
-            counter.inc(max(0, total - self._last_totals.get(field, 0)))
-            self._last_totals[field] = total
+            getattr(m, attr).inc(max(0, total - self._last_totals.get((engine, field), 0)))
+            self._last_totals[(engine, field)] = total
+        last_per_pos = self._last_per_pos.get(engine, [])
         for pos, total in enumerate(stats.spec_accepted_per_pos):
-            last = self._last_per_pos[pos] if pos < len(self._last_per_pos) else 0
-            self.spec_accepted_per_pos.labels(self.model, ENGINE_INDEX, str(pos)).inc(max(0, total - last))
-        self._last_per_pos = list(stats.spec_accepted_per_pos)
+            last = last_per_pos[pos] if pos < len(last_per_pos) else 0
+            self.spec_accepted_per_pos.labels(self.model, str(engine), str(pos)).inc(max(0, total - last))
+        self._last_per_pos[engine] = list(stats.spec_accepted_per_pos)
 
-    def observe_step(self, stats: SchedulerStats) -> None:
+    def observe_step(self, stats: SchedulerStats, engine: int = 0) -> None:
         if stats.num_step_tokens > 0:
-            self.iteration_tokens.observe(stats.num_step_tokens)
+            self.at(engine).iteration_tokens.observe(stats.num_step_tokens)
 
-    def observe_inter_token(self, intervals: list[float]) -> None:
+    def observe_inter_token(self, intervals: list[float], engine: int = 0) -> None:
         """One observation per interval between two consecutive output tokens of a sequence."""
+        m = self.at(engine)
         for dt in intervals:
-            self.itl.observe(dt)
-            self.tpot.observe(dt)
+            m.itl.observe(dt)
+            m.tpot.observe(dt)
 
-    def observe_finished(self, out: RequestOutput, num_output_tokens: int) -> None:
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(num_output_tokens)
-        self.req_prompt_tokens.observe(len(out.prompt_token_ids))
-        self.req_generation_tokens.observe(num_output_tokens)
+    def observe_finished(self, out: RequestOutput, num_output_tokens: int, engine: int = 0) -> None:
+        m = self.at(engine)
+        m.prompt_tokens.inc(len(out.prompt_token_ids))
+        m.generation_tokens.inc(num_output_tokens)
+        m.req_prompt_tokens.observe(len(out.prompt_token_ids))
+        m.req_generation_tokens.observe(num_output_tokens)
         for c in out.outputs:
-            self.success.labels(self.model, ENGINE_INDEX, c.finish_reason or "unknown").inc()
-        self._observe_latencies(out.metrics, num_output_tokens)
-
-    def _observe_latencies(self, t: dict[str, float], num_output_tokens: int) -> None:
-        arrival, first, last = t.get("arrival_time"), t.get("first_token_time"), t.get("last_token_time")
-        queue = t.get("queue_time")
-        if arrival is not None and last is not None:
-            self.e2e.observe(max(0.0, last - arrival))
-        if queue is not None:
-            self.queue.observe(queue)
-        if arrival is None or first is None:
-            return
-        ttft = max(0.0, first - arrival)
-        self.ttft.observe(ttft)
-        if queue is not None:
-            # The phases from durations, not from the core's clock: the core may run on another host.
-            prefill = max(0.0, ttft - queue)
-            self.prefill.observe(prefill)
-            if last is not None:
-                self.inference.observe(prefill + max(0.0, last - first))
-        if last is not None:
-            self.decode.observe(max(0.0, last - first))
-            if num_output_tokens > 1:
-                self.req_tpot.observe(max(0.0, (last - first) / (num_output_tokens - 1)))
+            self.success.labels(self.model, str(engine), c.finish_reason or "unknown").inc()
+        _observe_latencies(m, out.metrics, num_output_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _observe_latencies(m: SimpleNamespace, t: dict[str, float], num_output_tokens: int) -> None:
+    arrival, first, last = t.get("arrival_time"), t.get("first_token_time"), t.get("last_token_time")
+    queue = t.get("queue_time")
+    if arrival is not None and last is not None:
+        m.e2e.observe(max(0.0, last - arrival))
+    if queue is not None:
+        m.queue.observe(queue)
+    if arrival is None or first is None:
+        return
+    ttft = max(0.0, first - arrival)
+    m.ttft.observe(ttft)
+    if queue is not None:
+        # The phases from durations, not from the core's clock: the core may run on another host.
+        prefill = max(0.0, ttft - queue)
+        m.prefill.observe(prefill)
+        if last is not None:
+            m.inference.observe(prefill + max(0.0, last - first))
+    if last is not None:
+        m.decode.observe(max(0.0, last - first))
+        if num_output_tokens > 1:
+            m.req_tpot.observe(max(0.0, (last - first) / (num_output_tokens - 1)))
+
+
+_GAUGES = (
+    ("running", "vllm:num_requests_running", "Number of requests in model execution batches."),
+    ("waiting", "vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+    ("kv_usage", "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+    # vLLM's name before 0.9; older dashboards and autoscaling rules still read it.
+    ("gpu_kv_usage", "vllm:gpu_cache_usage_perc", "KV-cache usage (1 = full); the same value as "
+     "vllm:kv_cache_usage_perc, under vLLM's older name."),
+)
+_COUNTERS = (
+    ("prefix_queries", "vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens."),
+    ("prefix_hits", "vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens."),
+    ("preemptions", "vllm:num_preemptions", "Cumulative number of preemptions in the engine."),
+    ("prompt_tokens", "vllm:prompt_tokens", "Number of prefill tokens processed."),
+    ("generation_tokens", "vllm:generation_tokens", "Number of generation tokens processed."),
+    # Speculative decoding (vLLM's names): verify passes with drafts, draft tokens, accepted ones.
+    ("spec_drafts", "vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+    ("spec_draft_tokens", "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+    ("spec_accepted", "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+)
+
+
+def _histograms(counts: list[int]) -> tuple[tuple[str, str, str, tuple | list], ...]:
+    return (
+        ("req_prompt_tokens", "vllm:request_prompt_tokens", "Prompt tokens per request.", counts),
+        ("req_generation_tokens", "vllm:request_generation_tokens", "Generated tokens per request.", counts),
+        ("ttft", "vllm:time_to_first_token_seconds", "Time to first token in seconds.", _TTFT_BUCKETS),
+        ("itl", "vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", _TOKEN_BUCKETS),
+        # The same intervals under vLLM's older name, which its Grafana dashboard plots.
+        ("tpot", "vllm:time_per_output_token_seconds", "Time between consecutive output tokens (vLLM's older "
+         "name of vllm:inter_token_latency_seconds).", _TOKEN_BUCKETS),
+        ("req_tpot", "vllm:request_time_per_output_token_seconds",
+         "Mean time per output token of each request after its first.", _TOKEN_BUCKETS),
+        ("e2e", "vllm:e2e_request_latency_seconds", "Arrival to last token, per request.", _REQUEST_BUCKETS),
+        ("queue", "vllm:request_queue_time_seconds", "Time a request waited before the engine first scheduled it.",
+         _REQUEST_BUCKETS),
+        ("prefill", "vllm:request_prefill_time_seconds", "First scheduling to first token.", _REQUEST_BUCKETS),
+        ("decode", "vllm:request_decode_time_seconds", "First token to last token.", _REQUEST_BUCKETS),
+        ("inference", "vllm:request_inference_time_seconds", "First scheduling to last token.", _REQUEST_BUCKETS),
+        ("iteration_tokens", "vllm:iteration_tokens_total", "Tokens per engine step.",
+         (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)),
+    )

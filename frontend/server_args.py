@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 
 from pagedserve.common.arg_utils import setting
+from pagedserve.frontend.dp_router import ROUTING_POLICIES
 from pagedserve.frontend.tool_parsers import TOOL_PARSERS
 
 TOOL_PARSER_NAMES = tuple(TOOL_PARSERS)
@@ -43,6 +44,11 @@ class ServerArgs:
     max_body_bytes: int = setting(8 << 20, help="larger request bodies get HTTP 413")
     max_concurrent_requests: int | None = setting(
         None, help="generation requests this server serves at once; beyond that HTTP 429 (unset: no bound)")
+    data_parallel_routing: str = setting(
+        "prefix", choices=ROUTING_POLICIES,
+        help="with --data-parallel-size > 1, where a request goes: prefix (the engine holding the longest cached "
+             "prefix of its prompt, unless clearly busier than the least loaded), least-loaded (queue length "
+             "only, as vLLM)")
     log_level: str = setting("info", choices=LOG_LEVELS, help="log messages of this level and above")
     root_path: str | None = setting(
         None, help="the path prefix a reverse proxy serves this server under (e.g. /llm): routes answer with "

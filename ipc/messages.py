@@ -88,6 +88,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     scheduler_stats: Optional[SchedulerStats] = None
     utility_results: list["UtilityResult"] = []
     engine_dead: Optional[str] = None       # set once, as the core's last words: why it died
+    # Which data-parallel engine core sent these (set by the frontend's DataParallelClient on arrival).
+    engine_index: int = 0
 
 
 class EngineInfo(msgspec.Struct, kw_only=True):
