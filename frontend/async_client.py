@@ -63,6 +63,9 @@ class AsyncEngineClient:
     def from_engine_args(cls, args: EngineArgs, log_level: int = logging.INFO,
                          chat_template: str | None = None) -> "AsyncEngineClient":
         """Start an engine core process (and its workers) owned by this client."""
+        if args.data_parallel_size != 1:
+            raise ValueError("data_parallel_size: AsyncEngineClient.from_engine_args starts one engine core; "
+                             "engine-serve --data-parallel-size N serves N behind one API")
         proc = CoreProcess(args, log_level)
         client = AsyncMPClient(proc.addresses, proc.token, proc, heartbeat_timeout_s=args.engine_heartbeat_timeout)
         return cls(proc.info, client, chat_template)

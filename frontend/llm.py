@@ -34,6 +34,9 @@ class LLM:
         if unknown:
             raise ValueError(f"LLM got unknown argument(s): {', '.join(sorted(unknown))}")
         self.engine_args = EngineArgs(model=model, **kwargs)
+        if self.engine_args.data_parallel_size != 1:
+            raise ValueError("data_parallel_size: LLM runs one engine core; engine-serve --data-parallel-size N "
+                             "serves N behind one API")
         self.client: EngineCoreClient
         if multiprocess_core:
             from pagedserve.frontend.core_client import CoreProcess, SyncMPClient

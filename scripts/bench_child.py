@@ -25,3 +25,11 @@ def run_child(script: str, payload: str, threads: int, what: str) -> dict[str, A
     if proc.returncode or not lines:
         raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(lines[-1][len(_MARK):])
+
+
+def emit(result: dict[str, Any], result_file: str | None) -> None:
+    """In the parent: print one result line, and append it to result_file when one is given."""
+    print(json.dumps(result), flush=True)
+    if result_file:
+        with open(result_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(result) + "\n")

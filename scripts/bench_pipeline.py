@@ -16,7 +16,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_child import report, run_child  # noqa: E402
+from bench_child import emit, report, run_child  # noqa: E402
 
 CONFIGS = {"tp1": dict(tensor_parallel_size=1), "tp2": dict(tensor_parallel_size=2),
            "pp2": dict(pipeline_parallel_size=2)}
@@ -102,10 +102,7 @@ def main() -> None:
             result = run_child(__file__, payload, threads, name)
             result.update(repeat=repeat, threads_per_process=threads, num_requests=args.num_requests,
                           date=time.strftime("%Y-%m-%dT%H:%M:%S"), command=" ".join(sys.argv))
-            print(json.dumps(result), flush=True)
-            if args.result_file:
-                with open(args.result_file, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(result) + "\n")
+            emit(result, args.result_file)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.executor.worker.logit_constraints import RowConstraints
 from pagedserve.ipc.messages import NewRequestData
-
-if TYPE_CHECKING:
-    from pagedserve.executor.worker.step_output import PendingStep
 
 _MASK63 = (1 << 63) - 1
 
@@ -27,10 +24,10 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None = field(default=None, repr=False)
     constraints: RowConstraints | None = field(default=None, repr=False)   # logit_bias, allowed ids, bad words
-    # token_ids index -> (the launched step that samples it, its row there): ids still on the device. The
-    # next step reads such an id from the device (step_buffers.apply_pending); its host value is -1 until
-    # that step's output is taken (fill).
-    pending: dict[int, tuple["PendingStep", int]] = field(default_factory=dict, repr=False)
+    # token_ids index -> (the launched step that samples it, a step_output.PendingStep, and its row there): ids
+    # still on the device. The next step reads such an id from the device (step_buffers.apply_pending); its
+    # host value is -1 until that step's output is taken (fill). Typed Any: step_output imports this module.
+    pending: dict[int, tuple[Any, int]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "CachedRequestState":
@@ -58,7 +55,7 @@ class CachedRequestState:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
 
-    def append_pending(self, step: "PendingStep", row: int) -> None:
+    def append_pending(self, step: Any, row: int) -> None:
         """A token sampled by a step still on the device: counted at once (positions, seeds, min_tokens),
         its value filled when the step's output is taken."""
         self.pending[len(self.token_ids)] = (step, row)

@@ -78,3 +78,16 @@ def test_router_prefers_the_prefix_holder_until_it_is_clearly_busier():
     assert [least.route(system) for _ in range(4)] == [0, 1, 0, 1]    # equal loads: round robin
     with pytest.raises(ValueError, match="data_parallel_routing"):
         PrefixRouter(2, 4, 100, policy="random")
+
+
+def test_one_engine_apis_refuse_data_parallelism(tiny_serving_model):
+    from pagedserve import LLM
+    from pagedserve.common.config import EngineArgs
+    from pagedserve.frontend.async_client import AsyncEngineClient
+    from pagedserve.frontend.cli import main
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        LLM(tiny_serving_model, data_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        AsyncEngineClient.from_engine_args(EngineArgs(model=tiny_serving_model, data_parallel_size=2))
+    with pytest.raises(SystemExit, match="--engine-address"):
+        main([tiny_serving_model, "-dp", "2", "--engine-address", "ipc:///tmp/x"])

@@ -226,15 +226,7 @@ class LlamaForCausalLM(nn.Module):
             checkpoint_name = name
             if self.pp.size > 1 and (name := self._stage_name(name)) is None:
                 continue
-            target, shard_id = _target_param(name)
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                copy_weight(param.data, tensor, name)
-            else:
-                loader(param, tensor, shard_id)
+            load_checkpoint_tensor(params, name, tensor, type(self).__name__)
             loaded.add(checkpoint_name)
         return loaded
 
@@ -267,6 +259,19 @@ class LlamaForCausalLM(nn.Module):
             for part in _UNPACKED.get(proj, (proj,)):
                 names.add(f"{module_path}.{part}.{leaf}" if module_path else f"{part}.{leaf}")
         return names
+
+
+def load_checkpoint_tensor(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, owner: str) -> None:
+    """Copy one HF-named checkpoint tensor into its (merged, sharded) parameter; ValueError if it has none."""
+    target, shard_id = _target_param(name)
+    param = params.get(target)
+    if param is None:
+        raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {owner}")
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        copy_weight(param.data, tensor, name)
+    else:
+        loader(param, tensor, shard_id)
 
 
 def _target_param(name: str) -> tuple[str, int | str | None]:

@@ -25,7 +25,7 @@ from pagedserve.executor.model.layers.layernorm import RMSNorm
 from pagedserve.executor.model.layers.linear import QKVParallelLinear, copy_weight
 from pagedserve.executor.model.layers.rotary import get_rope
 from pagedserve.executor.model.models.llama import (LlamaAttention, LlamaDecoderLayer, LlamaMLP, _head_dim,
-                                                    _num_kv_heads, _target_param)
+                                                    _num_kv_heads, load_checkpoint_tensor)
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.kernels.metadata import AttentionMetadata
 
@@ -57,19 +57,11 @@ class _EagleHead(nn.Module):
             if name == "embed_tokens.weight":
                 self._own_embedding(tensor)
                 params["embed_tokens.weight"] = self.embed_tokens.weight
-            target, shard_id = _target_param(name)
-            param = params.get(target)
-            if param is None and target in dict(self.named_buffers()):
-                copy_weight(dict(self.named_buffers())[target], tensor, name)
-                loaded.add(name)
-                continue
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                copy_weight(param.data, tensor, name)
+            buffers = dict(self.named_buffers())
+            if name in buffers:              # EAGLE-3's d2t
+                copy_weight(buffers[name], tensor, name)
             else:
-                loader(param, tensor, shard_id)
+                load_checkpoint_tensor(params, name, tensor, type(self).__name__)
             loaded.add(name)
         return loaded
 
