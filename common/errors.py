@@ -7,6 +7,7 @@ from typing import Optional
 # EngineCoreOutput.error_kind / RequestOutput.error_kind values.
 INVALID = "invalid"          # the request can never run as asked (HTTP 400)
 OVERLOADED = "overloaded"    # refused for load, not queued: retrying later may work (HTTP 429)
+ENGINE_DIED = "engine_died"  # its engine core died with it in flight (a data-parallel peer may serve a retry)
 
 
 class RequestError(ValueError):

@@ -92,8 +92,10 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
             await engine.check_health()
         except Exception as exc:
             return error_response(503, f"engine unhealthy: {exc}", "service_unavailable")
-        if engine.num_engines > 1:        # data parallelism: each engine core's state
-            return JSONResponse({"status": "ok", "engines": engine.engine_states()})
+        if engine.num_engines > 1:        # data parallelism: each engine core's state; serving while one does
+            states = engine.engine_states()
+            status = "ok" if all(e["state"] == "ok" for e in states) else "degraded"
+            return JSONResponse({"status": status, "engines": states})
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from pagedserve.common.config import CORE_HEARTBEAT_INTERVAL_S, EngineArgs
-from pagedserve.common.errors import OVERLOADED, EngineOverloadedError, RequestError
+from pagedserve.common.errors import ENGINE_DIED, OVERLOADED, EngineOverloadedError, RequestError
 from pagedserve.common.request_checks import check_request_id
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.frontend.core_client import AsyncMPClient, CoreProcess, EngineDeadError, split_engine_address
@@ -279,7 +279,7 @@ def _request_error(out: RequestOutput, engine_dead: bool) -> Exception:
     """The exception a caller sees for a request the engine core ended with an error: the engine died
     (EngineDeadError), its queue is full (EngineOverloadedError) or it refused the request (RequestError,
     with the field the core named)."""
-    if engine_dead:
+    if engine_dead or out.error_kind == ENGINE_DIED:
         return EngineDeadError(out.error)
     if out.error_kind == OVERLOADED:
         return EngineOverloadedError(out.error)

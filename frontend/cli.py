@@ -72,7 +72,8 @@ def serve(args: EngineArgs, server: ServerArgs, level: int, chat_template: str |
                for p in procs]
     proc = procs[0]
     client = clients[0] if len(clients) == 1 else DataParallelClient(clients, PrefixRouter(
-        len(clients), proc.info.block_size, proc.info.num_blocks, server.data_parallel_routing))
+        len(clients), proc.info.block_size, proc.info.num_blocks, server.data_parallel_routing),
+        restart=lambda: CoreProcess(args, level))
     engine = AsyncEngineClient(proc.info, client, chat_template)
     _announce(proc, bool(server.engine_token))
     app = build_app(engine, server, proc.info.served_model_name)

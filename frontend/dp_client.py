@@ -3,26 +3,46 @@
 DataParallelClient has the face of one AsyncMPClient (add_request, abort_requests, get_output, call_utility,
 dead, close), so AsyncEngineClient and the HTTP layer above it serve N engines as they serve one. Requests go
 where dp_router.PrefixRouter says; the engines' outputs are merged into one stream, each batch tagged with its
-engine's index (EngineCoreOutputs.engine_index) for the metrics' `engine` label. An engine that dies takes
-the server with it, as one engine's death does (EngineDeadError naming it).
+engine's index (EngineCoreOutputs.engine_index) for the metrics' `engine` label.
+
+An engine that dies does not take the others with it: its requests in flight end at once with an error
+(EngineDeadError for their callers), the router stops sending it work, and, given `restart`, it is started again
+(weights reloaded) in a thread and rejoins; a crash loop (MAX_RESTARTS within RESTART_WINDOW_S) leaves it down.
+The client is dead only when no engine serves or restarts.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
-from pagedserve.frontend.core_client import AsyncMPClient, EngineDeadError
+from pagedserve.common.errors import ENGINE_DIED
+from pagedserve.frontend.core_client import AsyncMPClient, CoreProcess, EngineDeadError
 from pagedserve.frontend.dp_router import PrefixRouter
-from pagedserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 300.0
 
 
 class DataParallelClient:
-    def __init__(self, clients: list[AsyncMPClient], router: PrefixRouter) -> None:
+    def __init__(self, clients: list[AsyncMPClient], router: PrefixRouter,
+                 restart: Callable[[], CoreProcess] | None = None) -> None:
+        """restart: starts a fresh engine core and waits until it is ready (blocking: it runs in a thread)."""
         self.clients = clients
         self.router = router
+        self._restart = restart
+        self._closed = False
+        self._down: dict[int, str] = {}               # engine -> why it is out of service
+        self._restarting: set[int] = set()
+        self._restarts: dict[int, list[float]] = {}
         self._engine_of: dict[str, int] = {}
         self._merged: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
-        self._pumps: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task] = []
 
     @property
     def num_engines(self) -> int:
@@ -30,17 +50,24 @@ class DataParallelClient:
 
     @property
     def dead(self) -> str | None:
-        for index, client in enumerate(self.clients):
-            if client.dead is not None:
-                return f"data-parallel engine {index}: {client.dead}"
-        return None
+        if len(self._down) < len(self.clients) or self._restarting:
+            return None
+        return "every data-parallel engine died: " + "; ".join(f"{i}: {why}" for i, why in sorted(self._down.items()))
 
     def engine_states(self) -> list[dict[str, Any]]:
-        return [{"engine": i, "state": "ok" if c.dead is None else f"dead: {c.dead}"}
-                for i, c in enumerate(self.clients)]
+        def state(i: int) -> str:
+            if i in self._restarting:
+                return f"restarting: {self._down[i]}"
+            return f"dead: {self._down[i]}" if i in self._down else "ok"
+        return [{"engine": i, "state": state(i)} for i in range(len(self.clients))]
 
     async def add_request(self, request: EngineCoreRequest) -> None:
+        if (why := self.dead) is not None:
+            raise EngineDeadError(why)
         engine = self.router.route(request.prompt_token_ids)
+        if engine is None:
+            raise EngineDeadError("no data-parallel engine serves right now: " + "; ".join(
+                f"{e['engine']}: {e['state']}" for e in self.engine_states()))
         self._engine_of[request.request_id] = engine
         try:
             await self.clients[engine].add_request(request)
@@ -51,20 +78,23 @@ class DataParallelClient:
     async def abort_requests(self, request_ids: list[str]) -> None:
         by_engine: dict[int, list[str]] = {}
         for rid in request_ids:
-            if (engine := self._engine_of.get(rid)) is not None:
+            if (engine := self._engine_of.get(rid)) is not None and engine not in self._down:
                 by_engine.setdefault(engine, []).append(rid)
         for engine, rids in by_engine.items():
             await self.clients[engine].abort_requests(rids)
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float = 10.0) -> Any:
-        """Every engine runs it (a ping, a prefix-cache reset); engine 0's answer is returned."""
-        results = await asyncio.gather(*(c.call_utility(method, *args, timeout_s=timeout_s) for c in self.clients))
+        """Every engine in service runs it (a ping, a prefix-cache reset); the first one's answer is returned."""
+        if (why := self.dead) is not None:
+            raise EngineDeadError(why)
+        up = [c for i, c in enumerate(self.clients) if i not in self._down]
+        results = await asyncio.gather(*(c.call_utility(method, *args, timeout_s=timeout_s) for c in up))
         return results[0]
 
     async def get_output(self) -> EngineCoreOutputs:
         if self._merged is None:
             self._merged = asyncio.Queue()
-            self._pumps = [asyncio.get_running_loop().create_task(self._pump(i)) for i in range(len(self.clients))]
+            self._tasks = [asyncio.get_running_loop().create_task(self._pump(i)) for i in range(len(self.clients))]
         item = await self._merged.get()
         if isinstance(item, BaseException):
             self._merged.put_nowait(item)      # every later caller sees it too
@@ -76,16 +106,73 @@ class DataParallelClient:
 
     async def _pump(self, index: int) -> None:
         assert self._merged is not None
+        client = self.clients[index]
         try:
             while True:
-                outputs = await self.clients[index].get_output()
+                outputs = await client.get_output()
+                if outputs.engine_dead is not None:       # its last words: end as a death of this engine
+                    raise EngineDeadError(outputs.engine_dead)
                 outputs.engine_index = index
                 self._merged.put_nowait(outputs)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            self._merged.put_nowait(exc if isinstance(exc, EngineDeadError)
-                                    else EngineDeadError(f"data-parallel engine {index}: {exc}"))
+            self._engine_died(index, str(exc))
+
+    def _engine_died(self, index: int, why: str) -> None:
+        assert self._merged is not None
+        logger.error("data-parallel engine %d died: %s", index, why)
+        self._down[index] = why
+        self.router.set_available(index, False)
+        lost = [rid for rid, engine in self._engine_of.items() if engine == index]
+        for rid in lost:
+            self._forget(rid)
+        error = f"data-parallel engine {index} died: {why}"
+        self._merged.put_nowait(EngineCoreOutputs(engine_index=index, outputs=[
+            EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error", error=error,
+                             error_kind=ENGINE_DIED) for rid in lost]))
+        self.clients[index].close()
+        if self._may_restart(index):
+            self._restarting.add(index)
+            self._tasks.append(asyncio.get_running_loop().create_task(self._restart_engine(index)))
+        elif self.dead is not None:
+            self._merged.put_nowait(EngineDeadError(self.dead))
+
+    def _may_restart(self, index: int) -> bool:
+        if self._restart is None:
+            return False
+        now = time.monotonic()
+        recent = [t for t in self._restarts.get(index, []) if now - t < RESTART_WINDOW_S]
+        self._restarts[index] = recent + [now]
+        if len(recent) >= MAX_RESTARTS:
+            logger.error("data-parallel engine %d died %d times in %.0f s: left down", index, len(recent) + 1,
+                         RESTART_WINDOW_S)
+            return False
+        return True
+
+    async def _restart_engine(self, index: int) -> None:
+        assert self._restart is not None and self._merged is not None
+        old = self.clients[index]
+        try:
+            proc = await asyncio.to_thread(self._restart)
+            client = AsyncMPClient(proc.addresses, proc.token, proc, heartbeat_timeout_s=old.heartbeat_timeout_s)
+            # Outputs for a peer the core's output socket has not seen yet would be lost: be seen first.
+            await client.call_utility("ping", timeout_s=30.0)
+        except BaseException as exc:
+            self._restarting.discard(index)
+            self._down[index] = f"restart failed: {exc}"
+            if self.dead is not None:
+                self._merged.put_nowait(EngineDeadError(self.dead))
+            return
+        if self._closed:
+            client.close()
+            return
+        self.clients[index] = client
+        self._down.pop(index, None)
+        self._restarting.discard(index)
+        self.router.set_available(index, True)
+        logger.info("data-parallel engine %d restarted and serving", index)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._pump(index)))
 
     def _forget(self, request_id: str) -> None:
         engine = self._engine_of.pop(request_id, None)
@@ -93,7 +180,9 @@ class DataParallelClient:
             self.router.finished(engine)
 
     def close(self) -> None:
-        for task in self._pumps:
+        self._closed = True
+        for task in self._tasks:
             task.cancel()
-        for client in self.clients:
-            client.close()
+        for index, client in enumerate(self.clients):
+            if index not in self._down:
+                client.close()

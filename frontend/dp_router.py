@@ -24,15 +24,19 @@ class PrefixRouter:
         self.capacity = max(1, capacity_blocks)
         self.policy = policy
         self.loads = [0] * num_engines          # requests each engine has not finished
+        self.available = [True] * num_engines   # False while an engine is dead or restarting
         self._held: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_engines)]
         self._next = 0                          # round-robin among equally loaded engines
 
-    def route(self, prompt_token_ids: Sequence[int]) -> int:
-        """The engine for this prompt; its load counts the request until `finished`."""
+    def route(self, prompt_token_ids: Sequence[int]) -> int | None:
+        """The engine for this prompt (None while none is available); its load counts the request until
+        `finished`."""
+        if not any(self.available):
+            return None
         hashes = self._block_hashes(prompt_token_ids)
         engine = self._least_loaded()
         if self.policy == "prefix" and hashes:
-            matched = [self._matched(held, hashes) for held in self._held]
+            matched = [self._matched(held, hashes) if up else -1 for held, up in zip(self._held, self.available)]
             best = max(range(len(matched)), key=lambda e: (matched[e], -self.loads[e]))
             least = self.loads[engine]
             if matched[best] > 0 and self.loads[best] <= least + max(MIN_SLACK, least // 2):
@@ -44,9 +48,14 @@ class PrefixRouter:
     def finished(self, engine: int) -> None:
         self.loads[engine] = max(0, self.loads[engine] - 1)
 
+    def set_available(self, engine: int, available: bool) -> None:
+        """An engine leaves service (dead) or returns (restarted, its cache empty)."""
+        self.available[engine] = available
+        self._held[engine].clear()
+
     def _least_loaded(self) -> int:
         n = len(self.loads)
-        order = [(self._next + i) % n for i in range(n)]
+        order = [(self._next + i) % n for i in range(n) if self.available[(self._next + i) % n]]
         engine = min(order, key=lambda e: self.loads[e])
         self._next = (engine + 1) % n
         return engine

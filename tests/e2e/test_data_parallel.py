@@ -91,3 +91,59 @@ def test_one_engine_apis_refuse_data_parallelism(tiny_serving_model):
         AsyncEngineClient.from_engine_args(EngineArgs(model=tiny_serving_model, data_parallel_size=2))
     with pytest.raises(SystemExit, match="--engine-address"):
         main([tiny_serving_model, "-dp", "2", "--engine-address", "ipc:///tmp/x"])
+
+
+def test_a_killed_engine_fails_only_its_streams_and_restarts(tiny_serving_model):
+    """SIGKILL one of two engine cores under streaming load: its streams end with an error within a second,
+    the other engine's streams finish, new requests succeed while /health says "degraded", and the restarted
+    engine serves again; stopping the server leaves no process behind."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+    server = Server("--data-parallel-size", "2", "--data-parallel-routing", "least-loaded", "--kv-cache-memory",
+                    "0.05", model=tiny_serving_model, token=None, max_model_len=512)
+    try:
+        cores = [p for p in server.children() if p.name().startswith("ps-engine-core")]
+        assert len(cores) == 2
+        client = server.client()
+        model = client.models.list().data[0].id
+        ended: dict[int, tuple[str, float]] = {}
+
+        def stream(i: int) -> None:
+            try:
+                for _ in client.completions.create(model=model, prompt=f"Story {i}:", max_tokens=480, stream=True,
+                                                   extra_body={"ignore_eos": True}):
+                    pass
+                ended[i] = ("done", time.monotonic())
+            except Exception as exc:       # the killed engine's streams end in an error
+                ended[i] = (type(exc).__name__, time.monotonic())
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+            time.sleep(0.2)                 # in order: least-loaded puts 0, 2 on one engine, 1, 3 on the other
+        time.sleep(1.0)
+        killed_at = time.monotonic()
+        os.kill(cores[1].pid, signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        failed = [i for i, (how, _) in ended.items() if how != "done"]
+        assert len(ended) == 4 and len(failed) == 2, ended
+        assert all(ended[i][1] - killed_at < 1.0 for i in failed), ended
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 200 and health.json()["status"] in ("degraded", "ok")
+        assert client.completions.create(model=model, prompt="Still there?", max_tokens=4).choices[0].text is not None
+        deadline = time.monotonic() + 90
+        while httpx.get(f"{server.url}/health", timeout=10).json()["status"] != "ok":
+            assert time.monotonic() < deadline, httpx.get(f"{server.url}/health", timeout=10).json()
+            time.sleep(0.5)
+        for i in range(4):                  # both engines take work again
+            client.completions.create(model=model, prompt=f"Again {i}:", max_tokens=4)
+        assert min(_series(server, "vllm:request_success").values()) >= 3
+        kids = server.children()
+        assert len([p for p in kids if p.name().startswith("ps-engine-core")]) == 2
+    finally:
+        server.stop_and_check_clean()
+    assert not [p for p in psutil.process_iter(["ppid"]) if p.info["ppid"] == server.proc.pid]
