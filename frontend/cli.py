@@ -71,9 +71,10 @@ def serve(args: EngineArgs, server: ServerArgs, level: int, chat_template: str |
     clients = [AsyncMPClient(p.addresses, p.token, p, heartbeat_timeout_s=args.engine_heartbeat_timeout)
                for p in procs]
     proc = procs[0]
-    client = clients[0] if len(clients) == 1 else DataParallelClient(clients, PrefixRouter(
-        len(clients), proc.info.block_size, proc.info.num_blocks, server.data_parallel_routing),
-        restart=lambda: CoreProcess(args, level))
+    # Data-parallel engines, or one engine that restarts when it dies, run behind the DataParallelClient.
+    client = clients[0] if len(clients) == 1 and not server.restart_engine_on_failure else DataParallelClient(
+        clients, PrefixRouter(len(clients), proc.info.block_size, proc.info.num_blocks, server.data_parallel_routing),
+        restart=lambda: CoreProcess(args, level, address=server.engine_address, token=server.engine_token))
     engine = AsyncEngineClient(proc.info, client, chat_template)
     _announce(proc, bool(server.engine_token))
     app = build_app(engine, server, proc.info.served_model_name)

@@ -7,8 +7,9 @@ engine's index (EngineCoreOutputs.engine_index) for the metrics' `engine` label.
 
 An engine that dies does not take the others with it: its requests in flight end at once with an error
 (EngineDeadError for their callers), the router stops sending it work, and, given `restart`, it is started again
-(weights reloaded) in a thread and rejoins; a crash loop (MAX_RESTARTS within RESTART_WINDOW_S) leaves it down.
-The client is dead only when no engine serves or restarts.
+(weights reloaded, after a back-off) in a thread and rejoins; a crash loop (MAX_RESTARTS within RESTART_WINDOW_S)
+leaves it down. The client is dead only when no engine serves or restarts. With one engine this is
+`--restart-engine-on-failure`.
 """
 from __future__ import annotations
 
@@ -88,6 +89,9 @@ class DataParallelClient:
         if (why := self.dead) is not None:
             raise EngineDeadError(why)
         up = [c for i, c in enumerate(self.clients) if i not in self._down]
+        if not up:
+            raise EngineDeadError("no engine serves right now: " + "; ".join(
+                f"{e['engine']}: {e['state']}" for e in self.engine_states()))
         results = await asyncio.gather(*(c.call_utility(method, *args, timeout_s=timeout_s) for c in up))
         return results[0]
 
@@ -153,6 +157,8 @@ class DataParallelClient:
     async def _restart_engine(self, index: int) -> None:
         assert self._restart is not None and self._merged is not None
         old = self.clients[index]
+        # Back-off: 0.5 s before the first restart, doubling with each recent one.
+        await asyncio.sleep(0.5 * 2 ** (len(self._restarts.get(index, [])) - 1))
         try:
             proc = await asyncio.to_thread(self._restart)
             client = AsyncMPClient(proc.addresses, proc.token, proc, heartbeat_timeout_s=old.heartbeat_timeout_s)

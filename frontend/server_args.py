@@ -49,6 +49,10 @@ class ServerArgs:
         help="with --data-parallel-size > 1, where a request goes: prefix (the engine holding the longest cached "
              "prefix of its prompt, unless clearly busier than the least loaded), least-loaded (queue length "
              "only, as vLLM)")
+    restart_engine_on_failure: bool = setting(
+        False, store_true=True, help="restart a dead engine core (and its workers), with back-off, instead of "
+                                     "failing the server; a crash loop (4 deaths in 300 s) gives up. Data-parallel "
+                                     "engines always restart while another serves")
     log_level: str = setting("info", choices=LOG_LEVELS, help="log messages of this level and above")
     root_path: str | None = setting(
         None, help="the path prefix a reverse proxy serves this server under (e.g. /llm): routes answer with "

@@ -147,3 +147,35 @@ def test_a_killed_engine_fails_only_its_streams_and_restarts(tiny_serving_model)
     finally:
         server.stop_and_check_clean()
     assert not [p for p in psutil.process_iter(["ppid"]) if p.info["ppid"] == server.proc.pid]
+
+
+def test_restart_engine_on_failure_with_one_engine(tiny_serving_model):
+    """--restart-engine-on-failure: one engine core SIGKILLed mid-stream: the stream ends with an error within a
+    second, /health is 503 until the restarted core serves, then requests succeed again."""
+    import os
+    import signal
+    import time
+    server = Server("--restart-engine-on-failure", model=tiny_serving_model, token=None, max_model_len=512)
+    try:
+        client = server.client()
+        model = client.models.list().data[0].id
+        core = next(p for p in server.children() if p.name().startswith("ps-engine-core"))
+        stream = client.completions.create(model=model, prompt="Once", max_tokens=480, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        killed_at = time.monotonic()
+        os.kill(core.pid, signal.SIGKILL)
+        with pytest.raises(Exception):
+            for _ in stream:
+                pass
+        assert time.monotonic() - killed_at < 1.0
+        deadline, codes = time.monotonic() + 90, set()
+        while (code := server.health()) != 200:
+            codes.add(code)
+            assert time.monotonic() < deadline, codes
+            time.sleep(0.2)
+        assert codes <= {503}
+        assert client.completions.create(model=model, prompt="Back?", max_tokens=4).choices
+        assert len([p for p in server.children() if p.name().startswith("ps-engine-core")]) == 1
+    finally:
+        server.stop_and_check_clean()
