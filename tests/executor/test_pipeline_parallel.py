@@ -146,3 +146,28 @@ def test_family_without_stages_is_refused(tmp_path_factory):
     phi = _model(tmp_path_factory, "pp_phi3", arch="phi3", num_hidden_layers=2, pad_token_id=0)
     with pytest.raises(ValueError, match="Phi3ForCausalLM runs in one stage only"):
         EngineArgs(model=phi, pipeline_parallel_size=2).create_engine_config()
+
+
+def test_sampling_features_match_one_stage(four_layers):
+    """Seeded sampling, penalties, n > 1, logprobs and prompt logprobs need what only the last stage has:
+    PP = 2 gives what one stage gives."""
+    params = [SamplingParams(temperature=0.8, seed=7, max_tokens=12, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3, prompt_logprobs=1,
+                             ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=8, ignore_eos=True)]
+    prompts = PROMPTS[:3]
+
+    def run(**kw) -> tuple[list, list]:
+        with LLM(four_layers, dtype="float32", max_num_batched_tokens=32, **kw) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens = [[c.token_ids for c in o.outputs] for o in outs]
+        # (token id, logprob) of every reported entry, sampled positions then prompt positions
+        lps = [[(t, lp.logprob) for step in (o.outputs[0].logprobs or []) + [p for p in o.prompt_logprobs or [] if p]
+                for t, lp in step.items()] for o in outs]
+        return tokens, lps
+    (tokens, lps), (want_tokens, want_lps) = run(pipeline_parallel_size=2), run()
+    assert tokens == want_tokens
+    for got, want in zip(lps, want_lps):      # float32 in other processes: the same to rounding
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-4)
+    assert lps[0] and lps[1]
