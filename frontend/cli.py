@@ -39,9 +39,8 @@ def main(argv: list[str] | None = None) -> None:
         level = getattr(logging, server.log_level.upper())
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         args.validate()             # fail fast on bad knobs; model files are the engine core's to check
-        if args.data_parallel_size > 1 and server.engine_address:
-            raise ValueError("--engine-address names one engine core's sockets; it cannot be combined with "
-                             "--data-parallel-size > 1")
+        from pagedserve.frontend.dp_launch import check_data_parallel_flags
+        check_data_parallel_flags(args, server)
         chat_template = load_chat_template(server.chat_template) if server.chat_template else None
     except ValueError as exc:
         sys.exit(f"engine-serve: {exc}")
@@ -53,28 +52,16 @@ def serve(args: EngineArgs, server: ServerArgs, level: int, chat_template: str |
 
     from pagedserve.frontend.api_server import build_app
     from pagedserve.frontend.async_client import AsyncEngineClient
-    from pagedserve.frontend.core_client import AsyncMPClient, CoreProcess
-    from pagedserve.frontend.dp_client import DataParallelClient
-    from pagedserve.frontend.dp_router import PrefixRouter
+    from pagedserve.frontend.dp_launch import serve_headless, start_engines
 
+    if server.headless:
+        serve_headless(args, server, level)
+        return
     # uvicorn re-raises the SIGTERM it handled once it has shut down; as an exception it unwinds through
     # the finally below (SIGINT already does), so the engine core and its ipc folder go too.
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    procs: list[CoreProcess] = []
-    try:
-        for _ in range(args.data_parallel_size):
-            procs.append(CoreProcess(args, level, address=server.engine_address, token=server.engine_token))
-    except (RuntimeError, TimeoutError) as exc:     # the engine core could not start (bad flags, model): it said why
-        for started in procs:
-            started.shutdown()
-        sys.exit(f"engine-serve: {exc}")
-    clients = [AsyncMPClient(p.addresses, p.token, p, heartbeat_timeout_s=args.engine_heartbeat_timeout)
-               for p in procs]
+    procs, client = start_engines(args, server, level)
     proc = procs[0]
-    # Data-parallel engines, or one engine that restarts when it dies, run behind the DataParallelClient.
-    client = clients[0] if len(clients) == 1 and not server.restart_engine_on_failure else DataParallelClient(
-        clients, PrefixRouter(len(clients), proc.info.block_size, proc.info.num_blocks, server.data_parallel_routing),
-        restart=lambda: CoreProcess(args, level, address=server.engine_address, token=server.engine_token))
     engine = AsyncEngineClient(proc.info, client, chat_template)
     _announce(proc, bool(server.engine_token))
     app = build_app(engine, server, proc.info.served_model_name)

@@ -32,11 +32,12 @@ RESTART_WINDOW_S = 300.0
 
 class DataParallelClient:
     def __init__(self, clients: list[AsyncMPClient], router: PrefixRouter,
-                 restart: Callable[[], CoreProcess] | None = None) -> None:
-        """restart: starts a fresh engine core and waits until it is ready (blocking: it runs in a thread)."""
+                 restart: dict[int, Callable[[], CoreProcess]] | None = None) -> None:
+        """restart: engine index -> what starts a fresh core for it and waits until it is ready (blocking: it
+        runs in a thread); engines on other nodes have none."""
         self.clients = clients
         self.router = router
-        self._restart = restart
+        self._restart = restart or {}
         self._closed = False
         self._down: dict[int, str] = {}               # engine -> why it is out of service
         self._restarting: set[int] = set()
@@ -143,7 +144,7 @@ class DataParallelClient:
             self._merged.put_nowait(EngineDeadError(self.dead))
 
     def _may_restart(self, index: int) -> bool:
-        if self._restart is None:
+        if index not in self._restart:
             return False
         now = time.monotonic()
         recent = [t for t in self._restarts.get(index, []) if now - t < RESTART_WINDOW_S]
@@ -155,12 +156,12 @@ class DataParallelClient:
         return True
 
     async def _restart_engine(self, index: int) -> None:
-        assert self._restart is not None and self._merged is not None
+        assert self._merged is not None
         old = self.clients[index]
         # Back-off: 0.5 s before the first restart, doubling with each recent one.
         await asyncio.sleep(0.5 * 2 ** (len(self._restarts.get(index, [])) - 1))
         try:
-            proc = await asyncio.to_thread(self._restart)
+            proc = await asyncio.to_thread(self._restart[index])
             client = AsyncMPClient(proc.addresses, proc.token, proc, heartbeat_timeout_s=old.heartbeat_timeout_s)
             # Outputs for a peer the core's output socket has not seen yet would be lost: be seen first.
             await client.call_utility("ping", timeout_s=30.0)

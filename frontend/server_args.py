@@ -49,6 +49,17 @@ class ServerArgs:
         help="with --data-parallel-size > 1, where a request goes: prefix (the engine holding the longest cached "
              "prefix of its prompt, unless clearly busier than the least loaded), least-loaded (queue length "
              "only, as vLLM)")
+    # Multi-node data parallelism, vLLM's flags (docs/operations.md#data-parallel-engines).
+    data_parallel_size_local: int | None = setting(
+        None, help="data-parallel engine cores started on this node (unset: all of --data-parallel-size); the "
+                   "others register from headless nodes")
+    data_parallel_start_rank: int = setting(0, help="--headless: the data-parallel rank of this node's first engine")
+    data_parallel_address: str | None = setting(
+        None, help="the head node's address, where headless nodes register their engine cores")
+    data_parallel_rpc_port: int = setting(29550, help="the head's port for those registrations")
+    headless: bool = setting(
+        False, store_true=True, help="start --data-parallel-size-local engine cores and register them with the "
+                                     "head at --data-parallel-address; serve no API here")
     restart_engine_on_failure: bool = setting(
         False, store_true=True, help="restart a dead engine core (and its workers), with back-off, instead of "
                                      "failing the server; a crash loop (4 deaths in 300 s) gives up. Data-parallel "
@@ -86,6 +97,13 @@ class ServerArgs:
                             ("--max-concurrent-requests", self.max_concurrent_requests)):
             if value is not None and value <= 0:
                 raise ValueError(f"{flag} must be a positive integer, got {value}")
+        if not 0 < self.data_parallel_rpc_port < 65536:
+            raise ValueError(f"--data-parallel-rpc-port must be in [1, 65535], got {self.data_parallel_rpc_port}")
+        if self.data_parallel_size_local is not None and self.data_parallel_size_local < 0:
+            raise ValueError(f"--data-parallel-size-local must be >= 0, got {self.data_parallel_size_local}")
+        if self.headless and not (self.data_parallel_address and self.engine_token):
+            raise ValueError("--headless needs --data-parallel-address (the head) and --engine-token (shared "
+                             "with the head)")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
             raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
         for flag, path in (("--ssl-keyfile", self.ssl_keyfile), ("--ssl-certfile", self.ssl_certfile)):

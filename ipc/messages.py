@@ -121,6 +121,15 @@ class EngineStartupFailed(msgspec.Struct, array_like=True, tag="failed"):
 EngineHandshake = Union[EngineReady, EngineStartupFailed]
 
 
+class EngineRegistration(msgspec.Struct, array_like=True):
+    """A headless node's engine core announcing itself to the head (multi-node data parallelism): where its
+    sockets are, signed with the shared engine token (HMAC-SHA256 of rank, input and output)."""
+    rank: int
+    input: str
+    output: str
+    mac: str
+
+
 class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
     call_id: int
     result: Union[int, float, str, bool, None, list, dict] = None

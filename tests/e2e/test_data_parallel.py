@@ -179,3 +179,36 @@ def test_restart_engine_on_failure_with_one_engine(tiny_serving_model):
         assert len([p for p in server.children() if p.name().startswith("ps-engine-core")]) == 1
     finally:
         server.stop_and_check_clean()
+
+
+def test_a_headless_node_registers_its_engine_with_the_head(tiny_serving_model, tmp_path):
+    """Two "nodes" on this machine: a head serving rank 0 and a headless node starting rank 1, which registers
+    over TCP with the shared token; requests reach both engines."""
+    import subprocess
+    import sys
+
+    from pagedserve.tests.helpers.server import free_port
+    rpc = free_port()
+    common = [tiny_serving_model, "-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address",
+              "127.0.0.1", "--data-parallel-rpc-port", str(rpc), "--max-model-len", "512", "--dtype", "float32",
+              "--kv-cache-memory", "0.05"]
+    log = open(tmp_path / "headless.log", "wb")
+    headless = subprocess.Popen([sys.executable, "-m", "pagedserve.frontend.cli", *common, "--headless",
+                                 "--data-parallel-start-rank", "1", "--engine-token", "node-secret"],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        server = Server(*common[1:], "--engine-token", "node-secret", model=tiny_serving_model, token=None,
+                        max_model_len=None, dtype=None)
+        try:
+            client = server.client()
+            model = client.models.list().data[0].id
+            for i in range(6):
+                client.completions.create(model=model, prompt=f"Hello {i}", max_tokens=3)
+            served = _series(server, "vllm:request_success")
+            assert served.get("0", 0) >= 1 and served.get("1", 0) >= 1, served
+            assert [e["state"] for e in httpx.get(f"{server.url}/health", timeout=10).json()["engines"]] == ["ok"] * 2
+        finally:
+            server.stop()
+    finally:
+        headless.terminate()
+        assert headless.wait(60) == 0, open(tmp_path / "headless.log").read()[-2000:]
