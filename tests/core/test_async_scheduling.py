@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 from functools import partial
 
 import pytest
@@ -262,22 +261,13 @@ def test_async_equals_sync_on_tiny_llama(tiny_llama_dir, name):
 def test_structured_outputs_under_async_scheduling(tiny_serving_model):
     """A grammar must see step N's token before step N+1's bitmask: the core takes each output first, and
     the constrained and free rows still equal synchronous scheduling."""
-    from pagedserve import StructuredOutputsParams
-    pattern = r"[0-9]{3}-[a-z]{2,4}"
-    params = [SamplingParams(temperature=1.0, seed=5, max_tokens=30,
-                             structured_outputs=StructuredOutputsParams(regex=pattern)),
-              SamplingParams(temperature=1.0, seed=6, max_tokens=30,
-                             structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe so"])),
-              SamplingParams(temperature=0.0, max_tokens=12)]
-    texts = {}
+    from pagedserve.tests.helpers.grammar_rows import PROMPTS, checked_rows, grammar_params
+    rows = {}
     for async_on in (False, True):
         with LLM(tiny_serving_model, dtype="float32", max_model_len=256, kv_cache_memory=0.02,
                  async_scheduling=async_on) as llm:
-            outs = llm.generate(["Code:", "Answer:", "Free:"], params, use_tqdm=False)
-            texts[async_on] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
-            assert re.fullmatch(pattern, outs[0].outputs[0].text)
-            assert outs[1].outputs[0].text in ("yes", "no", "maybe so")
-    assert texts[True] == texts[False]
+            rows[async_on] = checked_rows(llm.generate(PROMPTS, grammar_params(), use_tqdm=False))
+    assert rows[True] == rows[False]
 
 
 def test_async_scheduling_in_the_core_process(tiny_llama_dir):

@@ -176,21 +176,10 @@ def test_sampling_features_match_one_stage(four_layers):
 def test_structured_outputs_across_stages(tiny_serving_model):
     """The scheduler's grammar bitmask reaches the last stage, which samples under it: a regex and a choice hold
     at PP = 2, with the same tokens as one stage."""
-    import re
-
-    from pagedserve import StructuredOutputsParams
-    pattern = r"[0-9]{3}-[a-z]{2,4}"
-    params = [SamplingParams(temperature=1.0, seed=5, max_tokens=30,
-                             structured_outputs=StructuredOutputsParams(regex=pattern)),
-              SamplingParams(temperature=1.0, seed=6, max_tokens=30,
-                             structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe so"])),
-              SamplingParams(temperature=0.0, max_tokens=12)]
-    runs = {}
+    from pagedserve.tests.helpers.grammar_rows import PROMPTS, checked_rows, grammar_params
+    rows = {}
     for pp in (1, 2):
         with LLM(tiny_serving_model, dtype="float32", max_model_len=256, kv_cache_memory=0.02,
                  pipeline_parallel_size=pp) as llm:
-            outs = llm.generate(["Code:", "Answer:", "Free:"], params, use_tqdm=False)
-        assert re.fullmatch(pattern, outs[0].outputs[0].text)
-        assert outs[1].outputs[0].text in ("yes", "no", "maybe so")
-        runs[pp] = [o.outputs[0].token_ids for o in outs]
-    assert runs[2] == runs[1]
+            rows[pp] = checked_rows(llm.generate(PROMPTS, grammar_params(), use_tqdm=False))
+    assert rows[2] == rows[1]
