@@ -2,10 +2,12 @@
 nodes register (multi-node data parallelism), or, with --headless, only this node's ranks for another head."""
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 from pagedserve.common.config import EngineArgs
 from pagedserve.core.engine_core_proc import CoreAddresses
@@ -47,7 +49,7 @@ def start_engines(args: EngineArgs, server: ServerArgs, level: int) -> tuple[lis
 
     def start() -> CoreProcess:
         return CoreProcess(args, level, address=server.engine_address, token=server.engine_token)
-    procs = _start_all(start, local)
+    procs = _start_all([start] * local)
     clients = [AsyncMPClient(p.addresses, p.token, p, heartbeat_timeout_s=args.engine_heartbeat_timeout)
                for p in procs]
     if local < dp:
@@ -74,8 +76,8 @@ def serve_headless(args: EngineArgs, server: ServerArgs, level: int) -> None:
     count = server.data_parallel_size_local if server.data_parallel_size_local is not None else dp
     host = advertised_host(server.data_parallel_address)
     ports = [free_port_pair("0.0.0.0") for _ in range(count)]
-    procs = _start_all(lambda port: CoreProcess(args, level, address=f"tcp://0.0.0.0:{port}",
-                                                token=server.engine_token), count, ports)
+    procs = _start_all([functools.partial(CoreProcess, args, level, address=f"tcp://0.0.0.0:{port}",
+                                          token=server.engine_token) for port in ports])
     for i, port in enumerate(ports):
         rank = server.data_parallel_start_rank + i
         announce(server.data_parallel_address, server.data_parallel_rpc_port, server.engine_token, rank,
@@ -94,12 +96,13 @@ def serve_headless(args: EngineArgs, server: ServerArgs, level: int) -> None:
         sys.exit("engine-serve --headless: an engine core died")
 
 
-def _start_all(start, count: int, params: list | None = None) -> list[CoreProcess]:
+def _start_all(starters: list[Callable[[], CoreProcess]]) -> list[CoreProcess]:
+    """Each core in turn; SystemExit with the core's own message (bad flags, model) if one cannot start."""
     procs: list[CoreProcess] = []
     try:
-        for i in range(count):
-            procs.append(start(params[i]) if params is not None else start())
-    except (RuntimeError, TimeoutError) as exc:     # the engine core could not start (bad flags, model): it said why
+        for start in starters:
+            procs.append(start())
+    except (RuntimeError, TimeoutError) as exc:
         for started in procs:
             started.shutdown()
         sys.exit(f"engine-serve: {exc}")

@@ -204,13 +204,13 @@ class ModelRunner:
             work.wait()
         self._sends = self.pp.send(activations)
 
-    @staticmethod
-    def _settle(states: list[CachedRequestState]) -> None:
+    def _settle(self, states: list[CachedRequestState]) -> None:
         """Take the outputs of the steps whose ids these requests' sampling reads (see needs_token_values)."""
-        for state in states:
-            if state.pending and state.needs_token_values:
-                for step, _ in list(state.pending.values()):
-                    step.result()
+        with self._lock:        # another thread may be filling these states' pending ids
+            steps = {id(step): step for state in states if state.pending and state.needs_token_values
+                     for step, _ in state.pending.values()}
+        for step in steps.values():
+            step.result()       # outside the lock: result() waits on the device, then takes it
 
     def _propose(self, batch: PreparedBatch, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
         """The draft model runs the step's tokens, then drafts for the rows that sampled (none past the

@@ -49,6 +49,7 @@ class _EagleHead(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
+        buffers = dict(self.named_buffers())
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -57,7 +58,6 @@ class _EagleHead(nn.Module):
             if name == "embed_tokens.weight":
                 self._own_embedding(tensor)
                 params["embed_tokens.weight"] = self.embed_tokens.weight
-            buffers = dict(self.named_buffers())
             if name in buffers:              # EAGLE-3's d2t
                 copy_weight(buffers[name], tensor, name)
             else:
