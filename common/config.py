@@ -29,7 +29,7 @@ DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # "uni" (in-process) | "mp" (one process per rank) | "torchrun" (ranks started by torchrun)
-EXECUTOR_BACKENDS = ("uni", "mp", "torchrun")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray", "torchrun")
 # What an unset kv_cache_memory (CPU) and max_num_batched_tokens (with chunked prefill) become: the unset
 # values are resolved once, in create_engine_config.
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
@@ -234,8 +234,9 @@ class EngineArgs:
                                   "ranks, behind one API server (requests routed by cached prefix and load)")
     distributed_executor_backend: str | None = setting(
         None, choices=EXECUTOR_BACKENDS,
-        help="uni: in-process, mp: a process per rank, torchrun: ranks started by torchrun (unset: uni for "
-             "one rank, else mp)")
+        help="uni: in-process, mp: a process per rank, ray: a Ray actor per rank (RAY_ADDRESS's cluster, else a "
+             "local one; pip install 'pagedserve[ray]'), torchrun: ranks started by torchrun (unset: uni for one "
+             "rank, else mp)")
     enforce_eager: bool = setting(False, store_true=True, help="CUDA: no CUDA graphs for decode steps")
     async_scheduling: bool = setting(
         False, help="schedule the next step while the current one runs (vLLM's --async-scheduling): the "
@@ -293,7 +294,7 @@ class EngineArgs:
         source = resolve_model(self.model, self.revision, self.download_dir)
         hf_config = load_hf_config(source)
         gen = load_generation_defaults(self.generation_config, source.path if source.format == "hf" else None)
-        device = resolve_device(self.device)
+        device = resolve_device(self.device, self.executor_backend())
         quantization = resolve_quantization(self.quantization, checkpoint_quant_spec(hf_config),
                                             source.format == "gguf")
         dtype = resolve_dtype(self.dtype, device, checkpoint_dtype(hf_config),

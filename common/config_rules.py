@@ -27,15 +27,22 @@ def check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        if device == "cuda":
-            import torch
-            if not torch.cuda.is_available():
-                raise ValueError("device: 'cuda' requested but no CUDA device is available")
+def resolve_device(device: str, executor_backend: str = "uni") -> str:
+    """With the Ray backend the ranks run on the cluster's nodes, not here: a CPU-only head (the engine core's
+    node) still serves on the cluster's GPUs."""
+    if device == "cpu":
         return device
     import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    if executor_backend == "ray":
+        from pagedserve.common.ray_utils import cluster_has_gpus
+        if cluster_has_gpus():
+            return "cuda"
+    if device == "cuda":
+        raise ValueError("device: 'cuda' requested but no CUDA device is available"
+                         + (" here or on the Ray cluster" if executor_backend == "ray" else ""))
+    return "cpu"
 
 
 def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
@@ -78,8 +85,9 @@ def check_pipeline(pp: int, hf_config: Any, backend: str, speculative: Any, asyn
     if arch is not None and arch not in PIPELINE_ARCHITECTURES:
         raise ValueError(f"pipeline_parallel_size={pp}: {arch} runs in one stage only (pipeline stages: "
                          f"{', '.join(PIPELINE_ARCHITECTURES)})")
-    if backend != "mp":
-        raise ValueError(f"pipeline_parallel_size={pp} runs with distributed_executor_backend 'mp', got {backend!r}")
+    if backend not in ("mp", "ray"):
+        raise ValueError(f"pipeline_parallel_size={pp} runs with distributed_executor_backend 'mp' or 'ray', "
+                         f"got {backend!r}")
     if speculative:
         raise ValueError("speculative_config cannot be combined with pipeline_parallel_size > 1 yet")
     if async_scheduling:

@@ -43,6 +43,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDSERVE_IPC_ROOT": lambda: os.environ.get("PAGEDSERVE_IPC_ROOT") or None,
     # Seconds an engine core or a worker may take to load before its starter gives up.
     "PAGEDSERVE_STARTUP_TIMEOUT": _float("PAGEDSERVE_STARTUP_TIMEOUT", 900.0),
+    # Seconds the Ray backend waits for its placement group (one bundle per rank) before giving up.
+    "PAGEDSERVE_RAY_PLACEMENT_TIMEOUT": _float("PAGEDSERVE_RAY_PLACEMENT_TIMEOUT", 120.0),
+    # The Ray cluster the Ray backends join (Ray reads it too); unset: one `ray start` began here, else a new one.
+    "RAY_ADDRESS": lambda: os.environ.get("RAY_ADDRESS") or None,
     # "torch" runs the PyTorch kernels on CUDA too (A/B checks against the Triton ones).
     "PAGEDSERVE_KERNELS": _choice("PAGEDSERVE_KERNELS", "triton", ("triton", "torch")),
     # "0" keeps quantized CPU decode steps on the layer stack instead of the one-call C step (A/B runs).

@@ -100,6 +100,10 @@ class CoreProcess:
     def is_alive(self) -> bool:
         return self.proc.is_alive()
 
+    def death(self) -> str:
+        """Why a core that is no longer alive ended."""
+        return f"engine core process died (exit code {self.proc.exitcode})"
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the core (it stops its workers first); idempotent."""
         if self._closed:
@@ -119,6 +123,17 @@ class CoreProcess:
         self.paths.close()
 
 
+class CoreHandle(Protocol):
+    """A started engine core a client watches and stops: a CoreProcess here, or one on Ray (dp_ray.py)."""
+    addresses: CoreAddresses
+    token: str
+    info: Any
+
+    def is_alive(self) -> bool: ...
+    def death(self) -> str: ...
+    def shutdown(self, timeout_s: float = 10.0) -> None: ...
+
+
 class EngineCoreClient(Protocol):
     """What LLM drives, whether the core runs in this process (InprocClient) or in its own (SyncMPClient).
     AsyncMPClient has the same calls, awaitable, and shares SyncMPClient's protocol code (_ClientBase)."""
@@ -135,7 +150,7 @@ class _ClientBase:
     heartbeats, keepalive), routing utility answers to their callers, and the one utility resend loop. The
     subclasses only do the socket I/O, blocking or awaited."""
 
-    def __init__(self, addresses: CoreAddresses, token: str, proc: CoreProcess | None,
+    def __init__(self, addresses: CoreAddresses, token: str, proc: CoreHandle | None,
                  heartbeat_timeout_s: float) -> None:
         self.addresses = addresses
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -165,7 +180,7 @@ class _ClientBase:
 
     def _check_alive(self) -> None:
         if self.dead is None and self.proc is not None and not self.proc.is_alive():
-            self.dead = f"engine core process died (exit code {self.proc.proc.exitcode})"
+            self.dead = self.proc.death()
         if self.dead is not None:
             raise EngineDeadError(self.dead)
 
@@ -227,7 +242,7 @@ class _ClientBase:
 class SyncMPClient(_ClientBase):
     """Blocking client (offline LLM)."""
 
-    def __init__(self, addresses: CoreAddresses, token: str, proc: CoreProcess | None = None,
+    def __init__(self, addresses: CoreAddresses, token: str, proc: CoreHandle | None = None,
                  heartbeat_timeout_s: float = EngineArgs.engine_heartbeat_timeout) -> None:
         super().__init__(addresses, token, proc, heartbeat_timeout_s)
         ctx = zmq.Context.instance()
@@ -302,7 +317,7 @@ class AsyncMPClient(_ClientBase):
     and queues everything else for `get_output`, so a utility call works before, during and without a
     consumer of request outputs."""
 
-    def __init__(self, addresses: CoreAddresses, token: str, proc: CoreProcess | None = None,
+    def __init__(self, addresses: CoreAddresses, token: str, proc: CoreHandle | None = None,
                  heartbeat_timeout_s: float = EngineArgs.engine_heartbeat_timeout) -> None:
         super().__init__(addresses, token, proc, heartbeat_timeout_s)
         self.ctx = zmq.asyncio.Context()

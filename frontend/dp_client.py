@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedserve.common.errors import ENGINE_DIED
-from pagedserve.frontend.core_client import AsyncMPClient, CoreProcess, EngineDeadError
+from pagedserve.frontend.core_client import AsyncMPClient, CoreHandle, EngineDeadError
 from pagedserve.frontend.dp_router import PrefixRouter
 from pagedserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
@@ -32,7 +32,7 @@ RESTART_WINDOW_S = 300.0
 
 class DataParallelClient:
     def __init__(self, clients: list[AsyncMPClient], router: PrefixRouter,
-                 restart: dict[int, Callable[[], CoreProcess]] | None = None) -> None:
+                 restart: dict[int, Callable[[], CoreHandle]] | None = None) -> None:
         """restart: engine index -> what starts a fresh core for it and waits until it is ready (blocking: it
         runs in a thread); engines on other nodes have none."""
         self.clients = clients

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from pagedserve.common.config import EngineArgs
 from pagedserve.core.engine_core_proc import CoreAddresses
-from pagedserve.frontend.core_client import AsyncMPClient, CoreProcess
+from pagedserve.frontend.core_client import AsyncMPClient, CoreHandle, CoreProcess
 from pagedserve.frontend.dp_client import DataParallelClient
 from pagedserve.frontend.dp_remote import advertised_host, announce, free_port_pair, wait_for_engines
 from pagedserve.frontend.dp_router import PrefixRouter
@@ -23,6 +23,12 @@ logger = logging.getLogger(__name__)
 def check_data_parallel_flags(args: EngineArgs, server: ServerArgs) -> None:
     """ValueError naming the flag where the data-parallel layout cannot work."""
     dp, local = args.data_parallel_size, server.data_parallel_size_local
+    if server.data_parallel_backend == "ray":
+        for flag, value in (("--headless", server.headless), ("--data-parallel-size-local", local is not None),
+                            ("--engine-address", server.engine_address)):
+            if value:
+                raise ValueError(f"{flag} places engine cores by hand; with --data-parallel-backend ray the Ray "
+                                 "cluster places them (leave it out)")
     if local is not None and local > dp:
         raise ValueError(f"--data-parallel-size-local ({local}) exceeds --data-parallel-size ({dp})")
     if dp > 1 and server.engine_address:
@@ -41,11 +47,13 @@ def check_data_parallel_flags(args: EngineArgs, server: ServerArgs) -> None:
                              "register) and --engine-token (shared with them)")
 
 
-def start_engines(args: EngineArgs, server: ServerArgs, level: int) -> tuple[list[CoreProcess], object]:
+def start_engines(args: EngineArgs, server: ServerArgs, level: int) -> tuple[list[CoreHandle], object]:
     """This node's engine cores and the client over all of them (an AsyncMPClient, or a DataParallelClient for
     data-parallel engines or --restart-engine-on-failure); SystemExit with the core's message if one fails."""
     dp = args.data_parallel_size
     local = server.data_parallel_size_local if server.data_parallel_size_local is not None else dp
+    if server.data_parallel_backend == "ray":
+        return _start_on_ray(args, server, level)
 
     def start() -> CoreProcess:
         return CoreProcess(args, level, address=server.engine_address, token=server.engine_token)
@@ -68,6 +76,20 @@ def start_engines(args: EngineArgs, server: ServerArgs, level: int) -> tuple[lis
     info = procs[0].info
     router = PrefixRouter(len(clients), info.block_size, info.num_blocks, server.data_parallel_routing)
     return procs, DataParallelClient(clients, router, restart={i: start for i in range(local)})
+
+
+def _start_on_ray(args: EngineArgs, server: ServerArgs, level: int) -> tuple[list[CoreHandle], object]:
+    """Every engine core on the Ray cluster; a dead one is started again wherever Ray finds room."""
+    from pagedserve.frontend.dp_ray import RayCoreProcess
+
+    def start() -> CoreHandle:
+        return RayCoreProcess(args, level, token=server.engine_token)
+    procs = _start_all([start] * args.data_parallel_size)
+    clients = [AsyncMPClient(p.addresses, p.token, p, heartbeat_timeout_s=args.engine_heartbeat_timeout)
+               for p in procs]
+    info = procs[0].info
+    router = PrefixRouter(len(clients), info.block_size, info.num_blocks, server.data_parallel_routing)
+    return procs, DataParallelClient(clients, router, restart={i: start for i in range(len(procs))})
 
 
 def serve_headless(args: EngineArgs, server: ServerArgs, level: int) -> None:
@@ -96,9 +118,9 @@ def serve_headless(args: EngineArgs, server: ServerArgs, level: int) -> None:
         sys.exit("engine-serve --headless: an engine core died")
 
 
-def _start_all(starters: list[Callable[[], CoreProcess]]) -> list[CoreProcess]:
+def _start_all(starters: list[Callable[[], CoreHandle]]) -> list[CoreHandle]:
     """Each core in turn; SystemExit with the core's own message (bad flags, model) if one cannot start."""
-    procs: list[CoreProcess] = []
+    procs: list[CoreHandle] = []
     try:
         for start in starters:
             procs.append(start())

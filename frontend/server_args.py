@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from pagedserve.common.arg_utils import setting
 from pagedserve.frontend.dp_router import ROUTING_POLICIES
+
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
 from pagedserve.frontend.tool_parsers import TOOL_PARSERS
 
 TOOL_PARSER_NAMES = tuple(TOOL_PARSERS)
@@ -49,6 +51,11 @@ class ServerArgs:
         help="with --data-parallel-size > 1, where a request goes: prefix (the engine holding the longest cached "
              "prefix of its prompt, unless clearly busier than the least loaded), least-loaded (queue length "
              "only, as vLLM)")
+    data_parallel_backend: str = setting(
+        "mp", choices=DATA_PARALLEL_BACKENDS,
+        help="where data-parallel engine cores run: mp (processes on this node, or headless nodes that register), "
+             "ray (each in a Ray placement group on RAY_ADDRESS's cluster, else a local one; pip install "
+             "'pagedserve[ray]')")
     # Multi-node data parallelism, vLLM's flags (docs/operations.md#data-parallel-engines).
     data_parallel_size_local: int | None = setting(
         None, help="data-parallel engine cores started on this node (unset: all of --data-parallel-size); the "

@@ -6,6 +6,7 @@ import shutil
 import socket
 import tempfile
 import uuid
+from collections.abc import Callable
 
 import zmq
 
@@ -45,9 +46,11 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
 
 
 def make_socket(ctx: zmq.Context, path: str, socket_type: int, bind: bool, *, identity: bytes | None = None,
-                linger: int = 0, hwm: int = 0, max_msg_bytes: int = -1) -> zmq.Socket:
+                linger: int = 0, hwm: int = 0, max_msg_bytes: int = -1,
+                secure: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:
     """hwm=0: unbounded queues, the default for request/response paths whose callers bound them.
-    max_msg_bytes: a peer sending a bigger frame is disconnected (-1: no limit)."""
+    max_msg_bytes: a peer sending a bigger frame is disconnected (-1: no limit).
+    secure: sets security options (ipc/curve.py) before the bind or connect."""
     sock = ctx.socket(socket_type)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
     sock.setsockopt(zmq.LINGER, linger)
@@ -60,6 +63,8 @@ def make_socket(ctx: zmq.Context, path: str, socket_type: int, bind: bool, *, id
     if path.startswith("ipc://"):
         sock.setsockopt(zmq.SNDBUF, 8 << 20)
         sock.setsockopt(zmq.RCVBUF, 8 << 20)
+    if secure is not None:
+        secure(sock)
     if bind:
         sock.bind(path)
     else:

@@ -20,4 +20,7 @@ def get_executor_class(backend: str) -> type[Executor]:
     if backend == "torchrun":
         from pagedserve.executor.procs.torchrun_executor import TorchrunExecutor
         return TorchrunExecutor
+    if backend == "ray":
+        from pagedserve.executor.procs.ray_executor import RayDistributedExecutor
+        return RayDistributedExecutor
     raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, got {backend!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -26,19 +27,21 @@ def heartbeat_interval(timeout_s: float) -> float:
     return min(1.0, max(0.05, timeout_s / 5))
 
 
-def start_heartbeat_sender(ctx: zmq.Context, address: str, rank: int, interval_s: float) -> None:
+def start_heartbeat_sender(ctx: zmq.Context, address: str, rank: int, interval_s: float,
+                           secure: Callable[[zmq.Socket], None] | None = None) -> None:
     """Worker side: a daemon thread that sends WorkerHeartbeat(rank) every interval_s.
 
     It beats until the process exits; nothing stops it earlier, since a worker that stops beating
     while alive would be taken for a hung one.
     """
-    threading.Thread(target=_send_beats, args=(ctx, address, rank, interval_s), name="worker-heartbeat",
+    threading.Thread(target=_send_beats, args=(ctx, address, rank, interval_s, secure), name="worker-heartbeat",
                      daemon=True).start()
 
 
-def _send_beats(ctx: zmq.Context, address: str, rank: int, interval_s: float) -> None:
+def _send_beats(ctx: zmq.Context, address: str, rank: int, interval_s: float,
+                secure: Callable[[zmq.Socket], None] | None) -> None:
     # A few queued beats at most: a stalled core needs to know a worker is alive, not how often.
-    sock = make_socket(ctx, address, zmq.PUSH, bind=False, hwm=4)
+    sock = make_socket(ctx, address, zmq.PUSH, bind=False, hwm=4, secure=secure)
     frames = MsgpackEncoder().encode(WorkerHeartbeat(rank))
     while True:
         try:

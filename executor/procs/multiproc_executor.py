@@ -1,4 +1,8 @@
-"""One worker process per rank; the engine core broadcasts each step and rank 0 answers."""
+"""One worker per rank; the engine core broadcasts each step and rank 0 answers.
+
+Here each worker is a child process on this machine (ipc:// sockets). The Ray executor (ray_executor.py)
+reuses all of this with workers as Ray actors: it overrides where the sockets bind and how workers start,
+are watched and are stopped (a WorkerGroup)."""
 from __future__ import annotations
 
 import logging
@@ -6,6 +10,7 @@ import multiprocessing.connection
 import os
 import threading
 import time
+from abc import ABC, abstractmethod
 from typing import Any
 
 import msgspec
@@ -19,11 +24,12 @@ from pagedserve.common.throttled_log import ThrottledLog
 from pagedserve.executor.procs.executor import Executor, OutputToCome
 from pagedserve.executor.procs.heartbeat import HeartbeatWatch, heartbeat_interval
 from pagedserve.executor.procs.worker_proc import WorkerLaunch
+from pagedserve.ipc.bound_sockets import BoundSockets
 from pagedserve.ipc.broadcast import BroadcastWriter
 from pagedserve.ipc.messages import (ExecuteModel, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerResponse,
                                      WorkerShutdown)
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
-from pagedserve.ipc.sockets import IpcPaths, free_tcp_port, make_socket
+from pagedserve.ipc.sockets import free_tcp_port
 
 logger = logging.getLogger(__name__)
 
@@ -37,21 +43,76 @@ class WorkerDiedError(RuntimeError):
     pass
 
 
+class WorkerGroup(ABC):
+    """The started workers, whatever runs them: how a rank's death is seen, and how they are ended."""
+
+    @abstractmethod
+    def wake_fds(self) -> list[int]:
+        """File descriptors that turn readable when a rank exits (the monitor wakes on them at once)."""
+
+    @abstractmethod
+    def dead(self) -> str | None:
+        """Why a rank is gone, or None while all run (non-blocking)."""
+
+    @abstractmethod
+    def wait_for_death(self, timeout_s: float) -> None:
+        """Wait up to timeout_s for any rank to end (a rank's error may be its peer's death)."""
+
+    @abstractmethod
+    def stop(self, graceful: bool) -> None:
+        """End every rank: given up to a few seconds after a shutdown broadcast when graceful, then killed."""
+
+
+class ProcessGroup(WorkerGroup):
+    """Workers as `python -m` children of this process (they die with it: see setup_child_process)."""
+
+    def __init__(self, launches: list[WorkerLaunch]) -> None:
+        self.procs: list[ModuleProcess] = []
+        for launch in launches:
+            self.procs.append(ModuleProcess("pagedserve.executor.procs.worker_proc", msgspec.json.encode(launch),
+                                            name=f"pagedserve-worker-{launch.rank}"))
+
+    def wake_fds(self) -> list[int]:
+        return [p.sentinel for p in self.procs]
+
+    def dead(self) -> str | None:
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                return f"worker rank {rank} died (exit code {proc.exitcode})"
+        return None
+
+    def wait_for_death(self, timeout_s: float) -> None:
+        multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=timeout_s)
+
+    def stop(self, graceful: bool) -> None:
+        if graceful:
+            deadline = time.monotonic() + 5
+            for proc in self.procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:     # SIGKILL ends a SIGSTOPped process too
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(5)
+            proc.close()
+
+
 class MultiProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.world_size = config.parallel.world_size
-        self.paths = IpcPaths("exec")
-        self.ctx = zmq.Context()
-        self.responses = make_socket(self.ctx, self.paths.new("resp"), zmq.PULL, bind=True)
-        self.heartbeats = make_socket(self.ctx, self.paths.new("hb"), zmq.PULL, bind=True)
+        self.dead: str | None = None
+        self.workers: WorkerGroup | None = None
+        self._closing = False
+        tcp_host = self._tcp_host()
+        self.bound = BoundSockets("exec", tcp_host)
+        self.responses = self.bound.bind("resp", zmq.PULL)
+        self.heartbeats = self.bound.bind("hb", zmq.PULL)
         self.heartbeat_timeout_s = config.parallel.worker_heartbeat_timeout_s
-        self.writer = BroadcastWriter(num_readers=self.world_size, max_message_bytes=MAX_MESSAGE_BYTES)
+        self.writer = BroadcastWriter(num_readers=self.world_size, max_message_bytes=MAX_MESSAGE_BYTES,
+                                      tcp_host=tcp_host)
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder(WorkerResponse)
-        self.dead: str | None = None
-        self.procs: list[ModuleProcess] = []
-        self._closing = False
         # A script that never calls shutdown must still end promptly, leaving no worker behind.
         self._cancel_exit_hook = stop_at_exit(self, lambda executor: executor.shutdown())
         try:
@@ -62,20 +123,31 @@ class MultiProcExecutor(Executor):
         self._monitor_thread = threading.Thread(target=self._monitor, name="worker-monitor", daemon=True)
         self._monitor_thread.start()
 
-    def _start_workers(self) -> None:
+    # ---------------------------------------------------------------- what a subclass places elsewhere
+
+    def _tcp_host(self) -> str | None:
+        """This node's address when workers may sit on other machines (sockets on TCP); None: ipc files."""
+        return None
+
+    def _spawn(self, launches: list[WorkerLaunch]) -> WorkerGroup:
         # `python -m` children, not multiprocessing: they never re-import the user's __main__.
-        init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+        return ProcessGroup(launches)
+
+    # ---------------------------------------------------------------- start
+
+    def _start_workers(self) -> None:
+        host = self._tcp_host() or "127.0.0.1"
+        init_method = f"tcp://{f'[{host}]' if ':' in host else host}:{free_tcp_port(host)}"
         engine_config = config_to_builtins(self.config)      # resolved once, in this (the core's) process
-        for rank in range(self.world_size):
-            launch = WorkerLaunch(
-                engine_config=engine_config, rank=rank, init_method=init_method,
-                broadcast_handle=msgspec.msgpack.encode(self.writer.handle()),
-                response_addr=self.responses.getsockopt_string(zmq.LAST_ENDPOINT), parent_pid=os.getpid(),
-                log_level=logging.getLogger().getEffectiveLevel(),
-                heartbeat_addr=self.heartbeats.getsockopt_string(zmq.LAST_ENDPOINT),
-                heartbeat_interval_s=heartbeat_interval(self.heartbeat_timeout_s))
-            self.procs.append(ModuleProcess("pagedserve.executor.procs.worker_proc", msgspec.json.encode(launch),
-                                            name=f"pagedserve-worker-{rank}"))
+        launches = [WorkerLaunch(
+            engine_config=engine_config, rank=rank, init_method=init_method,
+            broadcast_handle=msgspec.msgpack.encode(self.writer.handle()),
+            response_addr=BoundSockets.address(self.responses), parent_pid=os.getpid(),
+            log_level=logging.getLogger().getEffectiveLevel(),
+            heartbeat_addr=BoundSockets.address(self.heartbeats),
+            heartbeat_interval_s=heartbeat_interval(self.heartbeat_timeout_s), curve=self.bound.client_keys)
+            for rank in range(self.world_size)]
+        self.workers = self._spawn(launches)
         ready: set[int] = set()
         deadline = time.monotonic() + envs.PAGEDSERVE_STARTUP_TIMEOUT
         while len(ready) < self.world_size:
@@ -91,23 +163,20 @@ class MultiProcExecutor(Executor):
     # ---------------------------------------------------------------- health
 
     def _monitor(self) -> None:
-        """Watch every rank for death (its process sentinel) and for silence (its heartbeat)."""
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
+        """Watch every rank for death (its WorkerGroup) and for silence (its heartbeat)."""
         watch = HeartbeatWatch(self.heartbeats, self.world_size, self.heartbeat_timeout_s)
         poller = zmq.Poller()
         poller.register(self.heartbeats, zmq.POLLIN)
-        for fd in sentinels:
+        for fd in self.workers.wake_fds():
             poller.register(fd, zmq.POLLIN)
         while not self._closing and self.dead is None:
             wait_s = min(_MONITOR_TICK_S, max(0.0, watch.seconds_left()))
-            events = dict(poller.poll(int(wait_s * 1000) + 1))
+            poller.poll(int(wait_s * 1000) + 1)
             if self._closing:
                 return
-            died = [rank for fd, rank in sentinels.items() if fd in events]
-            if died:
-                proc = self.procs[died[0]]
-                proc.join(1.0)      # its sentinel fires as it exits: reap it, for the exit code
-                self._mark_dead(f"worker rank {died[0]} died (exit code {proc.exitcode})")
+            why = self.workers.dead()
+            if why is not None:
+                self._mark_dead(why)
                 return
             watch.drain()
             silent = watch.silent_rank()
@@ -123,14 +192,13 @@ class MultiProcExecutor(Executor):
     def check_health(self) -> None:
         if self.dead is not None:
             raise WorkerDiedError(self.dead)
-        for rank, proc in enumerate(self.procs):   # the monitor thread may not have woken yet
-            if not proc.is_alive():
-                self.dead = f"worker rank {rank} died (exit code {proc.exitcode})"
-                raise WorkerDiedError(self.dead)
+        if self.workers is not None and (why := self.workers.dead()) is not None:   # before the monitor wakes
+            self.dead = why
+            raise WorkerDiedError(why)
 
     def _raise_worker_error(self, resp: WorkerResponse) -> None:
         # A rank that lost its peer fails in its collective; the peer's death is the real cause.
-        multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=1.0)
+        self.workers.wait_for_death(1.0)
         self.check_health()
         raise RuntimeError(f"worker rank {resp.rank} failed: {resp.error}")
 
@@ -187,33 +255,24 @@ class MultiProcExecutor(Executor):
             if resp.kind == "output" and resp.output is not None:
                 return resp.output
 
-    def _stop_workers_gracefully(self) -> None:
+    def _say_shutdown(self) -> bool:
         try:
             self.writer.broadcast(self.encoder.encode(WorkerShutdown()), timeout_s=2.0)
-        except Exception:   # a stuck worker is killed by the caller anyway
-            return
-        deadline = time.monotonic() + 5
-        for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
+        except Exception:   # a stuck worker is killed anyway
+            return False
+        return True
 
     def shutdown(self) -> None:
         if self._closing:
             return
         self._closing = True
         self._cancel_exit_hook()
-        if self.dead is None and all(p.is_alive() for p in self.procs):
-            self._stop_workers_gracefully()
-        for proc in self.procs:     # SIGKILL ends a SIGSTOPped process too
-            if proc.is_alive():
-                proc.kill()
-        for proc in self.procs:
-            proc.join(5)
+        if self.workers is not None:
+            graceful = self.dead is None and self.workers.dead() is None and self._say_shutdown()
+            self.workers.stop(graceful)
         if hasattr(self, "_monitor_thread"):
             self._monitor_thread.join(timeout=2)
         self.writer.close()
         self.responses.close(linger=0)
         self.heartbeats.close(linger=0)
-        self.ctx.term()
-        for proc in self.procs:
-            proc.close()
-        self.paths.close()
+        self.bound.close()

@@ -20,6 +20,7 @@ from pagedserve.common.process_utils import (describe_exception, exit_without_te
 from pagedserve.common.throttled_log import ThrottledLog
 from pagedserve.executor.procs.heartbeat import start_heartbeat_sender
 from pagedserve.ipc.broadcast import BroadcastReader
+from pagedserve.ipc.curve import CurveClientKeys
 from pagedserve.ipc.messages import ExecuteModel, WorkerInput, WorkerResponse, WorkerShutdown
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from pagedserve.ipc.sockets import make_socket
@@ -45,17 +46,27 @@ class WorkerLaunch(msgspec.Struct, frozen=True):
     log_level: int = logging.INFO
     heartbeat_addr: str | None = None
     heartbeat_interval_s: float = 1.0
+    curve: CurveClientKeys | None = None     # the executor's sockets are on TCP (workers on other nodes)
 
 
 def run_worker(launch: WorkerLaunch) -> None:
+    """The worker process's whole life: it exits when the executor says so, or dies with its parent."""
+    setup_child_process(f"ps-worker-{launch.rank}", launch.parent_pid, signal.SIGKILL)
+    exit_without_teardown(serve_worker(launch))
+
+
+def serve_worker(launch: WorkerLaunch) -> int:
+    """Build the rank's Worker, say ready (or why not), serve until shutdown; the exit code. A Ray actor runs
+    this in its own process, whose life Ray owns. SystemExit(1) when the rank cannot start: the interpreter's
+    teardown then terminates the ZeroMQ context, which is what flushes the error reply to the executor."""
     rank = launch.rank
     logging.basicConfig(level=launch.log_level,
                         format=f"%(asctime)s %(levelname)s [worker {rank}] %(name)s: %(message)s")
-    setup_child_process(f"ps-worker-{rank}", launch.parent_pid, signal.SIGKILL)
+    secure = launch.curve.secure if launch.curve is not None else None
     ctx = zmq.Context()
     if launch.heartbeat_addr is not None:
-        start_heartbeat_sender(ctx, launch.heartbeat_addr, rank, launch.heartbeat_interval_s)
-    sock = make_socket(ctx, launch.response_addr, zmq.PUSH, bind=False)
+        start_heartbeat_sender(ctx, launch.heartbeat_addr, rank, launch.heartbeat_interval_s, secure)
+    sock = make_socket(ctx, launch.response_addr, zmq.PUSH, bind=False, secure=secure)
     encoder = MsgpackEncoder()
 
     def reply(resp: WorkerResponse) -> None:
@@ -76,7 +87,7 @@ def run_worker(launch: WorkerLaunch) -> None:
     code = _serve(worker, reader, reply, rank)
     reader.close()
     sock.close(linger=1000)
-    exit_without_teardown(code)
+    return code
 
 
 class _Replies:

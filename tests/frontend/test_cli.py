@@ -145,7 +145,7 @@ def test_tls_files_reach_server_args(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
-    (["--distributed-executor-backend", "ray"], "argument --distributed-executor-backend: invalid choice"),
+    (["--distributed-executor-backend", "dask"], "argument --distributed-executor-backend: invalid choice"),
     (["--scheduling-policy", "lifo"], "argument --scheduling-policy: invalid choice"),
     (["--log-level", "trace"], "argument --log-level: invalid choice"),
     (["--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value: 'many'"),
