@@ -182,3 +182,45 @@ def test_broadcast_to_a_stuck_reader_raises():
     assert time.monotonic() - start < 30
     reader.close()
     writer.close()
+
+
+def test_tcp_sockets_admit_only_the_key_holder():
+    """On TCP (workers on other nodes) every bound socket is a CURVE server: a peer without the handed-out key
+    neither takes a broadcast step (a PUSH would round-robin to it) nor gets a forged reply in."""
+    from pagedserve.ipc.bound_sockets import BoundSockets
+    from pagedserve.ipc.curve import CurveClientKeys
+    writer = BroadcastWriter(num_readers=1, max_message_bytes=1 << 16, tcp_host="127.0.0.1")
+    handle = writer.handle()
+    assert handle.paths[0].startswith("tcp://127.0.0.1:") and handle.curve is not None
+    ctx = zmq.Context()
+    intruder = make_socket(ctx, handle.paths[0], zmq.PULL, bind=False)        # no keys at all
+    _, stolen_public = zmq.curve_keypair()
+    other_public, other_secret = zmq.curve_keypair()                         # the server's key, its own pair
+    impostor = make_socket(ctx, handle.paths[0], zmq.PULL, bind=False, secure=CurveClientKeys(
+        handle.curve.server_public, other_public.decode(), other_secret.decode()).secure)
+    reader = BroadcastReader.connect(msgspec.msgpack.encode(handle), 0)
+    time.sleep(0.5)
+    for i in range(20):
+        writer.broadcast([str(i).encode()], timeout_s=5)
+    got = [bytes(reader.recv(timeout_s=5)[0]) for _ in range(20)]
+    assert got == [str(i).encode() for i in range(20)]                      # every step, none to the others
+    assert not intruder.poll(300) and not impostor.poll(100)
+    bound = BoundSockets("t", tcp_host="127.0.0.1")
+    replies = bound.bind("resp", zmq.PULL)
+    forger = make_socket(ctx, BoundSockets.address(replies), zmq.PUSH, bind=False)
+    time.sleep(0.3)                       # long enough for a plain TCP peer to be connected
+    try:
+        forger.send(b"forged", flags=zmq.NOBLOCK)
+    except zmq.Again:                     # never admitted: it has no peer to send to
+        pass
+    worker = make_socket(ctx, BoundSockets.address(replies), zmq.PUSH, bind=False, secure=bound.client_keys.secure)
+    worker.send(b"real")
+    assert replies.poll(5000) and replies.recv() == b"real"
+    assert not replies.poll(300)
+    for sock in (intruder, impostor, forger, worker):
+        sock.close(linger=0)
+    replies.close(linger=0)
+    reader.close()
+    bound.close()
+    writer.close()
+    ctx.term()
