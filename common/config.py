@@ -4,19 +4,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.common.arg_utils import setting
-from pagedserve.common.config_rules import (check_parallel, check_pipeline, check_positive, check_timeout, one_of,
-                                            resolve_device, resolve_max_model_len, weight_only)
+from pagedserve.common.config_rules import (check_lora_engine, check_parallel, check_pipeline, check_positive,
+                                            check_timeout, one_of, resolve_device, resolve_max_model_len, weight_only)
 from pagedserve.common.dtype import DTYPE_CHOICES, checkpoint_dtype, resolve_dtype, resolve_kv_cache_dtype
 from pagedserve.common.generation_config import AUTO, check_setting, load_generation_defaults
 from pagedserve.common.hub import TOKENIZER_FILES, local_or_hub_path, looks_like_hub_id
 from pagedserve.common.model_files import ModelSource, load_hf_config, resolve_model
-from pagedserve.common.quantization import (QUANTIZATION_CHOICES, QuantSpec,
-                                            checkpoint_quant_spec, resolve_quantization)
+from pagedserve.common.quantization import (QUANTIZATION_CHOICES, checkpoint_quant_spec, resolve_quantization)
 from pagedserve.common.reasoning import REASONING_PARSERS
+from pagedserve.common.engine_config import (CacheConfig, EngineConfig, LoRAConfig,  # noqa: F401
+                                             ModelConfig, ParallelConfig, SchedulerConfig, StructuredOutputsConfig)
 from pagedserve.common.speculative import SpeculativeConfig, mark_eagle_head, parse_speculative_config
 
 logger = logging.getLogger(__name__)
@@ -44,110 +45,6 @@ CORE_HEARTBEAT_INTERVAL_S = 1.0
 # stops sending stats and beats to a client it has not heard from for CLIENT_EXPIRY_S (it left).
 CLIENT_KEEPALIVE_S = 10.0
 CLIENT_EXPIRY_S = 60.0
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    source: ModelSource
-    hf_config: Any = field(repr=False, compare=False)
-    dtype: str                      # resolved: "float32" | "bfloat16" | "float16"
-    device: str                     # "cpu" | "cuda"
-    max_model_len: int
-    seed: int
-    served_model_name: str
-    enforce_eager: bool             # CUDA: no decode graphs
-    tokenizer: str | None           # a local tokenizer folder other than the model's own
-    # From generation_config.json (--generation-config): defaults for unset request fields, extra EOS ids.
-    default_sampling: dict = field(compare=False)
-    generation_eos_token_ids: tuple[int, ...]
-    quantization: QuantSpec | None  # resolved from --quantization and the checkpoint; None: float
-
-    @property
-    def num_layers(self) -> int:
-        return self.hf_config.num_hidden_layers
-
-    @property
-    def num_kv_heads(self) -> int:
-        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
-
-    @property
-    def num_heads(self) -> int:
-        return self.hf_config.num_attention_heads
-
-    @property
-    def head_dim(self) -> int:
-        return getattr(self.hf_config, "head_dim", None) or self.hf_config.hidden_size // self.num_heads
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        eos = getattr(self.hf_config, "eos_token_id", None)
-        ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-        return tuple(dict.fromkeys(ids + self.generation_eos_token_ids))
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int
-    kv_cache_memory_gib: float                  # the KV cache's size on CPU (CUDA sizes it from memory)
-    gpu_memory_utilization: float
-    enable_prefix_caching: bool
-    num_blocks_override: int | None
-    # "auto" (the model dtype) | "bfloat16" | "float32" | "fp8" (e4m3): dtype.resolve_kv_cache_dtype
-    cache_dtype: str
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    max_model_len: int
-    policy: str                      # "fcfs" | "priority"
-    enable_chunked_prefill: bool
-    # New requests beyond this many waiting are refused (EngineOverloadedError); None = unbounded.
-    max_waiting_requests: int | None
-    # Schedule step N+1 while step N runs: requests carry output placeholders until the sampled ids arrive.
-    async_scheduling: bool
-    # Batches in flight at once (pipeline parallelism: one per stage); a request is never in two of them.
-    batch_queue_size: int
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    tensor_parallel_size: int
-    distributed_executor_backend: str     # one of EXECUTOR_BACKENDS
-    # A worker process whose heartbeat thread is silent this long is hung (or SIGSTOPped): the engine
-    # fails. The beat comes from its own thread, so a long step does not count against it. Under torchrun
-    # it bounds every collective instead.
-    worker_heartbeat_timeout_s: float
-    # Stages the layers are split over; rank = stage * tensor_parallel_size + its rank within the stage.
-    pipeline_parallel_size: int
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-
-@dataclass(frozen=True)
-class StructuredOutputsConfig:
-    reasoning_parser: str | None     # a grammar constrains only the answer after the reasoning's end marker
-    compile_timeout_s: float         # a grammar that takes longer to compile fails its request
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything resolved: no field has a default (EngineArgs holds the one default of each setting), and
-    no process that receives it reads a model file or the Hub to rebuild it (common/config_wire.py)."""
-    model: ModelConfig
-    cache: CacheConfig
-    scheduler: SchedulerConfig
-    parallel: ParallelConfig
-    structured_outputs: StructuredOutputsConfig
-    speculative: SpeculativeConfig | None     # None: no speculative decoding
-    draft_model: ModelConfig | None           # speculative_config's draft model, resolved like the model
 
 
 @dataclass
@@ -248,6 +145,12 @@ class EngineArgs:
     structured_outputs_compile_timeout: float = setting(
         10.0, help="seconds a request's grammar (response_format, structured_outputs, guided_*) may take to "
                    "compile before the request fails with a 400; compiles run beside the engine loop")
+    enable_lora: bool = setting(False, store_true=True, help="serve LoRA adapters over the base model "
+                                                             "(docs/lora.md)")
+    max_loras: int = setting(1, help="with --enable-lora: adapters in one batch")
+    max_lora_rank: int = setting(16, help="with --enable-lora: the largest adapter rank accepted")
+    max_cpu_loras: int | None = setting(None, help="with --enable-lora: adapters kept loaded, least recently used "
+                                                   "unloaded beyond it (unset: --max-loras)")
     speculative_config: dict[str, Any] | None = setting(
         None, help="speculative decoding, vLLM's keys as a JSON object: {\"method\": \"ngram\", "
                    "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} "
@@ -288,7 +191,16 @@ class EngineArgs:
         speculative = parse_speculative_config(self.speculative_config)
         return EngineConfig(model=model, cache=cache, scheduler=self._scheduler_config(model.max_model_len),
                             parallel=parallel, structured_outputs=structured, speculative=speculative,
-                            draft_model=self._draft_model_config(speculative, model))
+                            draft_model=self._draft_model_config(speculative, model), lora=self._lora_config(model))
+
+    def _lora_config(self, model: ModelConfig) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        check_lora_engine(model.hf_config, self.pipeline_parallel_size, self.speculative_config)
+        cpu = self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+        if cpu < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({cpu}) must be >= max_loras ({self.max_loras})")
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=cpu)
 
     def _model_config(self) -> ModelConfig:
         source = resolve_model(self.model, self.revision, self.download_dir)
@@ -332,7 +244,7 @@ class EngineArgs:
             max_num_batched_tokens=batched, max_num_seqs=self.max_num_seqs, max_model_len=max_len,
             policy=self.scheduling_policy, enable_chunked_prefill=self.enable_chunked_prefill,
             max_waiting_requests=self.max_waiting_requests, async_scheduling=self.async_scheduling,
-            batch_queue_size=self.pipeline_parallel_size)
+            batch_queue_size=self.pipeline_parallel_size, max_loras=self.max_loras if self.enable_lora else 0)
 
     def _resolve_tokenizer(self, source: ModelSource) -> str | None:
         """A local folder for --tokenizer or --tokenizer-revision; None: the model's own files."""
@@ -369,6 +281,10 @@ class EngineArgs:
         check_positive("tensor_parallel_size", self.tensor_parallel_size)
         check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
         check_positive("data_parallel_size", self.data_parallel_size)
+        for name in ("max_loras", "max_lora_rank"):
+            check_positive(name, getattr(self, name))
+        if self.max_cpu_loras is not None:
+            check_positive("max_cpu_loras", self.max_cpu_loras)
         for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override", "max_waiting_requests"):
             value = getattr(self, name)
             if value is not None:

@@ -93,3 +93,19 @@ def check_pipeline(pp: int, hf_config: Any, backend: str, speculative: Any, asyn
     if async_scheduling:
         raise ValueError("async_scheduling with pipeline_parallel_size > 1: the stages already keep one batch "
                          "each in flight (a batch queue); leave async_scheduling off")
+
+
+# The architectures whose projections take LoRA adapters (executor/model/models/llama.py's family).
+LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def check_lora_engine(hf_config: Any, pp: int, speculative: Any) -> None:
+    """enable_lora is possible for this model and these settings; ValueError naming what is not."""
+    arch = (getattr(hf_config, "architectures", None) or [None])[0]
+    if arch not in LORA_ARCHITECTURES:
+        raise ValueError(f"enable_lora: {arch} does not take LoRA adapters yet (it does: "
+                         f"{', '.join(LORA_ARCHITECTURES)})")
+    if pp > 1:
+        raise ValueError("enable_lora cannot be combined with pipeline_parallel_size > 1 yet")
+    if speculative:
+        raise ValueError("enable_lora cannot be combined with speculative_config yet")

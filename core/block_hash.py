@@ -18,9 +18,11 @@ class BlockHasher:
         h.update(array("q", token_ids).tobytes())
         return h.digest()
 
-    def extend(self, hashes: list[bytes], token_ids: list[int]) -> None:
-        """Append the hashes of blocks of token_ids that became full since `hashes` was last extended."""
+    def extend(self, hashes: list[bytes], token_ids: list[int], salt: bytes | None = None) -> None:
+        """Append the hashes of blocks of token_ids that became full since `hashes` was last extended.
+        salt: the first block's parent (a LoRA adapter's digest): KV computed under one adapter is never
+        another's, nor the base model's."""
         bs = self.block_size
         for start in range(len(hashes) * bs, len(token_ids) - bs + 1, bs):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else salt
             hashes.append(self.hash_block(parent, token_ids[start:start + bs]))

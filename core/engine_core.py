@@ -11,10 +11,12 @@ import msgspec
 
 from pagedserve.core.block_hash import BlockHasher
 from pagedserve.common.config import EngineArgs, EngineConfig
+from pagedserve.common.errors import RequestError
 from pagedserve.common.model_files import tokenizer_folder
 from pagedserve.common.request_checks import (check_request, check_request_id, check_waiting_room,
                                               generation_budget)
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.lora_registry import LoRARegistry
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.structured_output.setup import check_structured_outputs, make_structured_output_manager
@@ -59,6 +61,10 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured_outputs,
                                    config.speculative)
         self.block_hasher = BlockHasher(cache.block_size) if cache.enable_prefix_caching else None
+        self.loras: LoRARegistry | None = None
+        if config.lora is not None:
+            self.loras = LoRARegistry(config.lora, config.model.hf_config, self.executor.collective_rpc)
+            self.scheduler.on_lora_done = self.loras.release
         self.eos_token_ids = config.model.eos_token_ids
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None    # async scheduling's step N
@@ -104,11 +110,21 @@ class EngineCore:
         structured = params.structured_outputs
         if structured is not None:
             check_structured_outputs(structured)
+        digest = self._lora_digest(req.lora_int_id)
         request = Request(req.request_id, list(req.prompt_token_ids), params, self.eos_token_ids,
-                          max_tokens, self.block_hasher, req.arrival_time, req.priority, req.client_index)
+                          max_tokens, self.block_hasher, req.arrival_time, req.priority, req.client_index,
+                          req.lora_int_id, digest)
         if structured is not None:
             request.structured = self.structured_outputs.submit(structured)
         self.scheduler.add_request(request)
+
+    def _lora_digest(self, lora_int_id: int) -> bytes | None:
+        """The adapter's digest, held for the request (released when it ends); None for the base model."""
+        if not lora_int_id:
+            return None
+        if self.loras is None:
+            raise RequestError.at("lora_request", "this engine serves no LoRA adapters (enable_lora is off)")
+        return self.loras.acquire(lora_int_id)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -215,11 +231,20 @@ class EngineCore:
             "get_stats": lambda: msgspec.to_builtins(self.scheduler.make_stats()),
             "get_engine_info": lambda: msgspec.to_builtins(self.info()),
             "get_structured_output_stats": self.structured_outputs.stats,
+            "add_lora": self._lora_call("add"), "remove_lora": self._lora_call("remove"),
+            "list_loras": self._lora_call("list"),
         }
         handler = handlers.get(method)
         if handler is None:
             raise ValueError(f"unknown utility method {method!r} (allowed: {', '.join(handlers)})")
         return handler(*args)
+
+    def _lora_call(self, name: str) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            if self.loras is None:
+                raise ValueError("LoRA adapters need enable_lora")
+            return getattr(self.loras, name)(*args)
+        return call
 
     def shutdown(self) -> None:
         if self._in_flight is not None:    # let the worker finish it before the executor goes

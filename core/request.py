@@ -37,7 +37,8 @@ _FINISH_REASONS = {
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_tokens: int, block_hasher: BlockHasher | None,
-                 arrival_time: float | None = None, priority: int = 0, client_index: int = 0) -> None:
+                 arrival_time: float | None = None, priority: int = 0, client_index: int = 0,
+                 lora_int_id: int = 0, lora_digest: bytes | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
@@ -64,6 +65,8 @@ class Request:
         self.num_prompt_logprobs_sent = 0   # prompt positions already reported (a preempted request rescores)
         self.spec_token_ids: list[int] = []  # a draft model's proposals for the next step (method draft_model)
         self.spec_acceptance = 1.0           # recent share of its draft tokens accepted (core/spec_decode.py)
+        self.lora_int_id = lora_int_id          # 0: the base model
+        self._lora_digest = lora_digest         # the adapter's identity in the prefix cache
         self._hasher = block_hasher
         self._stop_ids = frozenset(self.eos_token_ids) | frozenset(sampling_params.stop_token_ids or ())
         self._update_hashes()
@@ -117,7 +120,7 @@ class Request:
 
     def _update_hashes(self) -> None:
         if self._hasher is not None:
-            self._hasher.extend(self.block_hashes, self.all_token_ids)
+            self._hasher.extend(self.block_hashes, self.all_token_ids, self._lora_digest)
 
     def sort_key(self) -> tuple[int, float]:
         return (self.priority, self.arrival_time)

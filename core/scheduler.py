@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pagedserve.common.config import SchedulerConfig
 from pagedserve.common.speculative import SpeculativeConfig
@@ -53,6 +53,7 @@ class Scheduler:
         # again, nor preempted, until its batch is back.
         self._in_flight: Counter[str] = Counter()
         self._num_structured = 0
+        self.on_lora_done: Callable[[int], None] | None = None     # a request with an adapter ended (LoRARegistry)
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -98,6 +99,8 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv.free(request)
+        if request.lora_int_id and self.on_lora_done is not None:
+            self.on_lora_done(request.lora_int_id)
         del self.requests[request.request_id]
         if request.structured is not None:
             self._num_structured -= 1
@@ -154,11 +157,16 @@ class Scheduler:
 
         # Admit waiting requests only when nothing was preempted: otherwise the victim would be
         # admitted again at once and the two would thrash.
+        loras = {r.lora_int_id for r in self.running} - {0}
         while (not preempted_any and budget > 0 and len(self.waiting)
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
             if request.num_output_placeholders or request.request_id in self._in_flight:
                 break                    # preempted with a step in flight: its ids come back first
+            if request.lora_int_id and request.lora_int_id not in loras and len(loras) >= self.config.max_loras:
+                break                    # its adapter finds no slot: it waits, and no later request passes it
+            if request.lora_int_id:
+                loras.add(request.lora_int_id)
             scheduled = self._admit(request, budget)
             if scheduled is None:
                 break
@@ -273,7 +281,8 @@ class Scheduler:
         new_reqs.append(NewRequestData(
             req_id=rid, prompt_token_ids=request.prompt_token_ids,
             output_token_ids=list(request.output_token_ids), sampling_params=request.sampling_params,
-            block_ids=self.kv.get_block_ids(rid), num_computed_tokens=request.num_computed_tokens))
+            block_ids=self.kv.get_block_ids(rid), num_computed_tokens=request.num_computed_tokens,
+            lora_int_id=request.lora_int_id))
 
     def _unemit(self, request: Request, new_reqs: list[NewRequestData], cached: CachedRequestData) -> None:
         rid = request.request_id

@@ -105,7 +105,7 @@ class InputProcessor:
         return prompt if len(ids) == len(prompt.prompt_token_ids) else ProcessedPrompt(None, ids)
 
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                      priority: int = 0, arrival_time: float | None = None) -> PreparedRequest:
+                      priority: int = 0, arrival_time: float | None = None, lora_int_id: int = 0) -> PreparedRequest:
         """Validate (the rules the core runs again at its socket, run here once and early) and build one
         engine request per sample: n > 1 fans out into children that share the prompt's blocks through the
         prefix cache. truncate_prompt_tokens is applied here, and only here."""
@@ -122,7 +122,8 @@ class InputProcessor:
             children = [(f"{request_id}#{i}", params.clone(
                 n=1, seed=None if params.seed is None else params.seed + i,
                 prompt_logprobs=params.prompt_logprobs if i == 0 else None)) for i in range(params.n)]
-        requests = [EngineCoreRequest(cid, prompt.prompt_token_ids, p, arrival, priority) for cid, p in children]
+        requests = [EngineCoreRequest(cid, prompt.prompt_token_ids, p, arrival, priority, lora_int_id=lora_int_id)
+                    for cid, p in children]
         return PreparedRequest(request_id, prompt, params, [c for c, _ in children], requests)
 
 

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.common.config import EngineArgs
 from pagedserve.common.errors import RequestError
+from pagedserve.common.lora import LoRARequest, check_lora_request
 from pagedserve.common.request_checks import has_waiting_room
 from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.frontend.input_processor import InputProcessor, ProcessedPrompt, PromptType
@@ -50,6 +51,7 @@ class LLM:
             self.info = self.client.info
         self.processors = Processors.from_info(self.info)
         self._ids = itertools.count()
+        self._loras: dict[int, LoRARequest] = {}      # adapters this LLM registered with the core, by id
 
     @property
     def tokenizer(self) -> Any:
@@ -80,35 +82,62 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """lora_request: one adapter for every prompt, or one (or None: the base model) per prompt."""
         items = _as_prompt_list(prompts)
         parsed = [self.input_processor.parse_prompt(p) for p in items]
-        return self._run(parsed, sampling_params, use_tqdm, priority)
+        return self._run(parsed, sampling_params, use_tqdm, priority, lora_request)
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         parsed = [self.input_processor.apply_chat_template(c, add_generation_prompt, chat_template,
                                                            chat_template_kwargs, continue_final_message)
                   for c in conversations]
-        return self._run(parsed, sampling_params, use_tqdm, None)
+        return self._run(parsed, sampling_params, use_tqdm, None, lora_request)
 
     def _run(self, prompts: list[ProcessedPrompt], sampling_params: Any, use_tqdm: bool,
-             priority: Sequence[int] | None) -> list[RequestOutput]:
+             priority: Sequence[int] | None, lora_request: Any = None) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(prompts), "sampling_params", self.get_default_sampling_params())
         priorities = _per_prompt(list(priority) if priority is not None else None, len(prompts), "priority", 0)
+        loras = _per_prompt(list(lora_request) if isinstance(lora_request, (list, tuple)) else lora_request,
+                            len(prompts), "lora_request", None)
+        lora_ids = [self._lora_id(lora) for lora in loras]
         batch = []
-        for prompt, p, prio in zip(prompts, params, priorities):
+        for prompt, p, prio, lora_id in zip(prompts, params, priorities, lora_ids):
             # Offline callers want one result per prompt: only the final output is needed.
             p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-            batch.append(self.processors.prepare(str(next(self._ids)), prompt, p, prio))
+            batch.append(self.processors.prepare(str(next(self._ids)), prompt, p, prio, lora_id))
         for prepared in batch:   # validated all before queueing any
             self.processors.track(prepared)
         backlog = deque(request for prepared in batch for request in prepared.requests)
         return self._run_engine([prepared.request_id for prepared in batch], backlog, use_tqdm)
+
+    def _lora_id(self, lora: LoRARequest | None) -> int:
+        """The adapter's id, registered with the core the first time it is seen here (as vLLM's LLM does)."""
+        if lora is None:
+            return 0
+        lora = check_lora_request(lora)
+        if self._loras.get(lora.lora_int_id) != lora:
+            self.client.call_utility("add_lora", lora.lora_name, lora.lora_int_id, lora.lora_path)
+            self._loras[lora.lora_int_id] = lora
+        return lora.lora_int_id
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter ahead of the requests that name it; ValueError with the reason it cannot be served."""
+        self._lora_id(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self._loras.pop(lora_int_id, None)
+        return bool(self.client.call_utility("remove_lora", lora_int_id))
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        return list(self.client.call_utility("list_loras"))
 
     def _submit(self, backlog: deque[EngineCoreRequest]) -> None:
         """Send the core what it will take from the backlog. It refuses a request when max_waiting_requests

@@ -28,10 +28,10 @@ class Processors:
         return cls(tokenizer, InputProcessor(tokenizer, info, chat_template), OutputProcessor(tokenizer))
 
     def prepare(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                priority: int = 0) -> PreparedRequest:
+                priority: int = 0, lora_int_id: int = 0) -> PreparedRequest:
         """Check the request (the frontend's trust boundary: the one validation on this side) and build its
         engine requests. Nothing is tracked yet: a caller may prepare a batch and refuse it whole."""
-        return self.input.make_requests(request_id, prompt, params, priority)
+        return self.input.make_requests(request_id, prompt, params, priority, lora_int_id=lora_int_id)
 
     def track(self, prepared: PreparedRequest) -> None:
         """Expect a prepared request's outputs: before any of its engine requests is sent."""

@@ -18,6 +18,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag
     arrival_time: float
     priority: int = 0
     client_index: int = 0
+    lora_int_id: int = 0      # a LoRA adapter the core registered (add_lora); 0: the base model
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
@@ -146,6 +147,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_int_id: int = 0
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

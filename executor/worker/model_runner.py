@@ -17,6 +17,7 @@ from pagedserve.executor.worker.draft_proposer import DraftModelProposer, bind_d
 from pagedserve.executor.worker.eagle_proposer import EagleProposer
 from pagedserve.executor.worker.grammar_mask import grammar_rows
 from pagedserve.executor.worker.input_prep import prepare_inputs
+from pagedserve.executor.worker.lora_manager import LoRAManager
 from pagedserve.executor.worker.prompt_logprobs import compute_prompt_logprobs
 from pagedserve.executor.worker.rejection_sampler import verify_drafts
 from pagedserve.executor.worker.request_state import CachedRequestState
@@ -85,6 +86,7 @@ class ModelRunner:
         # Guards the request states between launch() and a PendingStep.result() taken on another thread.
         self._lock = threading.RLock()
         self._pinned = PinnedPool(sched.max_num_seqs, device)
+        self.lora = LoRAManager(model, config.lora, dtype, device) if config.lora is not None else None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
@@ -139,14 +141,16 @@ class ModelRunner:
         with self._lock:
             host = prepare_inputs(self.states, sched.num_scheduled_tokens, self.block_size,
                                   sched.scheduled_spec_decode_tokens)
+        # Steps with adapter tokens run the layers, which apply them: no graph replay, no whole-decoder step.
+        plain = self.lora is None or not self.lora.prepare(host.req_ids, self.states, host.query_start_loc.tolist())
         decode_only = host.num_decodes == host.num_seqs
-        size = self.graphs.padded_size(host.num_seqs) if self.graphs is not None and decode_only else None
+        size = self.graphs.padded_size(host.num_seqs) if self.graphs is not None and decode_only and plain else None
         batch = self.buffers.commit(host, pad_to=size)
         if host.pending_inputs:
             self.buffers.apply_pending(batch.input_ids, host.pending_inputs)
         if size is not None:
             return batch, self.graphs.replay(size)
-        if self.decode_step is not None:
+        if self.decode_step is not None and plain:
             hidden = self.decode_step(batch.input_ids, batch.positions, batch.meta)
             if hidden is not None:
                 return batch, hidden

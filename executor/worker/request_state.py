@@ -28,6 +28,7 @@ class CachedRequestState:
     # still on the device. The next step reads such an id from the device (step_buffers.apply_pending); its
     # host value is -1 until that step's output is taken (fill). Typed Any: step_output imports this module.
     pending: dict[int, tuple[Any, int]] = field(default_factory=dict, repr=False)
+    lora_int_id: int = 0              # its LoRA adapter (0: the base model)
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "CachedRequestState":
@@ -37,7 +38,7 @@ class CachedRequestState:
                    num_prompt_tokens=len(data.prompt_token_ids), output_token_ids=list(data.output_token_ids),
                    sampling_params=params, block_ids=list(data.block_ids),
                    num_computed_tokens=data.num_computed_tokens, generator=generator,
-                   constraints=RowConstraints.of(params))
+                   constraints=RowConstraints.of(params), lora_int_id=data.lora_int_id)
 
     def step_generator(self) -> torch.Generator | None:
         """The seeded generator for the next sampled token.

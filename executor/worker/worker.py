@@ -22,7 +22,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class Worker:
     # What an executor may call by name, from a message (WorkerCall) or in process; nothing else is reachable.
-    REMOTE_METHODS: ClassVar[frozenset[str]] = frozenset({"determine_num_blocks", "initialize_cache", "ping"})
+    REMOTE_METHODS: ClassVar[frozenset[str]] = frozenset({"determine_num_blocks", "initialize_cache", "ping",
+                                                               "add_lora", "remove_lora"})
 
     def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
         self.config = config
@@ -88,6 +89,16 @@ class Worker:
 
     def ping(self) -> str:
         return "pong"
+
+    def add_lora(self, int_id: int, path: str, scaling: float) -> int:
+        """Load an adapter the engine core checked (common/lora.py); the bytes it holds on this rank."""
+        if self.runner is None or self.runner.lora is None:
+            raise ValueError("LoRA adapters need enable_lora")
+        return self.runner.lora.add_lora(int_id, path, scaling)
+
+    def remove_lora(self, int_id: int) -> None:
+        if self.runner is not None and self.runner.lora is not None:
+            self.runner.lora.remove_lora(int_id)
 
     def kv_bytes_per_block(self) -> int:
         """A block's bytes in every layer's cache: the model's, and a speculative draft model's beside it."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.executor.model.layers.lora import LoRASlots
 from pagedserve.executor.model.layers.linear_method import LinearMethod, dense_linear_method, linear_method_for
 from pagedserve.executor.model.parallel_state import TPGroup, split_evenly
 from pagedserve.executor.model.quant.packing import Packed, Piece, pack_linear
@@ -52,6 +53,7 @@ class LinearBase(nn.Module):
         self._pieces: list[Piece] | None = None   # while a quantized layer loads
         self.output_partition_sizes = [out_features]
         self.method: LinearMethod = dense_linear_method(self.weight.device)
+        self.lora: LoRASlots | None = None       # adapter slots (layers/lora.py), set when LoRA is enabled
 
     def shard(self, loaded_weight, shard_id: int | str | None) -> tuple[int, object]:
         """(first row of this rank's weight it fills, the checkpoint rows/columns this rank owns)."""
@@ -83,7 +85,10 @@ class LinearBase(nn.Module):
         self.method = linear_method_for(packed, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+        return self._with_lora(x, self.method.apply(self, x, self.bias))
+
+    def _with_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return y if self.lora is None else self.lora.apply(x, y)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -165,9 +170,10 @@ class RowParallelLinear(LinearBase):
         return 0, loaded_weight.narrow(1, self.tp.rank * size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # An adapter's partial delta joins the partial products before the reduce, which sums both.
         if self.tp.size == 1:
-            return self.method.apply(self, x, self.bias)
+            return self._with_lora(x, self.method.apply(self, x, self.bias))
         if not self.reduce_results:
-            return self.method.apply(self, x, self.bias if self.tp.rank == 0 else None)
-        out = self.tp.all_reduce(self.method.apply(self, x, None))
+            return self._with_lora(x, self.method.apply(self, x, self.bias if self.tp.rank == 0 else None))
+        out = self.tp.all_reduce(self._with_lora(x, self.method.apply(self, x, None)))
         return out if self.bias is None else out + self.bias
