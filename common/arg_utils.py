@@ -24,14 +24,15 @@ _SCALARS = (str, int, float, bool)
 
 def setting(default: Any = None, *, help: str, choices: Sequence[str] | None = None,
             aliases: Sequence[str] = (), store_true: bool = False, env: str | None = None,
-            append: bool = False) -> Any:
+            append: bool | str = False) -> Any:
     """A dataclass field that is also a flag `--field-name`.
 
     choices: the allowed values (the same tuple the dataclass validates against); aliases: more spellings
     of the flag (`-tp`); store_true: a bool that is a plain switch (`--enforce-eager`) instead of
     `--x/--no-x`; env: the default is this environment variable, read when the dataclass (or the parser)
     is made, and never shown in --help (it is usually a secret); append: a tuple[str, ...] given one
-    value per flag, the flag repeated (`--prompt a --prompt b`), instead of as one JSON list.
+    value per flag, the flag repeated (`--prompt a --prompt b`), instead of as one JSON list; append="+":
+    one or more values per use as well (`--lora-modules a=x b=y`, vLLM's nargs="+").
     """
     metadata = {"help": help, "choices": tuple(choices) if choices is not None else None,
                 "aliases": tuple(aliases), "store_true": store_true, "env": env, "append": append}
@@ -54,7 +55,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
             if kind is not json_str_list:
                 raise TypeError(f"{cls.__name__}.{f.name}: an append flag must be a tuple[str, ...]")
             action = parser.add_argument(*flags, dest=f.name, default=tuple(default), action=_AppendToTuple,
-                                         choices=meta["choices"])
+                                         choices=meta["choices"], nargs="+" if meta["append"] == "+" else None)
         elif kind is bool:
             if meta["store_true"] and default is not False:
                 raise TypeError(f"{cls.__name__}.{f.name}: a store_true flag must default to False")
@@ -74,7 +75,8 @@ class _AppendToTuple(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, (*getattr(namespace, self.dest), values))
+        given = values if isinstance(values, list) else [values]
+        setattr(namespace, self.dest, (*getattr(namespace, self.dest), *given))
 
 
 def dataclass_parser(groups: Mapping[str, type], **parser_kwargs: Any) -> argparse.ArgumentParser:

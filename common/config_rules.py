@@ -95,16 +95,17 @@ def check_pipeline(pp: int, hf_config: Any, backend: str, speculative: Any, asyn
                          "each in flight (a batch queue); leave async_scheduling off")
 
 
-# The architectures whose projections take LoRA adapters (executor/model/models/llama.py's family).
-LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# The model types whose projections take LoRA adapters (executor/model/models/llama.py's family; a GGUF file's
+# config names its model type, not an architecture).
+LORA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def check_lora_engine(hf_config: Any, pp: int, speculative: Any) -> None:
     """enable_lora is possible for this model and these settings; ValueError naming what is not."""
-    arch = (getattr(hf_config, "architectures", None) or [None])[0]
-    if arch not in LORA_ARCHITECTURES:
-        raise ValueError(f"enable_lora: {arch} does not take LoRA adapters yet (it does: "
-                         f"{', '.join(LORA_ARCHITECTURES)})")
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in LORA_MODEL_TYPES:
+        raise ValueError(f"enable_lora: model type {model_type!r} does not take LoRA adapters yet (these do: "
+                         f"{', '.join(LORA_MODEL_TYPES)})")
     if pp > 1:
         raise ValueError("enable_lora cannot be combined with pipeline_parallel_size > 1 yet")
     if speculative:

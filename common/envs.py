@@ -47,6 +47,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDSERVE_RAY_PLACEMENT_TIMEOUT": _float("PAGEDSERVE_RAY_PLACEMENT_TIMEOUT", 120.0),
     # The Ray cluster the Ray backends join (Ray reads it too); unset: one `ray start` began here, else a new one.
     "RAY_ADDRESS": lambda: os.environ.get("RAY_ADDRESS") or None,
+    # vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter (or --allow-runtime-lora-updating).
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower()
+    in ("1", "true"),
     # "torch" runs the PyTorch kernels on CUDA too (A/B checks against the Triton ones).
     "PAGEDSERVE_KERNELS": _choice("PAGEDSERVE_KERNELS", "triton", ("triton", "torch")),
     # "0" keeps quantized CPU decode steps on the layer stack instead of the one-call C step (A/B runs).

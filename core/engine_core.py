@@ -201,6 +201,9 @@ class EngineCore:
 
     def _outputs(self, outputs: list[EngineCoreOutput], num_step_tokens: int) -> EngineCoreOutputs:
         stats = self.scheduler.make_stats()
+        if self.loras is not None:
+            names = self.loras.running_adapters({r.lora_int_id for r in self.scheduler.running} - {0})
+            stats.running_lora_adapters, stats.waiting_lora_adapters = names["running"], names["waiting"]
         stats.num_step_tokens = num_step_tokens
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
 
@@ -219,7 +222,8 @@ class EngineCore:
                 eos_token_ids=list(cfg.model.eos_token_ids),
                 max_waiting_requests=cfg.scheduler.max_waiting_requests, block_size=cfg.cache.block_size,
                 num_blocks=self.num_blocks, default_sampling=dict(cfg.model.default_sampling),
-                reasoning_parser=cfg.structured_outputs.reasoning_parser)
+                reasoning_parser=cfg.structured_outputs.reasoning_parser,
+                max_loras=cfg.lora.max_loras if cfg.lora is not None else 0)
         return self._info
 
     def call_utility(self, method: str, args: Sequence[Any] = ()) -> Any:

@@ -20,6 +20,7 @@ from pagedserve.frontend.async_client import AsyncEngineClient
 from pagedserve.frontend.core_client import EngineDeadError
 from pagedserve.frontend.errors import ModelNotFoundError, classify, error_payload
 from pagedserve.frontend.http_guards import ApiKeyMiddleware, BodyLimitMiddleware
+from pagedserve.frontend.lora_serving import LoRAModels, add_lora_routes, parse_lora_modules
 from pagedserve.frontend.metrics import Metrics
 from pagedserve.frontend.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           ModelCard, ModelList, TokenizeRequest)
@@ -62,15 +63,18 @@ def response_for(exc: BaseException, retry_after_s: int = RETRY_AFTER_S) -> JSON
 
 def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name: str) -> FastAPI:
     app = FastAPI(title="pagedserve", version=__version__, root_path=settings.root_path or "")
-    metrics = Metrics(served_model_name, engine.info.max_model_len, engine.num_engines)
+    metrics = Metrics(served_model_name, engine.info.max_model_len, engine.num_engines, engine.info.max_loras)
     engine.finished_hooks.append(metrics.observe_finished)
     engine.inter_token_hooks.append(metrics.observe_inter_token)
     engine.step_hooks.append(metrics.observe_step)
     admission = Admission(engine, settings.max_concurrent_requests, metrics)
+    loras = LoRAModels(engine, served_model_name) if engine.info.max_loras else None
     serving = OpenAIServing(engine, served_model_name, admission,
-                            settings.tool_call_parser if settings.enable_auto_tool_choice else None)
+                            settings.tool_call_parser if settings.enable_auto_tool_choice else None, loras)
     app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
     _add_guards_and_handlers(app, settings)
+    if loras is not None:
+        add_lora_routes(app, loras, parse_lora_modules(settings.lora_modules), settings.allow_runtime_lora_updating)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -83,8 +87,10 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
     @app.get("/v1/models")
     async def models() -> dict:
         info = engine.info
-        card = ModelCard(id=served_model_name, root=info.model_path, max_model_len=info.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        cards = [ModelCard(id=served_model_name, root=info.model_path, max_model_len=info.max_model_len)]
+        cards += [ModelCard(id=name, root=root, parent=parent, max_model_len=info.max_model_len)
+                  for name, root, parent in (loras.cards() if loras is not None else [])]
+        return ModelList(data=cards).model_dump()
 
     @app.get("/health")
     async def health() -> Response:

@@ -143,11 +143,11 @@ class AsyncEngineClient:
         return await self._run_tokenizer(self.processors.tokenizer.decode, token_ids)
 
     def prepare(self, prompt: ProcessedPrompt, sampling_params: SamplingParams, request_id: str | None = None,
-                priority: int = 0) -> PreparedRequest:
+                priority: int = 0, lora_int_id: int = 0) -> PreparedRequest:
         """Validate against the engine's limits and fan out n > 1: a bad request fails here, before a
         stream has answered anything. (Its id is checked when it runs, in `stream`.)"""
         rid = request_id or f"{self._prefix}-{next(self._ids)}"
-        return self.processors.prepare(rid, prompt, sampling_params, priority)
+        return self.processors.prepare(rid, prompt, sampling_params, priority, lora_int_id)
 
     async def generate(self, prompt: PromptType | ProcessedPrompt, sampling_params: SamplingParams,
                        request_id: str | None = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:

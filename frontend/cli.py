@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> None:
         level = getattr(logging, server.log_level.upper())
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         args.validate()             # fail fast on bad knobs; model files are the engine core's to check
+        if (server.lora_modules or server.allow_runtime_lora_updating) and not args.enable_lora:
+            raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
         from pagedserve.frontend.dp_launch import check_data_parallel_flags
         check_data_parallel_flags(args, server)
         chat_template = load_chat_template(server.chat_template) if server.chat_template else None

@@ -40,6 +40,10 @@ class EngineDeadError(RuntimeError):
     """The engine core (or one of its workers) died; no request can complete."""
 
 
+class UtilityError(ValueError):
+    """The engine core refused a utility call (a bad argument, an adapter it cannot serve): its message."""
+
+
 def split_engine_address(address: str) -> tuple[str, str]:
     """One user-facing engine address -> the core's (input, output) socket addresses."""
     if address.startswith("tcp://"):
@@ -218,7 +222,7 @@ class _ClientBase:
     @staticmethod
     def _unwrap(result: UtilityResult) -> Any:
         if result.error:
-            raise RuntimeError(result.error)
+            raise UtilityError(result.error)
         return result.result
 
     def _receive(self, frames: list) -> EngineCoreOutputs:

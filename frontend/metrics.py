@@ -38,7 +38,7 @@ class Metrics:
     """Every metric carries vLLM's `engine` label: the index of the engine core (data-parallel engines 0, 1,
     ...) whose step or request it observes."""
 
-    def __init__(self, model_name: str, max_model_len: int = 2048, num_engines: int = 1) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 2048, num_engines: int = 1, max_loras: int = 0) -> None:
         self.registry = r = CollectorRegistry()
         self.model = model_name
         labels = ["model_name", "engine"]
@@ -62,6 +62,12 @@ class Metrics:
         self.rejected = Counter("pagedserve:request_rejected", "Requests refused with HTTP 429 (reason: "
                                 "concurrency = this server's in-flight bound, queue = the engine's waiting "
                                 "bound)", ["model_name", "reason"], registry=r)
+        # vLLM's LoRA gauge: its labels carry the state (adapter names), its value when that was seen. Only the
+        # current label set is kept (vLLM leaves every past one behind).
+        self.max_loras = max_loras
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                               registry=r) if max_loras else None
         self._series: dict[int, SimpleNamespace] = {}
         self._last_totals: dict[tuple[int, str], int] = {}
         self._last_per_pos: dict[int, list[int]] = {}
@@ -79,6 +85,10 @@ class Metrics:
         if stats is None:
             return
         m = self.at(engine)
+        if self.lora_info is not None:
+            self.lora_info.clear()
+            self.lora_info.labels(str(self.max_loras), ",".join(stats.waiting_lora_adapters),
+                                  ",".join(stats.running_lora_adapters)).set_to_current_time()
         m.running.set(stats.num_running)
         m.waiting.set(stats.num_waiting)
         m.kv_usage.set(stats.kv_cache_usage)

@@ -162,6 +162,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "pagedserve"
     root: Optional[str] = None
+    parent: Optional[str] = None          # a LoRA adapter's base model
     max_model_len: Optional[int] = None
 
 

@@ -6,10 +6,9 @@ from dataclasses import dataclass
 
 from pagedserve.common.arg_utils import setting
 from pagedserve.frontend.dp_router import ROUTING_POLICIES
-
-DATA_PARALLEL_BACKENDS = ("mp", "ray")
 from pagedserve.frontend.tool_parsers import TOOL_PARSERS
 
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
 TOOL_PARSER_NAMES = tuple(TOOL_PARSERS)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -71,6 +70,13 @@ class ServerArgs:
         False, store_true=True, help="restart a dead engine core (and its workers), with back-off, instead of "
                                      "failing the server; a crash loop (4 deaths in 300 s) gives up. Data-parallel "
                                      "engines always restart while another serves")
+    lora_modules: tuple[str, ...] = setting(
+        (), append="+", help="with --enable-lora: adapters served from the start, each name=path or vLLM's JSON "
+                             "{\"name\": ..., \"path\": ..., \"base_model_name\": ...}; a request's model "
+                             "picks one by name")
+    allow_runtime_lora_updating: bool = setting(
+        False, store_true=True, help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+                                     "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
     log_level: str = setting("info", choices=LOG_LEVELS, help="log messages of this level and above")
     root_path: str | None = setting(
         None, help="the path prefix a reverse proxy serves this server under (e.g. /llm): routes answer with "
@@ -96,6 +102,8 @@ class ServerArgs:
 
     def validate(self) -> None:
         """ValueError, naming the flag, for values the server cannot start with."""
+        from pagedserve.frontend.lora_serving import parse_lora_modules
+        parse_lora_modules(self.lora_modules)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.engine_address and self.engine_address.startswith("tcp://") and not self.engine_token:

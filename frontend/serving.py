@@ -27,6 +27,7 @@ from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.frontend.protocol_structured import name_field
 from pagedserve.frontend.responses import SSE_DONE, ResponseBuilder, sse
+from pagedserve.frontend.lora_serving import LoRAModels
 from pagedserve.frontend.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -35,38 +36,45 @@ GenerationRequest = Union[CompletionRequest, ChatCompletionRequest]
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngineClient, served_model_name: str, admission: Admission,
-                 tool_parser: str | None = None) -> None:
-        """tool_parser: --tool-call-parser when --enable-auto-tool-choice is on (tool_choice auto allowed)."""
+                 tool_parser: str | None = None, loras: LoRAModels | None = None) -> None:
+        """tool_parser: --tool-call-parser when --enable-auto-tool-choice is on (tool_choice auto allowed);
+        loras: the adapters served by name (--enable-lora)."""
         self.engine = engine
         self.tool_parser = tool_parser
         self.model_name = served_model_name
         self.admission = admission
+        self.loras = loras
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> int:
+        """The LoRA adapter id the request's model names (0: the base model); 404 for a model not served."""
+        lora = self.loras.lora_id(model) if self.loras is not None else \
+            (0 if model is None or model == self.model_name else None)
+        if lora is None:
             raise ModelNotFoundError(f"The model `{model}` does not exist.")
+        return lora
 
     # ---------------------------------------------------------------- endpoints
 
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        jobs = await self._completion_requests(body, rid)
+        jobs = await self._completion_requests(body, rid, lora)
         echo = [j.prompt.prompt if j.prompt.prompt is not None else await self.engine.detokenize(
             j.prompt.prompt_token_ids) for j in jobs] if body.echo else None
         first_tokens = [await self.engine.detokenize(j.prompt.prompt_token_ids[:1]) for j in jobs] \
             if body.echo and body.logprobs is not None else None
-        builder = ResponseBuilder("completion", rid, self.model_name, body.n, body.logprobs is not None, echo,
-                                  top_logprobs=body.logprobs or 0, echo_first_tokens=first_tokens,
+        builder = ResponseBuilder("completion", rid, body.model if lora else self.model_name, body.n,
+                                  body.logprobs is not None, echo, top_logprobs=body.logprobs or 0,
+                                  echo_first_tokens=first_tokens,
                                   show_prompt_logprobs=body.prompt_logprobs is not None)
         return await self._run(http, body, jobs, builder)
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         tool_mode = body.check_tools(auto_enabled=self.tool_parser is not None)
-        jobs = await self._chat_requests(body, rid, tool_mode)
-        builder = ResponseBuilder("chat", rid, self.model_name, body.n, body.logprobs,
+        jobs = await self._chat_requests(body, rid, tool_mode, lora)
+        builder = ResponseBuilder("chat", rid, body.model if lora else self.model_name, body.n, body.logprobs,
                                   top_logprobs=body.top_logprobs or 0,
                                   show_prompt_logprobs=body.prompt_logprobs is not None,
                                   chat_parser=chat_parser_factory(tool_mode, self.tool_parser,
@@ -75,16 +83,16 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- validate and build
 
-    async def _completion_requests(self, body: CompletionRequest, rid: str) -> list[PreparedRequest]:
+    async def _completion_requests(self, body: CompletionRequest, rid: str, lora: int = 0) -> list[PreparedRequest]:
         params = body.to_sampling_params(defaults=self.engine.info.default_sampling)
         prompts = body.prompt_list()
         if not prompts:
             raise RequestError("prompt", "prompt must not be empty")
-        return [self.engine.prepare(await self.engine.tokenize(p), params, f"{rid}-{i}", body.priority)
+        return [self.engine.prepare(await self.engine.tokenize(p), params, f"{rid}-{i}", body.priority, lora)
                 for i, p in enumerate(prompts)]
 
     async def _chat_requests(self, body: ChatCompletionRequest, rid: str,
-                             tool_mode: str | None = None) -> list[PreparedRequest]:
+                             tool_mode: str | None = None, lora: int = 0) -> list[PreparedRequest]:
         body.check_supported()      # before rendering: a field we cannot honour is the error to report
         prompt = await self.engine.render_chat(body.text_messages(), body.add_generation_prompt,
                                                body.template_variables(body.chat_template_kwargs),
@@ -93,7 +101,7 @@ class OpenAIServing:
         params = body.to_sampling_params(defaults=self.engine.info.default_sampling)
         if tool_mode == "auto" and TOOL_PARSERS[self.tool_parser].keeps_special_tokens:
             params = params.clone(skip_special_tokens=False)     # its call marker is a special token
-        return [self.engine.prepare(prompt, params, rid, body.priority)]
+        return [self.engine.prepare(prompt, params, rid, body.priority, lora)]
 
     # ---------------------------------------------------------------- run
 

@@ -82,6 +82,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # LoRA (vllm:lora_requests_info): the names of adapters with running and with waiting requests.
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -108,6 +111,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     # generation_config.json's defaults for sampling fields a request leaves unset (only the keys it sets).
     default_sampling: dict[str, Union[int, float]] = {}
     reasoning_parser: Optional[str] = None    # --reasoning-parser: the frontend splits reasoning_content by it
+    max_loras: int = 0                         # --enable-lora: adapters in one batch (0: LoRA off)
 
 
 class EngineReady(msgspec.Struct, array_like=True, tag="ready"):
