@@ -116,3 +116,16 @@ def test_runtime_routes_need_the_switch_and_bad_modules_stop_the_start(tiny_serv
                max_model_len=256, startup_s=120)
     with pytest.raises(RuntimeError, match="need --enable-lora"):
         Server("--lora-modules", f"a={adapters['a']}", model=tiny_serving_model, token=None, startup_s=60)
+
+
+def test_lora_modules_take_both_of_vllms_forms():
+    from pagedserve.frontend.cli import parse_args
+    from pagedserve.frontend.lora_serving import LoRAModule, parse_lora_modules
+    _, server = parse_args(["m", "--enable-lora", "--lora-modules", "a=/x", '{"name": "b", "path": "org/b"}',
+                            "--lora-modules", "c=/z"])
+    assert parse_lora_modules(server.lora_modules) == [LoRAModule("a", "/x"), LoRAModule("b", "org/b"),
+                                                       LoRAModule("c", "/z")]
+    for bad, match in [(("a",), "expected name=path"), (('{"name": "a"}',), "JSON object with name and path"),
+                       (("a=/x", "a=/y"), "names an adapter twice")]:
+        with pytest.raises(ValueError, match=match):
+            parse_lora_modules(bad)

@@ -180,3 +180,16 @@ def test_int4_gguf_base_with_a_float_adapter(smollm2_path, tmp_path):
     reference = mean_logprob(peft_model.eval())
     assert abs(ours - reference) < 0.02, (ours, reference)
     assert abs(ours - ours_base) > 0.1, (ours, ours_base)
+
+
+def test_settings_that_cannot_take_adapters_are_refused(base, tmp_path):
+    from pagedserve.common.config import EngineArgs
+    phi = make_tiny_model(str(tmp_path / "phi"), arch="phi3", tokenizer="synthetic", pad_token_id=0)
+    for kw, match in [(dict(model=phi), "model type 'phi3' does not take LoRA adapters"),
+                      (dict(model=base, pipeline_parallel_size=2), "pipeline_parallel_size"),
+                      (dict(model=base, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+                       "speculative_config"),
+                      (dict(model=base, max_loras=4, max_cpu_loras=2), r"max_cpu_loras \(2\) must be >= max_loras"),
+                      (dict(model=base, max_lora_rank=0), "max_lora_rank")]:
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(enable_lora=True, **kw).create_engine_config()

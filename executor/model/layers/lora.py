@@ -24,8 +24,12 @@ class LoRAContext:
     groups: (slot, rows) where rows is a (start, end) range when the slot's tokens are contiguous (a slice, no
     copy), else an index tensor (gather, then index_add)."""
     groups: list[tuple[int, tuple[int, int] | torch.Tensor]] = field(default_factory=list)
+    # CUDA: each token's slot (-1: none) on the device, for the Triton kernels (kernels/triton_lora.py).
+    token_slots: torch.Tensor | None = None
 
     def set_rows(self, token_slots: list[int], device: torch.device) -> None:
+        if device.type == "cuda":
+            self.token_slots = torch.tensor(token_slots, dtype=torch.int32).to(device, non_blocking=True)
         by_slot: dict[int, list[int]] = {}
         for i, slot in enumerate(token_slots):
             if slot >= 0:
@@ -39,6 +43,7 @@ class LoRAContext:
 
     def clear(self) -> None:
         self.groups = []
+        self.token_slots = None
 
 
 class LoRASlots:
@@ -62,10 +67,17 @@ class LoRASlots:
         self.width[slot] = width
 
     def clear_slot(self, slot: int) -> None:
+        # Zeros, not just width 0: the CUDA kernels sum the slot's whole width.
+        self.a[slot].zero_()
+        self.b[slot].zero_()
         self.width[slot] = 0
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base layer's output for x, this rank's part) plus each token's adapter delta, in place."""
+        if self.context.token_slots is not None:
+            from pagedserve.kernels.triton_lora import lora_delta
+            lora_delta(x.reshape(-1, x.shape[-1]), self.a, self.b, self.context.token_slots, y.view(-1, y.shape[-1]))
+            return y
         for slot, rows in self.context.groups:
             width = self.width[slot]
             if width == 0:

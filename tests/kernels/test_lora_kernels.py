@@ -1,0 +1,69 @@
+"""LoRA's shrink/expand: the Triton kernels (CPU: TRITON_INTERPRET=1, small shapes) and the grouped torch path
+of LoRASlots against a per-token reference, on a mix of slots with different ranks, tokens of the base model
+(slot -1), and a pool whose shape does not change with the mix."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before the kernel modules are imported: @triton.jit reads it at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from pagedserve.executor.model.layers.lora import LoRAContext, LoRASlots, pack_pieces  # noqa: E402
+from pagedserve.kernels.triton_lora import lora_delta  # noqa: E402
+from pagedserve.tests.helpers.kernel_checks import DEVICE  # noqa: E402
+
+IN, OUT, MAX_RANK, PIECES, SLOTS = 40, 24, 8, 2, 3
+
+
+def _pool(device: torch.device) -> tuple[LoRASlots, LoRAContext, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Three adapters of ranks 8, 3 and 5 in slots 0-2 (two pieces: outputs 0-13 and 14-23)."""
+    gen = torch.Generator().manual_seed(0)
+    ctx = LoRAContext()
+    pool = LoRASlots(PIECES, IN, OUT, SLOTS, MAX_RANK, ctx, torch.float32, device)
+    packed = []
+    for slot, rank in enumerate((8, 3, 5)):
+        pieces = [(torch.randn(rank, IN, generator=gen), 0, torch.randn(14, rank, generator=gen)),
+                  (torch.randn(rank, IN, generator=gen), 14, torch.randn(10, rank, generator=gen))]
+        a, b = pack_pieces(pieces, rank, IN, OUT, torch.float32)
+        pool.set_slot(slot, a.to(device), b.to(device))
+        packed.append((a, b))
+    return pool, ctx, packed
+
+
+def _reference(x: torch.Tensor, slots: list[int], packed, y0: torch.Tensor) -> torch.Tensor:
+    y = y0.clone()
+    for t, s in enumerate(slots):
+        if s >= 0:
+            a, b = packed[s]
+            y[t] += (x[t] @ a.T) @ b.T
+    return y
+
+
+@pytest.mark.parametrize("slots", [[0, -1, 2, 1, 0, -1, 2], [1, 1, 1], [-1, -1], [2, 0, 0, 0, 1]])
+def test_grouped_torch_path_and_triton_kernels_match_per_token(slots):
+    gen = torch.Generator().manual_seed(len(slots))
+    x, y0 = torch.randn(len(slots), IN, generator=gen), torch.randn(len(slots), OUT, generator=gen)
+    pool, ctx, packed = _pool(torch.device("cpu"))
+    want = _reference(x, slots, packed, y0)
+    ctx.set_rows(slots, torch.device("cpu"))
+    assert torch.allclose(pool.apply(x, y0.clone()), want, atol=1e-4)
+    dev = torch.device(DEVICE)
+    pool_d, _, _ = _pool(dev)
+    got = lora_delta(x.to(dev), pool_d.a, pool_d.b, torch.tensor(slots, dtype=torch.int32, device=dev),
+                     y0.clone().to(dev))
+    assert torch.allclose(got.cpu(), want, atol=1e-4)
+
+
+def test_a_cleared_slot_adds_nothing_in_the_kernels():
+    """A layer an adapter leaves alone is a cleared slot: zeros, since the kernels sum the pool's whole width."""
+    dev = torch.device(DEVICE)
+    pool, _, _ = _pool(dev)
+    pool.clear_slot(1)
+    x, y0 = torch.randn(2, IN), torch.randn(2, OUT)
+    got = lora_delta(x.to(dev), pool.a, pool.b, torch.tensor([1, 1], dtype=torch.int32, device=dev), y0.clone().to(dev))
+    assert torch.equal(got.cpu(), y0)
