@@ -5,7 +5,9 @@ process on all cores:
   adapters on every linear layer (q, k, v, o, gate, up, down), and one adapter for all;
 - single stream: ms/token of one 128-token answer, base against one adapter;
 - the CPU kernel: LoRASlots' grouped shrink/expand for a 64-token decode step of 8 adapters (qkv_proj's shape)
-  against a per-request loop of (x A^T) B^T.
+  against a per-request loop of (x A^T) B^T;
+- llama.cpp's llama-server on the same GGUF, without and with `--lora` of adapter 0 converted by llama.cpp's own
+  convert_lora_to_gguf.py: single stream and W1 (the adapter on every request, as --lora applies it).
 
 The adapters are random PEFT adapters (gaussian A, B of std 0.02) over the embedded model, made once into
 --adapters unless they exist. Usage: python scripts/bench_lora.py [--num-requests 32] [--repeats 2]
@@ -24,6 +26,52 @@ from bench_child import emit, report, run_child  # noqa: E402
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 NUM_ADAPTERS = 8
+
+
+def convert_for_llama(folder: str, adapter: str) -> str:
+    """adapter 0 as a GGUF LoRA, by llama.cpp's converter (it reads the base's config: the embedded GGUF's, with
+    the architecture named and no quantization entry)."""
+    import subprocess
+
+    from pagedserve.common import envs
+    out = os.path.join(folder, "a0.gguf")
+    if os.path.exists(out):
+        return out
+    from transformers import AutoConfig
+
+    from pagedserve.common.model_files import embedded_model_path
+    gguf = embedded_model_path()
+    config = AutoConfig.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    config.architectures = ["LlamaForCausalLM"]
+    base = os.path.join(folder, "base_config")
+    config.save_pretrained(base)
+    with open(os.path.join(base, "config.json")) as f:
+        data = json.load(f)
+    data.pop("quantization_config", None)
+    with open(os.path.join(base, "config.json"), "w") as f:
+        json.dump(data, f)
+    converter = os.path.join(envs.PAGEDSERVE_LLAMA_CPP_DIR, "src", "convert_lora_to_gguf.py")
+    subprocess.run([sys.executable, converter, "--base", base, "--outfile", out, "--outtype", "f32", adapter],
+                   check=True, capture_output=True)
+    return out
+
+
+def run_llama(cfg: dict) -> dict:
+    from llama_server_peer import LlamaServer
+
+    from pagedserve.common import envs
+    from pagedserve.common.model_files import embedded_model_path
+    from pagedserve.frontend.bench.datasets import w1
+    binary = os.path.join(envs.PAGEDSERVE_LLAMA_CPP_DIR, "build", "bin", "llama-server")
+    extra = ["--lora", cfg["llama_lora"]] if cfg["name"] == "llama-lora" else []
+    server = LlamaServer(binary, embedded_model_path(), os.cpu_count() or 1, 16, 16 * 800, extra_args=extra)
+    try:
+        ms, _ = server.single_stream(list(range(100, 132)), 128)
+        seconds, tokens = server.run_batch([(r.prompt, r.expected_output_len) for r in w1(cfg["num_requests"])])
+    finally:
+        server.stop()
+    return {"config": cfg["name"], "ms_per_token": ms, "output_tokens": tokens, "seconds": seconds,
+            "output_tok_per_s": tokens / seconds}
 
 
 def make_adapters(folder: str) -> list[str]:
@@ -52,6 +100,9 @@ def child(payload: str) -> None:
     cfg = json.loads(payload)
     if cfg["name"] == "kernel":
         report(kernel(cfg["adapters"]))
+        return
+    if cfg["name"].startswith("llama"):
+        report(run_llama(cfg))
         return
     from pagedserve import LLM, LoRARequest, SamplingParams
     from pagedserve.frontend.bench.datasets import w1
@@ -134,10 +185,13 @@ def main() -> None:
         child(args.child)
         return
     adapters = make_adapters(args.adapters)
+    llama_lora = convert_for_llama(args.adapters, adapters[0])
     cores = os.cpu_count() or 1
     for repeat in range(args.repeats):
-        for name in ("w1-base", "w1-8", "w1-one", "single-base", "single-lora", "kernel"):
-            payload = json.dumps({"name": name, "num_requests": args.num_requests, "adapters": adapters})
+        for name in ("w1-base", "w1-8", "w1-one", "single-base", "single-lora", "kernel", "llama-base",
+                     "llama-lora"):
+            payload = json.dumps({"name": name, "num_requests": args.num_requests, "adapters": adapters,
+                                  "llama_lora": llama_lora})
             result = run_child(__file__, payload, cores, name)
             result.update(repeat=repeat, threads=cores, num_requests=args.num_requests,
                           date=time.strftime("%Y-%m-%dT%H:%M:%S"), command=" ".join(sys.argv))

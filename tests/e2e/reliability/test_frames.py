@@ -236,7 +236,7 @@ def test_worker_channels_drop_bad_frames(tiny_llama_dir, capfd, caplog):
             return tokens
         before = run("a")
         # What keeps other users off these sockets: folders only their owner may enter.
-        for root in (executor.paths.root, executor.writer.paths.root):
+        for root in (executor.bound.root, executor.writer.bound.root):
             assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
         ctx = zmq.Context.instance()
         pushes = [ctx.socket(zmq.PUSH) for _ in range(2)]
