@@ -179,6 +179,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--result-file", default=None)
+    parser.add_argument("--only", nargs="+", default=None, help="run these configurations only")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -188,8 +189,8 @@ def main() -> None:
     llama_lora = convert_for_llama(args.adapters, adapters[0])
     cores = os.cpu_count() or 1
     for repeat in range(args.repeats):
-        for name in ("w1-base", "w1-8", "w1-one", "single-base", "single-lora", "kernel", "llama-base",
-                     "llama-lora"):
+        for name in args.only or ("w1-base", "w1-8", "w1-one", "single-base", "single-lora", "kernel",
+                                  "llama-base", "llama-lora"):
             payload = json.dumps({"name": name, "num_requests": args.num_requests, "adapters": adapters,
                                   "llama_lora": llama_lora})
             result = run_child(__file__, payload, cores, name)

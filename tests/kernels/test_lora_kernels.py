@@ -52,6 +52,8 @@ def test_grouped_torch_path_and_triton_kernels_match_per_token(slots):
     want = _reference(x, slots, packed, y0)
     ctx.set_rows(slots, torch.device("cpu"))
     assert torch.allclose(pool.apply(x, y0.clone()), want, atol=1e-4)
+    if ctx.padded is not None:          # the batched-matmul path, where the C kernel does not serve
+        assert torch.allclose(pool._apply_padded(x, y0.clone(), ctx.padded), want, atol=1e-4)
     dev = torch.device(DEVICE)
     pool_d, _, _ = _pool(dev)
     got = lora_delta(x.to(dev), pool_d.a, pool_d.b, torch.tensor(slots, dtype=torch.int32, device=dev),
@@ -67,3 +69,18 @@ def test_a_cleared_slot_adds_nothing_in_the_kernels():
     x, y0 = torch.randn(2, IN), torch.randn(2, OUT)
     got = lora_delta(x.to(dev), pool.a, pool.b, torch.tensor([1, 1], dtype=torch.int32, device=dev), y0.clone().to(dev))
     assert torch.equal(got.cpu(), y0)
+
+
+def test_c_kernel_matches_per_token_on_interleaved_decode_rows():
+    """The CPU's one-call delta (kernels/csrc/lora.c) for rows of several slots interleaved, as the layer runs
+    it (a long run of one slot stays on the slice path)."""
+    from pagedserve.kernels.cpu_native import library
+    if library() is None:
+        pytest.skip("no C compiler here")
+    slots = [0, 2, 1, -1, 0, 2] + [1] * 12            # six decode rows, then a 12-token prefill run of slot 1
+    gen = torch.Generator().manual_seed(3)
+    x, y0 = torch.randn(len(slots), IN, generator=gen), torch.randn(len(slots), OUT, generator=gen)
+    pool, ctx, packed = _pool(torch.device("cpu"))
+    ctx.set_rows(slots, torch.device("cpu"))
+    assert ctx.short_slots is not None and ctx.groups == [(1, (6, 18))]
+    assert torch.allclose(pool.apply(x, y0.clone()), _reference(x, slots, packed, y0), atol=1e-4)

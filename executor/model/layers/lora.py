@@ -16,34 +16,80 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.kernels.cpu_lora import lora_bgmv
+
 
 @dataclass
 class LoRAContext:
     """The step's token -> slot grouping, shared by every LoRA layer of the model; set once per step.
 
-    groups: (slot, rows) where rows is a (start, end) range when the slot's tokens are contiguous (a slice, no
-    copy), else an index tensor (gather, then index_add)."""
-    groups: list[tuple[int, tuple[int, int] | torch.Tensor]] = field(default_factory=list)
+    groups: runs of at least LONG_RUN tokens of one slot (a prefill chunk, or a batch of one adapter): slices,
+    no copy. `padded`: the other tokens (decode rows of several adapters, interleaved), gathered into one
+    [slots, most tokens, in] block so that two batched matmuls serve every adapter, instead of a gather, two
+    matmuls and a scatter per slot; long runs stay out of it, or every slot would be padded to their length."""
+    groups: list[tuple[int, tuple[int, int]]] = field(default_factory=list)
+    padded: PaddedRows | None = None
+    short_slots: torch.Tensor | None = None     # CPU: each token's slot for the C kernel, -1 outside `padded`
     # CUDA: each token's slot (-1: none) on the device, for the Triton kernels (kernels/triton_lora.py).
     token_slots: torch.Tensor | None = None
 
     def set_rows(self, token_slots: list[int], device: torch.device) -> None:
         if device.type == "cuda":
             self.token_slots = torch.tensor(token_slots, dtype=torch.int32).to(device, non_blocking=True)
-        by_slot: dict[int, list[int]] = {}
-        for i, slot in enumerate(token_slots):
-            if slot >= 0:
-                by_slot.setdefault(slot, []).append(i)
-        self.groups = []
-        for slot, rows in by_slot.items():
-            if rows[-1] - rows[0] + 1 == len(rows):
-                self.groups.append((slot, (rows[0], rows[-1] + 1)))
-            else:
-                self.groups.append((slot, torch.tensor(rows, dtype=torch.long, device=device)))
+        self.groups, short = [], {}
+        start = 0
+        for end in range(1, len(token_slots) + 1):
+            if end < len(token_slots) and token_slots[end] == token_slots[start]:
+                continue
+            slot = token_slots[start]
+            if slot >= 0 and end - start >= LONG_RUN:
+                self.groups.append((slot, (start, end)))
+            elif slot >= 0:
+                short.setdefault(slot, []).extend(range(start, end))
+            start = end
+        if len(short) == 1 and not self.groups and _contiguous(next(iter(short.values()))):
+            self.groups = [(slot, (rows[0], rows[-1] + 1)) for slot, rows in short.items()]
+            short = {}
+        self.padded = PaddedRows.of(short, len(token_slots), device) if short else None
+        self.short_slots = None
+        if short and device.type == "cpu":
+            marks = [-1] * len(token_slots)
+            for slot, rows in short.items():
+                for row in rows:
+                    marks[row] = slot
+            self.short_slots = torch.tensor(marks, dtype=torch.int32)
 
     def clear(self) -> None:
-        self.groups = []
-        self.token_slots = None
+        self.groups, self.padded = [], None
+        self.token_slots = self.short_slots = None
+
+
+LONG_RUN = 8
+
+
+def _contiguous(rows: list[int]) -> bool:
+    return rows[-1] - rows[0] + 1 == len(rows)
+
+
+@dataclass
+class PaddedRows:
+    """Tokens by slot, padded: index[i, j] is the j-th token of slots[i] (num_tokens: a zero row past the end)."""
+    slots: list[int]
+    index: torch.Tensor          # long [len(slots), most tokens of a slot]
+    positions: torch.Tensor      # long: the flat positions of index that hold a real token
+    rows: torch.Tensor           # long: the token at each of those positions
+
+    @classmethod
+    def of(cls, by_slot: dict[int, list[int]], num_tokens: int, device: torch.device) -> "PaddedRows":
+        slots = sorted(by_slot)
+        most = max(len(rows) for rows in by_slot.values())
+        index = torch.full((len(slots), most), num_tokens, dtype=torch.long)
+        positions, rows = [], []
+        for i, slot in enumerate(slots):
+            index[i, :len(by_slot[slot])] = torch.tensor(by_slot[slot])
+            positions += range(i * most, i * most + len(by_slot[slot]))
+            rows += by_slot[slot]
+        return cls(slots, index.to(device), torch.tensor(positions, device=device), torch.tensor(rows, device=device))
 
 
 class LoRASlots:
@@ -56,6 +102,7 @@ class LoRASlots:
         self.a = torch.zeros(max_loras, pieces * max_rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, out_features, pieces * max_rank, dtype=dtype, device=device)
         self.width = [0] * max_loras       # pieces * rank of the adapter in each slot (0: empty)
+        self.widths = torch.zeros(max_loras, dtype=torch.int64)     # the same, for the C kernel
 
     def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """a: [pieces * r, in], b: [out, pieces * r] (scaled), as LoRAManager packs them."""
@@ -65,12 +112,14 @@ class LoRASlots:
         self.a[slot, :width].copy_(a)
         self.b[slot, :, :width].copy_(b)
         self.width[slot] = width
+        self.widths[slot] = width
 
     def clear_slot(self, slot: int) -> None:
         # Zeros, not just width 0: the CUDA kernels sum the slot's whole width.
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.width[slot] = 0
+        self.widths[slot] = 0
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base layer's output for x, this rank's part) plus each token's adapter delta, in place."""
@@ -78,17 +127,29 @@ class LoRASlots:
             from pagedserve.kernels.triton_lora import lora_delta
             lora_delta(x.reshape(-1, x.shape[-1]), self.a, self.b, self.context.token_slots, y.view(-1, y.shape[-1]))
             return y
-        for slot, rows in self.context.groups:
+        for slot, (start, end) in self.context.groups:
             width = self.width[slot]
-            if width == 0:
-                continue
-            a, b = self.a[slot, :width], self.b[slot, :, :width]
-            if isinstance(rows, tuple):
-                start, end = rows
-                y[start:end] += (x[start:end] @ a.T) @ b.T
-            else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
+            if width:
+                y[start:end] += (x[start:end] @ self.a[slot, :width].T) @ self.b[slot, :, :width].T
+        padded = self.context.padded
+        if padded is not None and not (self.context.short_slots is not None and lora_bgmv(
+                x, self.a, self.b, self.context.short_slots, self.widths, y)):
+            self._apply_padded(x, y, padded)
         return y
+
+    def _apply_padded(self, x: torch.Tensor, y: torch.Tensor, rows: PaddedRows) -> torch.Tensor:
+        width = max(self.width[s] for s in rows.slots)
+        if width == 0:
+            return y
+        first, count = rows.slots[0], len(rows.slots)
+        if rows.slots == list(range(first, first + count)):      # slots filled in order: views, no copy
+            a, b = self.a[first:first + count, :width], self.b[first:first + count, :, :width]
+        else:
+            picked = torch.tensor(rows.slots, device=x.device)
+            a, b = self.a[picked, :width], self.b[picked, :, :width]
+        gathered = torch.cat([x, x.new_zeros(1, x.shape[-1])])[rows.index]          # [slots, most, in]
+        delta = torch.bmm(torch.bmm(gathered, a.transpose(1, 2)), b.transpose(1, 2))   # [slots, most, out]
+        return y.index_add_(0, rows.rows, delta.reshape(-1, delta.shape[-1]).index_select(0, rows.positions))
 
 
 def pack_pieces(pieces: list[tuple[torch.Tensor, int, torch.Tensor] | None], rank: int, in_features: int,
