@@ -78,7 +78,7 @@ class SchedulerConfig:
     # Batches in flight at once (pipeline parallelism: one per stage); a request is never in two of them.
     batch_queue_size: int
     # LoRA adapters one batch may use (0: LoRA off); a request whose adapter finds no room waits, in order.
-    max_loras: int = 0
+    max_loras: int
 
 
 @dataclass(frozen=True)
@@ -112,8 +112,7 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything resolved: no field has a default but the off state of a feature (EngineArgs holds the one
-    default of each setting), and
+    """Everything resolved: no field has a default (EngineArgs holds the one default of each setting), and
     no process that receives it reads a model file or the Hub to rebuild it (common/config_wire.py)."""
     model: ModelConfig
     cache: CacheConfig
@@ -122,4 +121,4 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig
     speculative: SpeculativeConfig | None     # None: no speculative decoding
     draft_model: ModelConfig | None           # speculative_config's draft model, resolved like the model
-    lora: LoRAConfig | None = None            # None: no adapters (enable_lora off)
+    lora: LoRAConfig | None                   # None: no adapters (enable_lora off)

@@ -18,7 +18,7 @@ def make_scheduler(num_blocks=64, budget=64, max_seqs=16, caching=True, policy="
     kv = KVCacheManager(num_blocks, BS, caching)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=256,
                           policy=policy, enable_chunked_prefill=chunked, max_waiting_requests=None,
-                          async_scheduling=False, batch_queue_size=1)
+                          async_scheduling=False, batch_queue_size=1, max_loras=0)
     return Scheduler(cfg, kv)
 
 

@@ -83,7 +83,7 @@ def _scheduler(k: int = 3, disable_by_batch_size: int = 8, budget: int = 64, max
     kv = KVCacheManager(64, BS, True)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=256, policy="fcfs",
                           enable_chunked_prefill=True, max_waiting_requests=None, async_scheduling=False,
-                          batch_queue_size=1)
+                          batch_queue_size=1, max_loras=0)
     spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
                                      "prompt_lookup_max": 3, "disable_by_batch_size": disable_by_batch_size})
     return Scheduler(cfg, kv, speculative=spec)
