@@ -6,12 +6,12 @@ end-of-turn ids that end generation (many chat models keep their end-of-turn id 
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from pagedserve.common.json_file import read_json_object
 from pagedserve.common.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def load_generation_defaults(value: str, model_folder: str | None) -> Generation
         path = os.path.join(os.path.expanduser(value), FILE_NAME)
         if not os.path.isfile(path):
             raise ValueError(f"generation_config: the folder {value!r} has no {FILE_NAME}")
-    defaults = parse_generation_config(_read_json(path), path)
+    defaults = parse_generation_config(read_json_object(path, "generation_config"), path)
     if defaults.sampling:
         logger.info("default sampling from %s: %s (a request's own values win)", path, defaults.sampling)
     return defaults
@@ -69,14 +69,3 @@ def parse_generation_config(data: dict[str, Any], where: str) -> GenerationDefau
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ValueError(f"{where}: eos_token_id must be a token id or a list of them, got {eos!r}")
     return GenerationDefaults(sampling=sampling, eos_token_ids=tuple(ids))
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"generation_config: cannot read {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"generation_config: {path} must hold a JSON object")
-    return data

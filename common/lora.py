@@ -20,6 +20,8 @@ from typing import Any
 
 import msgspec
 
+from pagedserve.common.json_file import read_json_object
+
 # The projections an adapter may change, as PEFT names them in Llama-family checkpoints.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -97,14 +99,7 @@ def _read_config(folder: str) -> dict[str, Any]:
     path = os.path.join(folder, "adapter_config.json")
     if not os.path.isfile(path):
         raise ValueError(f"LoRA adapter folder {folder!r} has no adapter_config.json")
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"LoRA adapter {path}: not readable JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"LoRA adapter {path}: not a JSON object")
-    return config
+    return read_json_object(path, "LoRA adapter")
 
 
 def _safetensors_header(name: str, path: str) -> dict[str, dict[str, Any]]:

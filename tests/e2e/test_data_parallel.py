@@ -12,6 +12,7 @@ import pytest
 
 from pagedserve.frontend.dp_router import PrefixRouter
 from pagedserve.tests.helpers.server import Server
+from pagedserve.tests.helpers.traffic import start_streams
 
 SYSTEMS = [f"System prompt number {i}: " + " ".join(f"rule {i}.{j} is to be followed." for j in range(12))
            for i in range(3)]
@@ -99,7 +100,6 @@ def test_a_killed_engine_fails_only_its_streams_and_restarts(tiny_serving_model)
     engine serves again; stopping the server leaves no process behind."""
     import os
     import signal
-    import threading
     import time
 
     import psutil
@@ -110,20 +110,8 @@ def test_a_killed_engine_fails_only_its_streams_and_restarts(tiny_serving_model)
         assert len(cores) == 2
         client = server.client()
         model = client.models.list().data[0].id
-        ended: dict[int, tuple[str, float]] = {}
-
-        def stream(i: int) -> None:
-            try:
-                for _ in client.completions.create(model=model, prompt=f"Story {i}:", max_tokens=480, stream=True,
-                                                   extra_body={"ignore_eos": True}):
-                    pass
-                ended[i] = ("done", time.monotonic())
-            except Exception as exc:       # the killed engine's streams end in an error
-                ended[i] = (type(exc).__name__, time.monotonic())
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-            time.sleep(0.2)                 # in order: least-loaded puts 0, 2 on one engine, 1, 3 on the other
+        # In order: least-loaded puts 0, 2 on one engine, 1, 3 on the other.
+        threads, ended = start_streams(client, model, 4)
         time.sleep(1.0)
         killed_at = time.monotonic()
         os.kill(cores[1].pid, signal.SIGKILL)

@@ -7,31 +7,24 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import httpx
 import psutil
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from pagedserve.common.ray_utils import RAY_NAMESPACE
 from pagedserve.frontend.cli import main
+from pagedserve.tests.helpers.ray_cluster import two_node_cluster
 from pagedserve.tests.helpers.server import Server
+from pagedserve.tests.helpers.traffic import start_streams
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace=RAY_NAMESPACE)
-    try:
+    with two_node_cluster() as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def _engine_hosts() -> dict[str, object]:
@@ -64,20 +57,7 @@ def test_engines_on_two_ray_nodes_serve_and_heal(two_nodes, tiny_serving_model, 
         assert [e["state"] for e in httpx.get(f"{server.url}/health", timeout=10).json()["engines"]] == ["ok", "ok"]
         client = server.client()
         model = client.models.list().data[0].id
-        ended: dict[int, tuple[str, float]] = {}
-
-        def stream(i: int) -> None:
-            try:
-                for _ in client.completions.create(model=model, prompt=f"Story {i}:", max_tokens=480, stream=True,
-                                                   extra_body={"ignore_eos": True}):
-                    pass
-                ended[i] = ("done", time.monotonic())
-            except Exception as exc:       # the killed engine's streams end in an error
-                ended[i] = (type(exc).__name__, time.monotonic())
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-            time.sleep(0.2)                 # least-loaded: two streams on each engine
+        threads, ended = start_streams(client, model, 4)      # least-loaded: two streams on each engine
         time.sleep(1.0)
         victim = sorted(hosts)[1]
         core_pids = ray.get([h.core_pid.remote() for h in hosts.values()])

@@ -23,6 +23,7 @@ from pagedserve.common.config import EngineArgs
 from pagedserve.common.ray_utils import RAY_NAMESPACE
 from pagedserve.executor.procs.ray_executor import RayDistributedExecutor
 from pagedserve.frontend.core_client import EngineDeadError
+from pagedserve.tests.helpers.ray_cluster import two_node_cluster
 from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model, random_prompts
 
 PROMPTS = random_prompts(41, [7, 33, 18, 51], 512)
@@ -43,17 +44,9 @@ def hf_want(model) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    """A head and one more node, one logical CPU each; this test process is a driver on it too (to find the
-    engine's actors)."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace=RAY_NAMESPACE)
-    try:
+    """This test process is a driver on the cluster too (to find the engine's actors)."""
+    with two_node_cluster() as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def _params(max_tokens: int = MAX_NEW) -> SamplingParams:

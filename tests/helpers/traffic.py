@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import threading
 import time
 from typing import Any
 
@@ -120,3 +121,24 @@ async def run_one(client: openai.AsyncOpenAI, spec: Spec, model: str, deadline_s
     except openai.APIError as exc:
         outcome, detail = "error", f"{type(exc).__name__}: {str(exc)[:160]}"
     return Result(spec, outcome, detail, time.monotonic() - start)
+
+
+def start_streams(client: openai.OpenAI, model: str, count: int, max_tokens: int = 480,
+                  stagger_s: float = 0.2) -> tuple[list[threading.Thread], dict[int, tuple[str, float]]]:
+    """`count` streamed completions on threads, started in order `stagger_s` apart (least-loaded routing
+    alternates them between two engines); each ends in ended[i] = ("done" or the error's type, when)."""
+    ended: dict[int, tuple[str, float]] = {}
+
+    def stream(i: int) -> None:
+        try:
+            for _ in client.completions.create(model=model, prompt=f"Story {i}:", max_tokens=max_tokens, stream=True,
+                                               extra_body={"ignore_eos": True}):
+                pass
+            ended[i] = ("done", time.monotonic())
+        except Exception as exc:       # a killed engine's streams end in an error
+            ended[i] = (type(exc).__name__, time.monotonic())
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+        time.sleep(stagger_s)
+    return threads, ended
