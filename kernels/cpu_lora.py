@@ -10,9 +10,10 @@ _MAX_WIDTH = 1024           # lora.c's LORA_MAX_WIDTH
 
 
 def lora_bgmv(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, widths: torch.Tensor,
-              y: torch.Tensor) -> bool:
-    """y[t] += (x[t] A[s]^T) B[s]^T for s = token_slots[t] >= 0, in place; False (nothing done) where the C
-    kernels are not built or the tensors are not float32 [tokens, features] rows (the caller's torch path then)."""
+              bounds: torch.Tensor, y: torch.Tensor) -> bool:
+    """y[t] += (x[t] A[s]^T) B[s]^T for s = token_slots[t] >= 0, in place, B's pieces by their output rows
+    (bounds: int64 [pieces + 1]); False (nothing done) where the C kernels are not built or the tensors are not
+    float32 [tokens, features] rows (the caller's torch path then)."""
     lib = library()
     if (lib is None or x.dtype != torch.float32 or y.dtype != torch.float32 or a.dtype != torch.float32
             or x.dim() != 2 or not (x.is_contiguous() and y.is_contiguous()) or a.shape[1] > _MAX_WIDTH):
@@ -20,5 +21,6 @@ def lora_bgmv(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: to
     tokens, width = x.shape[0], a.shape[1]
     threads = threads_for(tokens * width * (x.shape[1] + y.shape[1]), 1 << 18)
     check(lib.ps_lora_bgmv(x.data_ptr(), a.data_ptr(), b.data_ptr(), token_slots.data_ptr(), widths.data_ptr(),
-                           y.data_ptr(), tokens, x.shape[1], y.shape[1], width, threads), "LoRA delta")
+                           bounds.data_ptr(), bounds.numel() - 1, y.data_ptr(), tokens, x.shape[1], y.shape[1],
+                           width, threads), "LoRA delta")
     return True

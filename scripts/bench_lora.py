@@ -141,7 +141,7 @@ def kernel(adapter_paths: list[str]) -> dict[str, float]:
     torch.manual_seed(0)
     tokens, d_in, d_out, r = 64, 576, 960, 16
     ctx = LoRAContext()
-    slots = LoRASlots(3, d_in, d_out, NUM_ADAPTERS, r, ctx, torch.float32, torch.device("cpu"))
+    slots = LoRASlots([576, 192, 192], d_in, d_out, NUM_ADAPTERS, r, ctx, torch.float32, torch.device("cpu"))
     a = [torch.randn(3 * r, d_in) * 0.02 for _ in range(NUM_ADAPTERS)]
     b = [torch.randn(d_out, 3 * r) * 0.02 for _ in range(NUM_ADAPTERS)]
     for s in range(NUM_ADAPTERS):

@@ -44,7 +44,8 @@ class LoRAManager:
         for index, layer in enumerate(model.model.layers):
             for path, pieces in _PIECES.items():
                 linear = attrgetter(path)(layer)
-                linear.lora = LoRASlots(pieces, linear.in_features, linear.out_features, config.max_loras,
+                sizes = list(linear.output_partition_sizes) if pieces > 1 else [linear.out_features]
+                linear.lora = LoRASlots(sizes, linear.in_features, linear.out_features, config.max_loras,
                                         config.max_lora_rank, self.context, dtype, device)
                 self.linears[(index, path)] = linear
         self.adapters: dict[int, Packed] = {}

@@ -4,7 +4,8 @@
    In torch this took a gather, two batched matmuls, an index_select and an index_add per linear layer, each a
    trip through the dispatcher for a few kilobytes of work. A slot's A [wmax, in] and B [out, wmax] (float32,
    zeros past its width) stay in cache across its tokens; tokens split over threads. Tokens of slot -1 are
-   left alone (the base model, or tokens the caller handles as a long run). */
+   left alone (the base model, or tokens the caller handles as a long run). A merged layer's B is block-shaped
+   (piece i: output rows bounds[i]..bounds[i+1], columns i*r..(i+1)*r): the expand reads only those blocks. */
 #include "common.h"
 
 enum { LORA_MAX_WIDTH = 1024 };
@@ -12,9 +13,9 @@ enum { LORA_MAX_WIDTH = 1024 };
 typedef struct {
     const float *x, *a, *b;
     const int32_t *slots;
-    const int64_t *widths;
+    const int64_t *widths, *bounds;
     float *y;
-    int64_t in, out, wmax, begin, end;
+    int64_t pieces, in, out, wmax, begin, end;
 } LoraJob;
 
 static void *lora_range(void *arg) {
@@ -34,12 +35,16 @@ static void *lora_range(void *arg) {
         }
         const float *bs = j->b + (int64_t)s * j->out * j->wmax;
         float *yt = j->y + t * j->out;
-        for (int64_t n = 0; n < j->out; ++n) {
-            const float *row = bs + n * j->wmax;
-            float acc = 0.0f;
+        const int64_t rank = w / j->pieces;
+        for (int64_t p = 0; p < j->pieces; ++p) {
+            const float *xp = xa + p * rank;
+            for (int64_t n = j->bounds[p]; n < j->bounds[p + 1]; ++n) {
+                const float *row = bs + n * j->wmax + p * rank;
+                float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-            for (int64_t r = 0; r < w; ++r) acc += row[r] * xa[r];
-            yt[n] += acc;
+                for (int64_t r = 0; r < rank; ++r) acc += row[r] * xp[r];
+                yt[n] += acc;
+            }
         }
     }
     return NULL;
@@ -51,10 +56,11 @@ static void lora_set_range(void *arg, int64_t begin, int64_t end) {
 }
 
 int ps_lora_bgmv(const float *x, const float *a, const float *b, const int32_t *slots, const int64_t *widths,
-                 float *y, int64_t tokens, int64_t in, int64_t out, int64_t wmax, int threads) {
-    if (wmax > LORA_MAX_WIDTH) return 1;
+                 const int64_t *bounds, int64_t pieces, float *y, int64_t tokens, int64_t in, int64_t out,
+                 int64_t wmax, int threads) {
+    if (wmax > LORA_MAX_WIDTH || pieces < 1) return 1;
     LoraJob jobs[MAX_THREADS];
     for (int i = 0; i < MAX_THREADS; ++i)
-        jobs[i] = (LoraJob){x, a, b, slots, widths, y, in, out, wmax, 0, 0};
+        jobs[i] = (LoraJob){x, a, b, slots, widths, bounds, y, pieces, in, out, wmax, 0, 0};
     return ps_run_split(threads, tokens, jobs, sizeof(LoraJob), lora_range, lora_set_range);
 }

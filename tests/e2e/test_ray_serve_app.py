@@ -15,8 +15,30 @@ from pagedserve.frontend.ray_serve import build_app
 from pagedserve.tests.helpers.server import free_port
 
 
-def _engine_cores() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith("ps-engine-core")}
+def _replica_cores() -> set[int]:
+    """Engine cores whose parent is a Ray Serve replica (Ray titles its actor processes ray::ServeReplica:...)."""
+    cores = set()
+    for proc in psutil.process_iter(["name", "ppid"]):
+        if not (proc.info["name"] or "").startswith("ps-engine-core"):
+            continue
+        try:
+            parent = " ".join(psutil.Process(proc.info["ppid"]).cmdline())
+        except psutil.Error:
+            continue
+        if "ServeReplica" in parent:
+            cores.add(proc.pid)
+    return cores
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.add(pid)
+        except psutil.Error:        # gone
+            pass
+    return alive
 
 
 @pytest.fixture
@@ -33,11 +55,10 @@ def local_serve(monkeypatch):
 
 
 def test_serve_application_answers_the_openai_client(local_serve, tiny_serving_model):
-    before = _engine_cores()
     serve.run(build_app({"model": tiny_serving_model, "dtype": "float32", "max-model-len": 512,
                          "kv-cache-memory": 0.05, "enable-prefix-caching": False}),
               name="pagedserve", route_prefix="/")
-    ours = _engine_cores() - before
+    ours = _replica_cores()
     assert len(ours) == 1                                 # the replica started one engine core
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{local_serve}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
@@ -52,6 +73,6 @@ def test_serve_application_answers_the_openai_client(local_serve, tiny_serving_m
         client.completions.create(model=model, prompt="Once", max_tokens=-1)
     serve.delete("pagedserve")
     deadline = time.monotonic() + 20
-    while ours & _engine_cores():
+    while _alive(ours):
         assert time.monotonic() < deadline, "the replica's engine core outlived it"
         time.sleep(0.3)

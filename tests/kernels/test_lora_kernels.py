@@ -24,7 +24,7 @@ def _pool(device: torch.device) -> tuple[LoRASlots, LoRAContext, list[tuple[torc
     """Three adapters of ranks 8, 3 and 5 in slots 0-2 (two pieces: outputs 0-13 and 14-23)."""
     gen = torch.Generator().manual_seed(0)
     ctx = LoRAContext()
-    pool = LoRASlots(PIECES, IN, OUT, SLOTS, MAX_RANK, ctx, torch.float32, device)
+    pool = LoRASlots([14, 10], IN, OUT, SLOTS, MAX_RANK, ctx, torch.float32, device)
     packed = []
     for slot, rank in enumerate((8, 3, 5)):
         pieces = [(torch.randn(rank, IN, generator=gen), 0, torch.randn(14, rank, generator=gen)),

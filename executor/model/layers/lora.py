@@ -95,9 +95,17 @@ class PaddedRows:
 class LoRASlots:
     """The adapter slots of one linear layer."""
 
-    def __init__(self, pieces: int, in_features: int, out_features: int, max_loras: int, max_rank: int,
+    def __init__(self, piece_sizes: list[int], in_features: int, out_features: int, max_loras: int, max_rank: int,
                  context: LoRAContext, dtype: torch.dtype, device: torch.device) -> None:
+        """piece_sizes: the output rows of each piece (q, k, v; gate, up; or one), in order."""
+        pieces = len(piece_sizes)
+        if sum(piece_sizes) != out_features:
+            raise ValueError(f"LoRA pieces {piece_sizes} do not add up to the layer's {out_features} outputs")
         self.pieces = pieces
+        # Piece i owns output rows bounds[i]:bounds[i + 1] and columns i*r:(i+1)*r of B: the expand multiplies
+        # only that block, not the zeros around it.
+        self.bounds = [sum(piece_sizes[:i]) for i in range(pieces + 1)]
+        self.bounds_t = torch.tensor(self.bounds, dtype=torch.int64)
         self.context = context
         self.a = torch.zeros(max_loras, pieces * max_rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, out_features, pieces * max_rank, dtype=dtype, device=device)
@@ -129,11 +137,16 @@ class LoRASlots:
             return y
         for slot, (start, end) in self.context.groups:
             width = self.width[slot]
-            if width:
-                y[start:end] += (x[start:end] @ self.a[slot, :width].T) @ self.b[slot, :, :width].T
+            if not width:
+                continue
+            xa = x[start:end] @ self.a[slot, :width].T
+            rank = width // self.pieces
+            for i in range(self.pieces):
+                lo, hi, cols = self.bounds[i], self.bounds[i + 1], slice(i * rank, (i + 1) * rank)
+                y[start:end, lo:hi] += xa[:, cols] @ self.b[slot, lo:hi, cols].T
         padded = self.context.padded
         if padded is not None and not (self.context.short_slots is not None and lora_bgmv(
-                x, self.a, self.b, self.context.short_slots, self.widths, y)):
+                x, self.a, self.b, self.context.short_slots, self.widths, self.bounds_t, y)):
             self._apply_padded(x, y, padded)
         return y
 
