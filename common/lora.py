@@ -26,7 +26,14 @@ from pagedserve.common.json_file import read_json_object
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 # base_model.model.model.layers.<i>.<self_attn|mlp>.<proj>.lora_<A|B>.weight
-_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+def parse_lora_key(key: str) -> tuple[int, str, str] | None:
+    """(layer, projection, "A" or "B") of a PEFT LoRA tensor name, None for any other tensor (the one reading of
+    the names, for the core's check and the ranks' load)."""
+    m = _KEY.match(key)
+    return (int(m.group(1)), m.group(2), m.group(3)) if m is not None else None
 
 
 class LoRARequest(msgspec.Struct, frozen=True):
@@ -137,11 +144,11 @@ def _check_tensors(name: str, tensors: dict[str, dict[str, Any]], rank: int, hf_
     layers = hf_config.num_hidden_layers
     pairs: dict[tuple[int, str], set[str]] = {}
     for key, meta in tensors.items():
-        m = _KEY.match(key)
-        if m is None:
+        parsed = parse_lora_key(key)
+        if parsed is None:
             raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A/B weight of a decoder layer's "
                              f"projection (embedding, head, DoRA and bias weights are not supported)")
-        layer, proj, side = int(m.group(1)), m.group(3), m.group(4)
+        layer, proj, side = parsed
         if proj not in LORA_TARGETS:
             raise ValueError(f"LoRA adapter {name!r}: target module {proj!r} is not one of this model's "
                              f"projections ({', '.join(LORA_TARGETS)})")

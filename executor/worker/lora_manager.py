@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections import OrderedDict
+from collections.abc import Sequence
 from operator import attrgetter
 
 import torch
 from torch import nn
 
 from pagedserve.common.engine_config import LoRAConfig
+from pagedserve.common.lora import parse_lora_key
 from pagedserve.executor.model.layers.linear import LinearBase, RowParallelLinear
 from pagedserve.executor.model.layers.lora import LoRAContext, LoRASlots, pack_pieces
 from pagedserve.executor.worker.request_state import CachedRequestState
@@ -30,7 +31,6 @@ _PROJECTIONS = {"q_proj": ("self_attn.qkv_proj", "q", 0), "k_proj": ("self_attn.
                 "gate_proj": ("mlp.gate_up_proj", 0, 0), "up_proj": ("mlp.gate_up_proj", 1, 1),
                 "down_proj": ("mlp.down_proj", None, 0)}
 _PIECES = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
-_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 Packed = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]     # (layer, linear) -> (A, B) for its slot
 
@@ -59,10 +59,10 @@ class LoRAManager:
         tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
         found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
-            m = _KEY.match(key)
-            if m is None or m.group(2) not in _PROJECTIONS:      # the core refused such an adapter already
+            parsed = parse_lora_key(key)
+            if parsed is None or parsed[1] not in _PROJECTIONS:      # the core refused such an adapter already
                 raise ValueError(f"LoRA adapter {path}: unexpected tensor {key!r}")
-            found.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor
+            found.setdefault(parsed[:2], {})[parsed[2]] = tensor
         per_linear: dict[tuple[int, str], list] = {}
         rank = 0
         for (index, proj), ab in found.items():
@@ -93,7 +93,7 @@ class LoRAManager:
 
     # ---------------------------------------------------------------- each step
 
-    def prepare(self, req_ids: list[str], states: dict[str, CachedRequestState], query_start: list[int]) -> bool:
+    def prepare(self, req_ids: list[str], states: dict[str, CachedRequestState], query_start: Sequence[int]) -> bool:
         """Group the step's tokens by their adapter's slot; False when no token uses an adapter."""
         ids = [states[rid].lora_int_id for rid in req_ids]
         needed = set(ids) - {0}
@@ -101,6 +101,7 @@ class LoRAManager:
             self.context.clear()
             return False
         slot_of = self._activate(needed)
+        query_start = list(query_start)
         token_slots: list[int] = []
         for i, int_id in enumerate(ids):
             token_slots += [slot_of.get(int_id, -1)] * (query_start[i + 1] - query_start[i])

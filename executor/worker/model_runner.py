@@ -142,7 +142,7 @@ class ModelRunner:
             host = prepare_inputs(self.states, sched.num_scheduled_tokens, self.block_size,
                                   sched.scheduled_spec_decode_tokens)
         # Steps with adapter tokens run the layers, which apply them: no graph replay, no whole-decoder step.
-        plain = self.lora is None or not self.lora.prepare(host.req_ids, self.states, host.query_start_loc.tolist())
+        plain = self.lora is None or not self.lora.prepare(host.req_ids, self.states, host.query_start_loc)
         decode_only = host.num_decodes == host.num_seqs
         size = self.graphs.padded_size(host.num_seqs) if self.graphs is not None and decode_only and plain else None
         batch = self.buffers.commit(host, pad_to=size)

@@ -17,7 +17,7 @@ from pagedserve.executor.model.layers.lora import LoRAContext, LoRASlots, pack_p
 from pagedserve.kernels.triton_lora import lora_delta  # noqa: E402
 from pagedserve.tests.helpers.kernel_checks import DEVICE  # noqa: E402
 
-IN, OUT, MAX_RANK, PIECES, SLOTS = 40, 24, 8, 2, 3
+IN, OUT, MAX_RANK, SLOTS = 40, 24, 8, 3
 
 
 def _pool(device: torch.device) -> tuple[LoRASlots, LoRAContext, list[tuple[torch.Tensor, torch.Tensor]]]:
