@@ -25,6 +25,8 @@ from pagedserve.common.json_file import read_json_object
 # The projections an adapter may change, as PEFT names them in Llama-family checkpoints.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# How long a client waits for an add_lora: it reads and hashes the files, then every rank loads them.
+LORA_LOAD_TIMEOUT_S = 300.0
 # base_model.model.model.layers.<i>.<self_attn|mlp>.<proj>.lora_<A|B>.weight
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 

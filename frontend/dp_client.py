@@ -7,8 +7,8 @@ engine's index (EngineCoreOutputs.engine_index) for the metrics' `engine` label.
 
 An engine that dies does not take the others with it: its requests in flight end at once with an error
 (EngineDeadError for their callers), the router stops sending it work, and, given `restart`, it is started again
-(weights reloaded, after a back-off) in a thread and rejoins; a crash loop (MAX_RESTARTS within RESTART_WINDOW_S)
-leaves it down. The client is dead only when no engine serves or restarts. With one engine this is
+(weights reloaded, the LoRA adapters added again, after a back-off) in a thread and rejoins; a crash loop
+(MAX_RESTARTS within RESTART_WINDOW_S) leaves it down. The client is dead only when no engine serves or restarts. With one engine this is
 `--restart-engine-on-failure`.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedserve.common.errors import ENGINE_DIED
+from pagedserve.common.lora import LORA_LOAD_TIMEOUT_S
 from pagedserve.frontend.core_client import AsyncMPClient, CoreHandle, EngineDeadError
 from pagedserve.frontend.dp_router import PrefixRouter
 from pagedserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -45,6 +46,9 @@ class DataParallelClient:
         self._engine_of: dict[str, int] = {}
         self._merged: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
         self._tasks: list[asyncio.Task] = []
+        # The adapters every engine holds (lora_int_id -> add_lora's arguments), replayed into a restarted core:
+        # the frontend still routes requests to them by name.
+        self._loras: dict[int, tuple[Any, ...]] = {}
 
     @property
     def num_engines(self) -> int:
@@ -94,6 +98,10 @@ class DataParallelClient:
             raise EngineDeadError("no engine serves right now: " + "; ".join(
                 f"{e['engine']}: {e['state']}" for e in self.engine_states()))
         results = await asyncio.gather(*(c.call_utility(method, *args, timeout_s=timeout_s) for c in up))
+        if method == "add_lora":
+            self._loras[args[1]] = args
+        elif method == "remove_lora":       # by id or by name, as the core takes it
+            self._loras = {i: a for i, a in self._loras.items() if args[0] not in (i, a[0])}
         return results[0]
 
     async def get_output(self) -> EngineCoreOutputs:
@@ -165,6 +173,7 @@ class DataParallelClient:
             client = AsyncMPClient(proc.addresses, proc.token, proc, heartbeat_timeout_s=old.heartbeat_timeout_s)
             # Outputs for a peer the core's output socket has not seen yet would be lost: be seen first.
             await client.call_utility("ping", timeout_s=30.0)
+            await self._replay_loras(client)
         except BaseException as exc:
             self._restarting.discard(index)
             self._down[index] = f"restart failed: {exc}"
@@ -180,6 +189,14 @@ class DataParallelClient:
         self.router.set_available(index, True)
         logger.info("data-parallel engine %d restarted and serving", index)
         self._tasks.append(asyncio.get_running_loop().create_task(self._pump(index)))
+
+    async def _replay_loras(self, client: AsyncMPClient) -> None:
+        # Until none is missing: an adapter added to the serving engines meanwhile reaches this one too.
+        done: dict[int, tuple[Any, ...]] = {}
+        while todo := [(i, a) for i, a in self._loras.items() if done.get(i) != a]:
+            for int_id, args in todo:
+                await client.call_utility("add_lora", *args, timeout_s=LORA_LOAD_TIMEOUT_S)
+                done[int_id] = args
 
     def _forget(self, request_id: str) -> None:
         engine = self._engine_of.pop(request_id, None)

@@ -18,10 +18,8 @@ from pydantic import BaseModel, ConfigDict
 
 from pagedserve.common import envs
 from pagedserve.common.errors import RequestError
+from pagedserve.common.lora import LORA_LOAD_TIMEOUT_S
 from pagedserve.frontend.errors import ModelNotFoundError
-
-# Loading reads and hashes the adapter's files and loads it on every rank.
-LOAD_TIMEOUT_S = 300.0
 
 
 class LoRAModule(msgspec.Struct, frozen=True):
@@ -69,7 +67,7 @@ class LoRAModels:
             raise RequestError("lora_name", f"The lora adapter '{module.name}' has already been loaded.")
         int_id = next(self._ids)
         try:
-            await self.engine.call_utility("add_lora", module.name, int_id, module.path, timeout_s=LOAD_TIMEOUT_S)
+            await self.engine.call_utility("add_lora", module.name, int_id, module.path, timeout_s=LORA_LOAD_TIMEOUT_S)
         except ValueError as exc:
             raise RequestError("lora_path", f"Failed to load LoRA adapter '{module.name}': {exc}") from None
         self.adapters[module.name] = (int_id, module)

@@ -137,16 +137,33 @@ def test_a_killed_engine_fails_only_its_streams_and_restarts(tiny_serving_model)
     assert not [p for p in psutil.process_iter(["ppid"]) if p.info["ppid"] == server.proc.pid]
 
 
-def test_restart_engine_on_failure_with_one_engine(tiny_serving_model):
+def test_restart_engine_on_failure_with_one_engine(tiny_serving_model, tmp_path):
     """--restart-engine-on-failure: one engine core SIGKILLed mid-stream: the stream ends with an error within a
-    second, /health is 503 until the restarted core serves, then requests succeed again."""
+    second, /health is 503 until the restarted core serves, then requests succeed again, and the LoRA adapters
+    (one from --lora-modules, one loaded at run time, none of the unloaded one) answer as before the kill."""
     import os
     import signal
     import time
-    server = Server("--restart-engine-on-failure", model=tiny_serving_model, token=None, max_model_len=512)
+
+    from pagedserve.tests.helpers.lora_adapters import make_lora
+    a, b, c = (make_lora(str(tmp_path / n), tiny_serving_model, r=4, alpha=8, seed=s)
+               for n, s in (("a", 1), ("b", 2), ("c", 3)))
+    server = Server("--restart-engine-on-failure", "--enable-lora", "--lora-modules", f"a={a}",
+                    "--allow-runtime-lora-updating", model=tiny_serving_model, token=None, max_model_len=512)
     try:
         client = server.client()
         model = client.models.list().data[0].id
+        for name, path in (("b", b), ("c", c)):
+            assert httpx.post(f"{server.url}/v1/load_lora_adapter", headers=server.auth,
+                              json={"lora_name": name, "lora_path": path}).status_code == 200
+        assert httpx.post(f"{server.url}/v1/unload_lora_adapter", headers=server.auth,
+                          json={"lora_name": "c"}).status_code == 200
+
+        def answers() -> list[str]:
+            return [client.completions.create(model=m, prompt="Tell me", max_tokens=6, temperature=0.0)
+                    .choices[0].text for m in (model, "a", "b")]
+        before = answers()
+        assert len(set(before)) == 3
         core = next(p for p in server.children() if p.name().startswith("ps-engine-core"))
         stream = client.completions.create(model=model, prompt="Once", max_tokens=480, stream=True,
                                            extra_body={"ignore_eos": True})
@@ -163,7 +180,8 @@ def test_restart_engine_on_failure_with_one_engine(tiny_serving_model):
             assert time.monotonic() < deadline, codes
             time.sleep(0.2)
         assert codes <= {503}
-        assert client.completions.create(model=model, prompt="Back?", max_tokens=4).choices
+        assert answers() == before
+        assert [m.id for m in client.models.list().data] == [model, "a", "b"]
         assert len([p for p in server.children() if p.name().startswith("ps-engine-core")]) == 1
     finally:
         server.stop_and_check_clean()
