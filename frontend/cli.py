@@ -33,16 +33,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, ServerArgs]:
     return dataclass_from(ns, EngineArgs, model=ns.model or ns.model_tag), dataclass_from(ns, ServerArgs)
 
 
+def check_flags(args: EngineArgs, server: ServerArgs) -> None:
+    """The rules across flags, before anything starts (ValueError naming the flag); model files are the engine
+    core's to check. engine-serve and the Ray Serve application both ask here."""
+    args.validate()
+    if (server.lora_modules or server.allow_runtime_lora_updating) and not args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    from pagedserve.frontend.dp_launch import check_data_parallel_flags
+    check_data_parallel_flags(args, server)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         args, server = parse_args(argv)
         level = getattr(logging, server.log_level.upper())
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        args.validate()             # fail fast on bad knobs; model files are the engine core's to check
-        if (server.lora_modules or server.allow_runtime_lora_updating) and not args.enable_lora:
-            raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
-        from pagedserve.frontend.dp_launch import check_data_parallel_flags
-        check_data_parallel_flags(args, server)
+        check_flags(args, server)
         chat_template = load_chat_template(server.chat_template) if server.chat_template else None
     except ValueError as exc:
         sys.exit(f"engine-serve: {exc}")

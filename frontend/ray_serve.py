@@ -46,11 +46,10 @@ class PagedServeDeployment:
         from pagedserve.frontend.api_server import build_app as build_routes
         from pagedserve.frontend.async_client import AsyncEngineClient
         from pagedserve.frontend.tokenizer import load_chat_template
-        from pagedserve.frontend.cli import parse_args
-        from pagedserve.frontend.dp_launch import check_data_parallel_flags, start_engines
+        from pagedserve.frontend.cli import check_flags, parse_args
+        from pagedserve.frontend.dp_launch import start_engines
         args, server = parse_args(argv)
-        args.validate()
-        check_data_parallel_flags(args, server)
+        check_flags(args, server)
         export_cluster_address()       # ranks placed on Ray (--distributed-executor-backend ray) join this cluster
         level = getattr(logging, server.log_level.upper())
         self.procs, client = start_engines(args, server, level)
@@ -69,11 +68,11 @@ class PagedServeDeployment:
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """Ray Serve's application builder: refuses bad flags here, before any replica starts."""
-    from pagedserve.frontend.cli import parse_args
+    from pagedserve.frontend.cli import check_flags, parse_args
     argv = flags_from_args(args)
     try:
-        engine_args, _ = parse_args(argv)
+        engine_args, server_args = parse_args(argv)
     except SystemExit:       # argparse printed which flag it could not take
         raise ValueError(f"serveConfigV2 args are not engine-serve flags: {' '.join(argv)}") from None
-    engine_args.validate()
+    check_flags(engine_args, server_args)
     return PagedServeDeployment.bind(argv)

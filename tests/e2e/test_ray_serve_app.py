@@ -76,3 +76,11 @@ def test_serve_application_answers_the_openai_client(local_serve, tiny_serving_m
     while _alive(ours):
         assert time.monotonic() < deadline, "the replica's engine core outlived it"
         time.sleep(0.3)
+
+
+def test_build_app_refuses_what_engine_serve_refuses(tiny_serving_model):
+    """Bad args stop the application before any replica starts, with engine-serve's own messages."""
+    with pytest.raises(ValueError, match="need --enable-lora"):
+        build_app({"model": tiny_serving_model, "lora-modules": "a=/nowhere"})
+    with pytest.raises(ValueError, match="not engine-serve flags"):
+        build_app({"model": tiny_serving_model, "no-such-flag": 1})
