@@ -66,7 +66,9 @@ def status_of(finish_reason: Optional[str]) -> tuple[str, Optional[dict[str, str
 
 
 def usage(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+    # cache_write_tokens is OpenAI's billed cache write; the prefix cache here costs nothing to fill: 0.
+    return {"input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}
 

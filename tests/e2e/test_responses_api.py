@@ -17,6 +17,7 @@ import httpx
 import jsonschema
 import pytest
 
+from pagedserve.tests.helpers.openai_types import validate_event, validate_response
 from pagedserve.tests.helpers.server import SMALL_KV, Server
 
 TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "data", "hermes_tools.jinja")
@@ -63,6 +64,7 @@ def stream_events(server: Server, **body: Any) -> list[dict[str, Any]]:
             elif line.startswith("data: "):
                 events.append(json.loads(line[6:]))
                 assert events[-1]["type"] == kind
+                validate_event(events[-1])
     return events
 
 
@@ -175,6 +177,8 @@ def test_retrieve_cancel_and_not_found(server):
     resp = post(server, "/v1/responses", input=QUESTION, max_output_tokens=2, metadata={"k": "v"}).json()
     got = httpx.get(f"{server.url}/v1/responses/{resp['id']}", headers=server.auth, timeout=60)
     assert got.status_code == 200 and got.json() == resp and resp["metadata"] == {"k": "v"}
+    validate_response(resp)
+    assert httpx.get(f"{server.url}/v1/responses/{resp['id']}", timeout=60).status_code == 401     # no API key
     err = assert_error(post(server, f"/v1/responses/{resp['id']}/cancel"), 400, "response_id")
     assert err["message"] == "Cannot cancel a synchronous response."
     unstored = post(server, "/v1/responses", input=QUESTION, max_output_tokens=2, store=False).json()
