@@ -100,8 +100,7 @@ class ResponsesRequest(StrictModel):
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) + \
             chat_messages([*history, *self.input_items()])
         tool_fields = {"tools": chat_tools(self.tools), "tool_choice": chat_tool_choice(self.tool_choice),
-                       "parallel_tool_calls": self.parallel_tool_calls} if self.tools else \
-            {"tool_choice": chat_tool_choice(self.tool_choice)} if self.tool_choice not in (None, "none") else {}
+                       "parallel_tool_calls": self.parallel_tool_calls}
         return ChatCompletionRequest(
             messages=messages, model=self.model, max_tokens=self.max_output_tokens, temperature=self.temperature,
             top_p=self.top_p, seed=self.seed, stop=self.stop, top_k=self.top_k, min_p=self.min_p,

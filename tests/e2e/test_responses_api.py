@@ -169,6 +169,8 @@ def test_streamed_call_is_argument_events(server):
     [call] = events[-1]["response"]["output"]
     assert args == done["arguments"] == call["arguments"] == whole["output"][0]["arguments"]
     assert json.loads(args)["city"] in ("Paris", "Oslo", "Rome") and call["name"] == "get_weather"
+    stored = httpx.get(f"{server.url}/v1/responses/{events[-1]['response']['id']}", headers=server.auth, timeout=60)
+    assert stored.json() == events[-1]["response"]        # a streamed response is stored as it ended
 
 
 # ---------------------------------------------------------------- stored responses and errors
