@@ -121,11 +121,13 @@ def test_logprobs_included(server):
 
 def test_text_format_json_schema(server):
     client = server.client()
-    resp = client.responses.create(input=QUESTION, text=ANSWER_FORMAT, max_output_tokens=60, extra_body={"seed": 3})
+    resp = client.responses.create(input=QUESTION, text=ANSWER_FORMAT, max_output_tokens=60,
+                                   extra_body={"seed": 3})
     assert resp.status == "completed"
     jsonschema.validate(json.loads(resp.output_text), ANSWER)
     # The SDK's stream helper accumulates the events into its snapshot and checks them as it goes.
-    with client.responses.stream(model=resp.model, input=QUESTION, text=ANSWER_FORMAT, max_output_tokens=60, extra_body={"seed": 3}) as stream:
+    with client.responses.stream(model=resp.model, input=QUESTION, text=ANSWER_FORMAT, max_output_tokens=60,
+                                 extra_body={"seed": 3}) as stream:
         final = stream.get_final_response()
     jsonschema.validate(json.loads(final.output_text), ANSWER)
 
@@ -256,6 +258,13 @@ def test_agents_sdk_one_tool_agent(server):
                   model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=120,
                                                extra_body={"seed": 0}),
                   tool_use_behavior="stop_on_first_tool")
-    result = asyncio.run(Runner.run(agent, QUESTION))
-    assert len(ran) >= 1 and ran[0] in ("Paris", "Oslo", "Rome")
-    assert result.final_output == f"sunny in {ran[0]}"
+    async def both() -> tuple[Any, Any]:
+        whole = await Runner.run(agent, QUESTION)
+        run = Runner.run_streamed(agent, QUESTION)          # the same agent over the typed event stream
+        kinds = [event.data.type async for event in run.stream_events() if event.type == "raw_response_event"]
+        assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+        return whole.final_output, run.final_output
+
+    whole, streamed = asyncio.run(both())
+    assert len(ran) == 2 and all(city in ("Paris", "Oslo", "Rome") for city in ran)
+    assert (whole, streamed) == (f"sunny in {ran[0]}", f"sunny in {ran[1]}")
