@@ -8,6 +8,7 @@ Errors the chat checks raise name chat fields; `responses_field` renames them to
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import Field
@@ -23,8 +24,7 @@ _INERT_INCLUDES = frozenset({"reasoning.encrypted_content"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal", "reasoning_text", "summary_text"})
 _ROLES = frozenset({"user", "system", "developer", "assistant"})
 # Chat field -> the Responses field it came from, for the names in error messages.
-_FIELD_NAMES = (("response_format", "text.format"), ("max_tokens", "max_output_tokens"),
-                ("messages", "input"), ("top_logprobs", "top_logprobs"))
+_FIELD_NAMES = (("response_format", "text.format"), ("max_tokens", "max_output_tokens"), ("messages", "input"))
 
 
 class ResponsesRequest(StrictModel):
@@ -130,6 +130,10 @@ def _input_item(item: dict[str, Any], where: str) -> dict[str, Any]:
         for key in ("call_id", "name", "arguments"):
             if not isinstance(item.get(key), str):
                 raise RequestError.at(f"{where}.{key}", "a string is required")
+        try:
+            json.loads(item["arguments"] or "{}")       # checked here, where its item can be named
+        except ValueError:
+            raise RequestError.at(f"{where}.arguments", "not valid JSON") from None
         return {k: item[k] for k in ("type", "call_id", "name", "arguments", "id") if k in item}
     if kind == "function_call_output":
         output = item.get("output")

@@ -117,6 +117,10 @@ def test_logprobs_included(server):
     part = resp["output"][0]["content"][0]
     assert len(part["logprobs"]) == 4 and "".join(lp["token"] for lp in part["logprobs"]) == part["text"]
     assert all(len(lp["top_logprobs"]) == 2 and lp["logprob"] <= 0 for lp in part["logprobs"])
+    events = stream_events(server, input=QUESTION, max_output_tokens=4, temperature=0, top_logprobs=2,
+                           include=["message.output_text.logprobs"])
+    streamed = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    assert [lp["token"] for lp in streamed] == [lp["token"] for lp in part["logprobs"]]
 
 
 def test_text_format_json_schema(server):
@@ -204,6 +208,7 @@ def test_retrieve_cancel_and_not_found(server):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"max_output_token": 5}, "max_output_token"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input[0].arguments"),
 ])
 def test_unsupported_fields_are_400(server, fields, param):
     err = assert_error(post(server, "/v1/responses", **{"input": QUESTION, **fields}), 400, param)
