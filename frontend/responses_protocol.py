@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pagedserve.common.errors import RequestError
 from pagedserve.frontend.protocol import ChatCompletionRequest
@@ -25,6 +25,10 @@ _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal", "reason
 _ROLES = frozenset({"user", "system", "developer", "assistant"})
 # Chat field -> the Responses field it came from, for the names in error messages.
 _FIELD_NAMES = (("response_format", "text.format"), ("max_tokens", "max_output_tokens"), ("messages", "input"))
+
+
+# OpenAI's schema allows null for these, meaning the default.
+_NULL_IS_DEFAULT = ("store", "stream", "background", "priority")
 
 
 class ResponsesRequest(StrictModel):
@@ -69,6 +73,13 @@ class ResponsesRequest(StrictModel):
     conversation: Optional[Union[str, dict[str, Any]]] = None
     prompt: Optional[dict[str, Any]] = None
     context_management: Optional[list[dict[str, Any]]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in _NULL_IS_DEFAULT):
+            return {k: v for k, v in data.items() if not (v is None and k in _NULL_IS_DEFAULT)}
+        return data
 
     # ---------------------------------------------------------------- checks
 

@@ -112,7 +112,7 @@ class ResponsesServing(OpenAIServing):
         c = final.outputs[0]
         items = output_items(turn.parser.message(c.text), turn.logprobs(c))
         reasoning = next((i["content"][0]["text"] for i in items if i["type"] == "reasoning"), "")
-        status, incomplete = _finished(c)
+        status, incomplete = status_of(c.finish_reason)
         body = turn.envelope.body(status, items, await self._usage(final, len(c.token_ids), reasoning), incomplete)
         self._keep(turn, body, items)
         return body
@@ -143,7 +143,7 @@ class ResponsesServing(OpenAIServing):
             return
         for event in events.closing():
             yield sse_event(event)
-        status, incomplete = _finished(final.outputs[0])
+        status, incomplete = status_of(final.outputs[0].finish_reason)
         last = events.final(status, await self._usage(final, generated, reasoning), incomplete)
         self._keep(turn, last["response"], events.output)
         yield sse_event(last)
@@ -159,10 +159,6 @@ class ResponsesServing(OpenAIServing):
     def _keep(self, turn: _Turn, body: dict[str, Any], items: list[dict[str, Any]]) -> None:
         if turn.body.store:
             self.store.put(body["id"], StoredResponse(body, [*turn.conversation, *items]))
-
-
-def _finished(c: CompletionOutput) -> tuple[str, Optional[dict[str, str]]]:
-    return status_of(c.finish_reason)
 
 
 def add_responses_routes(app: FastAPI, chat: OpenAIServing, settings: ServerArgs) -> None:
