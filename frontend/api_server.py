@@ -24,6 +24,7 @@ from pagedserve.frontend.lora_serving import LoRAModels, add_lora_routes, parse_
 from pagedserve.frontend.metrics import Metrics
 from pagedserve.frontend.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           ModelCard, ModelList, TokenizeRequest)
+from pagedserve.frontend.responses_serving import add_responses_routes
 from pagedserve.frontend.server_args import ServerArgs
 from pagedserve.frontend.serving import OpenAIServing
 
@@ -75,6 +76,7 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
     _add_guards_and_handlers(app, settings)
     if loras is not None:
         add_lora_routes(app, loras, parse_lora_modules(settings.lora_modules), settings.allow_runtime_lora_updating)
+    add_responses_routes(app, serving, settings)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

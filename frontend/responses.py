@@ -107,7 +107,7 @@ class ResponseBuilder:
                 body["prompt_logprobs"] = prompt_logprobs_json(scored)
         else:
             body, reason = self._chat_body(index, c, stream)
-            logprobs = _chat_logprobs(c, self.top_logprobs) if self.logprobs else None
+            logprobs = chat_logprobs(c, self.top_logprobs) if self.logprobs else None
             return {"index": index, **body, "logprobs": logprobs, "finish_reason": reason,
                     "stop_reason": c.stop_reason}
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": c.finish_reason,
@@ -169,7 +169,7 @@ def _completion_logprobs(c: CompletionOutput, k: int) -> dict[str, Any] | None:
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _chat_logprobs(c: CompletionOutput, k: int) -> dict[str, Any] | None:
+def chat_logprobs(c: CompletionOutput, k: int) -> dict[str, Any] | None:
     if c.logprobs is None:
         return None
     content = []

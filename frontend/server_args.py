@@ -77,6 +77,11 @@ class ServerArgs:
     allow_runtime_lora_updating: bool = setting(
         False, store_true=True, help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
                                      "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
+    responses_store_max_entries: int = setting(
+        1024, help="/v1/responses: responses kept for GET and previous_response_id (store: true); beyond that the "
+                   "least recently used is dropped; 0 keeps none")
+    responses_store_ttl: float = setting(
+        3600.0, help="/v1/responses: seconds a stored response is kept after it was made")
     log_level: str = setting("info", choices=LOG_LEVELS, help="log messages of this level and above")
     root_path: str | None = setting(
         None, help="the path prefix a reverse proxy serves this server under (e.g. /llm): routes answer with "
@@ -112,6 +117,10 @@ class ServerArgs:
                             ("--max-concurrent-requests", self.max_concurrent_requests)):
             if value is not None and value <= 0:
                 raise ValueError(f"{flag} must be a positive integer, got {value}")
+        if self.responses_store_max_entries < 0:
+            raise ValueError(f"--responses-store-max-entries must be >= 0, got {self.responses_store_max_entries}")
+        if not self.responses_store_ttl > 0:
+            raise ValueError(f"--responses-store-ttl must be positive, got {self.responses_store_ttl}")
         if not 0 < self.data_parallel_rpc_port < 65536:
             raise ValueError(f"--data-parallel-rpc-port must be in [1, 65535], got {self.data_parallel_rpc_port}")
         if self.data_parallel_size_local is not None and self.data_parallel_size_local < 0:
