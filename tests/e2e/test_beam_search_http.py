@@ -76,5 +76,5 @@ def test_disconnect_aborts_the_search(server):
                    json={"prompt": PROMPT, "n": 8, "max_tokens": 200, "ignore_eos": True, "use_beam_search": True})
     after = server.wait_idle()
     assert after["num_requests_running"] == 0 and after["kv_cache_usage_perc"] == 0
-    # The whole search would have generated 200 tokens for each of its 8 beams (one step request each).
-    assert after["generation_tokens_total"] - before["generation_tokens_total"] < 8 * 199
+    # The whole search generates 1 + 199 * 8 tokens (one per step request); it stopped far short of that.
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] < 8 * 100
