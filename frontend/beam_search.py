@@ -20,6 +20,7 @@ arun_beam_search drive a batch of them through a step function (LLM's generate, 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -70,7 +71,11 @@ class _Beam:
 
 def beam_search_score(cum_logprob: float, num_generated: int, length_penalty: float) -> float:
     """HF's score of a finished hypothesis: its summed logprob over its generated length (EOS included)."""
-    return cum_logprob / (num_generated ** length_penalty)
+    try:
+        denominator = float(num_generated) ** length_penalty
+    except OverflowError:           # a huge length_penalty: HF's float tensors give inf, the score 0
+        denominator = math.inf
+    return cum_logprob / denominator if denominator > 0 else -math.inf
 
 
 def step_sampling_params(params: BeamSearchParams, num_eos: int) -> SamplingParams:
@@ -154,7 +159,7 @@ class BeamSearch:
         if not self.running or len(self.finished) < width:
             return
         length = self.max_new if self.params.early_stopping == "never" and penalty > 0 else self.num_generated
-        best_possible = self.running[0].cum_logprob / (length ** penalty)
+        best_possible = beam_search_score(self.running[0].cum_logprob, length, penalty)
         if not best_possible > self.finished[-1][0]:
             self.improvable = False
 

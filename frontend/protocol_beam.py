@@ -17,8 +17,7 @@ from pagedserve.frontend.protocol_extras import StrictModel
 # Refused with use_beam_search unless left at their defaults.
 _REFUSED = ("stream", "logprobs", "top_logprobs", "echo", "prompt_logprobs", "best_of", "suffix", "top_p", "top_k",
             "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop",
-            "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
-            "skip_special_tokens")
+            "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
 _WHY = {"stream": "beams are only known once the search ends; send stream=false"}
 
 
