@@ -8,7 +8,7 @@ import torch
 
 from pagedserve import LLM, BeamSearchParams
 from pagedserve.common.errors import RequestError
-from pagedserve.frontend.beam_search import beam_search_score
+from pagedserve.frontend.beam_search import BeamSearchOutput, beam_search_score
 from pagedserve.tests.helpers.tiny_models import random_prompts
 
 # (beam width, max tokens, length_penalty, early_stopping)
@@ -31,7 +31,7 @@ def hf_beams(hf: torch.nn.Module, prompt: list[int], width: int, max_tokens: int
     return beams, out.sequences_scores.tolist()
 
 
-def check_against_hf(llm: LLM, hf: torch.nn.Module, prompts: list[list[int]], case: tuple) -> None:
+def check_against_hf(llm: LLM, hf: torch.nn.Module, prompts: list[list[int]], case: tuple) -> list[BeamSearchOutput]:
     width, max_tokens, penalty, early = case
     eos = llm.info.eos_token_ids
     params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=penalty, early_stopping=early)
@@ -53,6 +53,7 @@ def check_against_hf(llm: LLM, hf: torch.nn.Module, prompts: list[list[int]], ca
             assert got == want
             assert scores == pytest.approx(want_scores, abs=1e-3)
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.num_blocks
+    return outputs
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +78,8 @@ def test_smollm2_best_beam_equals_hf(smollm2_llm, hf_smollm2):
 
 @pytest.mark.slow
 def test_smollm2_eos_beams_equal_hf(smollm2_llm, hf_smollm2):
-    prompt = chat_prompt(smollm2_llm)
-    check_against_hf(smollm2_llm, hf_smollm2, [prompt], (4, 8, 0.5, True))
-    best = smollm2_llm.beam_search([prompt], BeamSearchParams(beam_width=4, max_tokens=8, length_penalty=0.5,
-                                                              early_stopping=True))[0].sequences[0]
+    out = check_against_hf(smollm2_llm, hf_smollm2, [chat_prompt(smollm2_llm)], (4, 8, 0.5, True))
+    best = out[0].sequences[0]
     assert best.finish_reason == "stop" and best.stop_reason in smollm2_llm.info.eos_token_ids
 
 
