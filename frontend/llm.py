@@ -105,9 +105,13 @@ class LLM:
         return self._run(parsed, sampling_params, use_tqdm, None, lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
-                    lora_request: LoRARequest | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    lora_request: LoRARequest | None = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: each prompt's params.beam_width best beams (frontend/beam_search.py), best
-        first; each sequence's tokens and text include its prompt, as vLLM's do. use_tqdm: accepted, no bar."""
+        first; each sequence's tokens and text include its prompt, as vLLM's do. concurrency_limit: prompts
+        searched at once (unset: all); use_tqdm: accepted, no bar."""
+        if concurrency_limit is not None and not (isinstance(concurrency_limit, int) and concurrency_limit >= 1):
+            raise ValueError(f"concurrency_limit must be an integer >= 1, got {concurrency_limit!r}")
         eos = self.info.eos_token_ids
         params.validate(len(eos))
         parsed = [self.input_processor.parse_prompt(p) for p in _as_prompt_list(prompts)]
@@ -117,7 +121,9 @@ class LLM:
         def step(batch: list[list[int]]) -> list[StepLogprobs]:
             return [step_logprobs(out) for out in self.generate(batch, step_params, use_tqdm=False,
                                                                 lora_request=lora_request)]
-        run_beam_search(searches, step)
+        limit = concurrency_limit or max(1, len(searches))
+        for start in range(0, len(searches), limit):
+            run_beam_search(searches[start:start + limit], step)
         outputs = []
         for search in searches:
             sequences = search.result()

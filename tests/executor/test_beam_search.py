@@ -114,3 +114,11 @@ def test_bad_params_name_the_field(tiny_llm, fields, field):
     with pytest.raises(RequestError) as err:
         tiny_llm.beam_search(["w5 w6"], params)
     assert err.value.field == field
+
+
+def test_concurrency_limit_gives_the_same_beams(tiny_llm):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(5, [17, 30, 9], 512)]
+    params = BeamSearchParams(beam_width=2, max_tokens=6)
+    together = tiny_llm.beam_search(prompts, params)
+    one_by_one = tiny_llm.beam_search(prompts, params, concurrency_limit=1)
+    assert [[s.tokens for s in o.sequences] for o in together] == [[s.tokens for s in o.sequences] for o in one_by_one]
