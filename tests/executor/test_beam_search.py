@@ -122,3 +122,15 @@ def test_concurrency_limit_gives_the_same_beams(tiny_llm):
     together = tiny_llm.beam_search(prompts, params)
     one_by_one = tiny_llm.beam_search(prompts, params, concurrency_limit=1)
     assert [[s.tokens for s in o.sequences] for o in together] == [[s.tokens for s in o.sequences] for o in one_by_one]
+
+
+def test_without_prefix_caching_the_beams_are_the_same(tiny_llm, tiny_llama_dir):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, [35], 512)]
+    params = BeamSearchParams(beam_width=3, max_tokens=8)
+    with LLM(tiny_llama_dir, dtype="float32", max_model_len=128, enable_prefix_caching=False) as plain:
+        got = plain.beam_search(prompts, params)
+        assert plain.engine.kv_cache_manager.prefix_stats.hits == 0
+        assert plain.engine.kv_cache_manager.num_free_blocks == plain.engine.num_blocks
+    want = tiny_llm.beam_search(prompts, params)
+    assert [s.tokens for s in got[0].sequences] == [s.tokens for s in want[0].sequences]
+    assert [s.score for s in got[0].sequences] == pytest.approx([s.score for s in want[0].sequences], abs=1e-5)
