@@ -1,11 +1,12 @@
 """pagedserve: an LLM serving engine with a paged KV cache and continuous batching."""
+from pagedserve.common.beam_search_params import BeamSearchParams
 from pagedserve.common.lora import LoRARequest
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.structured_outputs import StructuredOutputsParams
 from pagedserve.common.version import __version__
 
 __all__ = ["LLM", "AsyncEngineClient", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "EngineArgs", "EngineDeadError", "LoRARequest"]
+           "EngineArgs", "EngineDeadError", "LoRARequest", "BeamSearchParams"]
 
 
 def __getattr__(name: str):

@@ -9,11 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from pagedserve.common.beam_search_params import BeamSearchParams
 from pagedserve.common.config import EngineArgs
 from pagedserve.common.errors import RequestError
 from pagedserve.common.lora import LoRARequest, check_lora_request
 from pagedserve.common.request_checks import has_waiting_room
 from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.frontend.beam_search import (BeamSearch, BeamSearchOutput, StepLogprobs, run_beam_search,
+                                             step_logprobs, step_sampling_params)
 from pagedserve.frontend.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
@@ -100,6 +103,34 @@ class LLM:
                                                            chat_template_kwargs, continue_final_message)
                   for c in conversations]
         return self._run(parsed, sampling_params, use_tqdm, None, lora_request)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: each prompt's params.beam_width best beams (frontend/beam_search.py), best
+        first; each sequence's tokens and text include its prompt, as vLLM's do. concurrency_limit: prompts
+        searched at once (unset: all); use_tqdm: accepted, no bar."""
+        if concurrency_limit is not None and not (isinstance(concurrency_limit, int) and concurrency_limit >= 1):
+            raise ValueError(f"concurrency_limit must be an integer >= 1, got {concurrency_limit!r}")
+        eos = self.info.eos_token_ids
+        params.validate(len(eos))
+        parsed = [self.input_processor.parse_prompt(p) for p in _as_prompt_list(prompts)]
+        searches = [BeamSearch(p.prompt_token_ids, params, eos, self.info.max_model_len) for p in parsed]
+        step_params = step_sampling_params(params, len(eos))
+
+        def step(batch: list[list[int]]) -> list[StepLogprobs]:
+            return [step_logprobs(out) for out in self.generate(batch, step_params, use_tqdm=False,
+                                                                lora_request=lora_request)]
+        limit = concurrency_limit or max(1, len(searches))
+        for start in range(0, len(searches), limit):
+            run_beam_search(searches[start:start + limit], step)
+        outputs = []
+        for search in searches:
+            sequences = search.result()
+            for seq in sequences:
+                seq.text = self.tokenizer.decode(seq.tokens)
+            outputs.append(BeamSearchOutput(sequences))
+        return outputs
 
     def _run(self, prompts: list[ProcessedPrompt], sampling_params: Any, use_tqdm: bool,
              priority: Sequence[int] | None, lora_request: Any = None) -> list[RequestOutput]:

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.common.errors import RequestError
 from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.frontend.protocol_beam import BeamSearchFields
 from pagedserve.frontend.protocol_extras import (ExtraChatFields, ExtraCompletionFields, ExtraRequestFields,
                                                  StrictModel, text_content)
 from pagedserve.frontend.protocol_structured import StructuredOutputFields
@@ -20,7 +21,7 @@ class StreamOptions(StrictModel):
     include_obfuscation: bool = True    # a no-op: there is no padding to obfuscate lengths with
 
 
-class _SamplingFields(ExtraRequestFields, StructuredOutputFields):
+class _SamplingFields(ExtraRequestFields, StructuredOutputFields, BeamSearchFields):
     model: Optional[str] = None
     n: int = Field(1, ge=1, le=128)     # OpenAI's bound; each sample is a queue entry in the engine
     temperature: Optional[float] = None

@@ -17,14 +17,17 @@ from typing import Any, Union
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagedserve.common.beam_search_params import BeamSearchParams
 from pagedserve.common.errors import EngineOverloadedError, RequestError, error_field
 from pagedserve.frontend.admission import Admission, CountedStreamingResponse
 from pagedserve.frontend.async_client import AsyncEngineClient
+from pagedserve.frontend.beam_serving import beam_search_outputs
 from pagedserve.frontend.chat_output import chat_parser_factory
 from pagedserve.frontend.errors import ModelNotFoundError, classify, error_payload
-from pagedserve.frontend.input_processor import PreparedRequest
+from pagedserve.frontend.input_processor import PreparedRequest, ProcessedPrompt
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.frontend.protocol_beam import check_beam_params
 from pagedserve.frontend.protocol_structured import name_field
 from pagedserve.frontend.responses import SSE_DONE, ResponseBuilder, sse
 from pagedserve.frontend.lora_serving import LoRAModels
@@ -58,6 +61,8 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         lora = self.check_model(body.model)
         rid = f"cmpl-{uuid.uuid4().hex}"
+        if body.use_beam_search:
+            return await self._beam_completions(body, http, rid, lora)
         jobs = await self._completion_requests(body, rid, lora)
         echo = [j.prompt.prompt if j.prompt.prompt is not None else await self.engine.detokenize(
             j.prompt.prompt_token_ids) for j in jobs] if body.echo else None
@@ -73,13 +78,41 @@ class OpenAIServing:
         lora = self.check_model(body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         tool_mode = body.check_tools(auto_enabled=self.tool_parser is not None)
-        jobs = await self._chat_requests(body, rid, tool_mode, lora)
         builder = ResponseBuilder("chat", rid, body.model if lora else self.model_name, body.n, body.logprobs,
                                   top_logprobs=body.top_logprobs or 0,
                                   show_prompt_logprobs=body.prompt_logprobs is not None,
                                   chat_parser=chat_parser_factory(tool_mode, self.tool_parser,
                                                                   self.engine.info.reasoning_parser))
+        if body.use_beam_search:
+            return await self._beam_chat(body, http, rid, tool_mode, lora, builder)
+        jobs = await self._chat_requests(body, rid, tool_mode, lora)
         return await self._run(http, body, jobs, builder)
+
+    # ---------------------------------------------------------------- beam search (frontend/beam_serving.py)
+
+    async def _beam_completions(self, body: CompletionRequest, http: Request, rid: str, lora: int) -> Response:
+        params = self._beam_params(body, body.max_tokens)
+        if not body.prompt_list():
+            raise RequestError("prompt", "prompt must not be empty")
+        prompts = [await self.engine.tokenize(p) for p in body.prompt_list()]
+        builder = ResponseBuilder("completion", rid, body.model if lora else self.model_name, params.beam_width, False)
+        return await self._respond(http, body, lambda: beam_search_outputs(
+            self.engine, rid, prompts, params, body.priority, lora), builder)
+
+    async def _beam_chat(self, body: ChatCompletionRequest, http: Request, rid: str, tool_mode: str | None,
+                         lora: int, builder: ResponseBuilder) -> Response:
+        if tool_mode not in (None, "auto"):       # a forced call is a grammar, which beams cannot follow
+            raise RequestError.at("tool_choice", "only none or auto is supported with use_beam_search")
+        params = self._beam_params(body, body.max_completion_tokens if body.max_completion_tokens is not None
+                                   else body.max_tokens)
+        prompt = await self._render_chat(body)
+        return await self._respond(http, body, lambda: beam_search_outputs(
+            self.engine, rid, [prompt], params, body.priority, lora), builder)
+
+    def _beam_params(self, body: GenerationRequest, max_tokens: int | None) -> BeamSearchParams:
+        params = body.to_beam_search_params(max_tokens, self.engine.info.max_model_len)
+        check_beam_params(params, len(self.engine.info.eos_token_ids))
+        return params
 
     # ---------------------------------------------------------------- validate and build
 
@@ -93,15 +126,18 @@ class OpenAIServing:
 
     async def _chat_requests(self, body: ChatCompletionRequest, rid: str,
                              tool_mode: str | None = None, lora: int = 0) -> list[PreparedRequest]:
-        body.check_supported()      # before rendering: a field we cannot honour is the error to report
-        prompt = await self.engine.render_chat(body.text_messages(), body.add_generation_prompt,
-                                               body.template_variables(body.chat_template_kwargs),
-                                               body.continue_final_message, tools=body.template_tools())
+        prompt = await self._render_chat(body)
         # max_tokens unset stays None: the request fills what its prompt, once truncated in prepare, leaves.
         params = body.to_sampling_params(defaults=self.engine.info.default_sampling)
         if tool_mode == "auto" and TOOL_PARSERS[self.tool_parser].keeps_special_tokens:
             params = params.clone(skip_special_tokens=False)     # its call marker is a special token
         return [self.engine.prepare(prompt, params, rid, body.priority, lora)]
+
+    async def _render_chat(self, body: ChatCompletionRequest) -> ProcessedPrompt:
+        body.check_supported()      # before rendering: a field we cannot honour is the error to report
+        return await self.engine.render_chat(body.text_messages(), body.add_generation_prompt,
+                                             body.template_variables(body.chat_template_kwargs),
+                                             body.continue_final_message, tools=body.template_tools())
 
     # ---------------------------------------------------------------- run
 
@@ -120,7 +156,29 @@ class OpenAIServing:
             return CountedStreamingResponse(self._stream(jobs, builder, include_usage, outputs), leave,
                                             media_type="text/event-stream")
         try:
-            return JSONResponse(await run_until_disconnect(self._whole(jobs, builder), http.is_disconnected))
+            return await self._whole_response(http, body, self._whole(jobs, builder))
+        finally:
+            leave()
+
+    async def _respond(self, http: Request, body: GenerationRequest,
+                       run: Callable[[], Awaitable[list[RequestOutput]]], builder: ResponseBuilder) -> Response:
+        """The whole response of work other than one engine request per prompt (beam search): run() gives
+        each prompt's finished output."""
+        self.engine.check_alive()
+        self.admission.check()
+        leave = self.admission.enter()
+
+        async def whole() -> dict[str, Any]:
+            return builder.whole(await run())
+        try:
+            return await self._whole_response(http, body, whole())
+        finally:
+            leave()
+
+    async def _whole_response(self, http: Request, body: GenerationRequest,
+                              work: Awaitable[dict[str, Any]]) -> Response:
+        try:
+            return JSONResponse(await run_until_disconnect(work, http.is_disconnected))
         except asyncio.CancelledError:
             return Response(status_code=499)
         except EngineOverloadedError as exc:      # the core refused it in a race with the check above
@@ -128,8 +186,6 @@ class OpenAIServing:
             raise exc
         except ValueError as exc:
             raise name_field(exc, body.structured_outputs_source()) from None
-        finally:
-            leave()
 
     async def _first_output(self, body: GenerationRequest,
                             jobs: list[PreparedRequest]) -> AsyncIterator[tuple[int, RequestOutput]] | None:
