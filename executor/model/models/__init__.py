@@ -23,6 +23,13 @@ _BY_ARCHITECTURE: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
+    # Encoders, served with --runner pooling (common/pooler_config.py).
+    "BertModel": ("bert", "BertModel"),
+    "XLMRobertaModel": ("bert", "XLMRobertaModel"),
+    "RobertaModel": ("bert", "XLMRobertaModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "XLMRobertaForSequenceClassification": ("bert", "XLMRobertaForSequenceClassification"),
+    "RobertaForSequenceClassification": ("bert", "XLMRobertaForSequenceClassification"),
 }
 # Draft heads, never a served model: common/speculative.mark_eagle_head names them in an EAGLE checkpoint's config.
 _HEADS: dict[str, tuple[str, str]] = {
