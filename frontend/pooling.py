@@ -28,6 +28,8 @@ _PROMPT_ONLY = SamplingParams(max_tokens=0, output_kind=RequestOutputKind.FINAL_
 def tokenize_input(inputs: InputProcessor, prompt: Any, truncate: int | None) -> ProcessedPrompt:
     """A text (tokenized with the model's special tokens, cut to `truncate` tokens by the tokenizer, as
     sentence-transformers cuts), token ids (the last `truncate` kept) or a dict prompt."""
+    if (isinstance(prompt, (str, list)) and len(prompt) == 0) or prompt is None:
+        raise RequestError.at("input", "must not be empty")
     keep = inputs.info.max_model_len if truncate == -1 else truncate
     if isinstance(prompt, str) and keep is not None:
         return ProcessedPrompt(prompt, list(inputs.tokenizer.encode(prompt, truncation=True, max_length=keep)))
@@ -43,7 +45,7 @@ def tokenize_pair(inputs: InputProcessor, text_1: str, text_2: str,
         raise RequestError("text_1", "a score pair is two strings")
     keep = inputs.info.max_model_len if truncate == -1 else truncate
     kwargs = {"truncation": True, "max_length": keep} if keep is not None else {}
-    enc = inputs.tokenizer(text_1, text_2, **kwargs)
+    enc = inputs.tokenizer(text_1, text_2, return_token_type_ids=True, **kwargs)
     types = enc.get("token_type_ids")
     types = list(types) if types is not None and any(types) else None
     return ProcessedPrompt(f"{text_1}\n{text_2}", list(enc["input_ids"])), types
