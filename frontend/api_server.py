@@ -26,6 +26,7 @@ from pagedserve.frontend.protocol import (ChatCompletionRequest, CompletionReque
                                           ModelCard, ModelList, TokenizeRequest)
 from pagedserve.frontend.server_args import ServerArgs
 from pagedserve.frontend.serving import OpenAIServing
+from pagedserve.frontend.serving_pooling import add_pooling_routes
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
     _add_guards_and_handlers(app, settings)
     if loras is not None:
         add_lora_routes(app, loras, parse_lora_modules(settings.lora_modules), settings.allow_runtime_lora_updating)
+
+    add_pooling_routes(app, engine, served_model_name, admission, serving.check_model)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
