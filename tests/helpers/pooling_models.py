@@ -62,8 +62,8 @@ def write_sentence_transformers(path: str, pooling: str, normalize: bool, dim: i
 
 def _encoder_config(arch: str, vocab: int, **overrides: Any) -> Any:
     from transformers import BertConfig, XLMRobertaConfig
-    fields = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=64, max_position_embeddings=512, initializer_range=0.2, **overrides)
+    fields = {**dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=512, initializer_range=0.2), **overrides}
     if arch == "xlm-roberta":
         return XLMRobertaConfig(pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1,
                                 **{**fields, "max_position_embeddings": 514})
