@@ -30,6 +30,7 @@ def tokenize_input(inputs: InputProcessor, prompt: Any, truncate: int | None) ->
     sentence-transformers cuts), token ids (the last `truncate` kept) or a dict prompt."""
     if (isinstance(prompt, (str, list)) and len(prompt) == 0) or prompt is None:
         raise RequestError.at("input", "must not be empty")
+    PoolingParams(truncate_prompt_tokens=truncate).validate()      # before the tokenizer is given it
     keep = inputs.info.max_model_len if truncate == -1 else truncate
     if isinstance(prompt, str) and keep is not None:
         return ProcessedPrompt(prompt, list(inputs.tokenizer.encode(prompt, truncation=True, max_length=keep)))
@@ -43,6 +44,7 @@ def tokenize_pair(inputs: InputProcessor, text_1: str, text_2: str,
     and its segment ids (1 for the second text) where the tokenizer makes them."""
     if not isinstance(text_1, str) or not isinstance(text_2, str):
         raise RequestError("text_1", "a score pair is two strings")
+    PoolingParams(truncate_prompt_tokens=truncate).validate()
     keep = inputs.info.max_model_len if truncate == -1 else truncate
     kwargs = {"truncation": True, "max_length": keep} if keep is not None else {}
     enc = inputs.tokenizer(text_1, text_2, return_token_type_ids=True, **kwargs)

@@ -51,7 +51,10 @@ def api_schema(api_server):
 # Every operation of the spec; test_spec_lists_every_operation fails when a route is added without fuzzing.
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
               ("GET", "/health"), ("GET", "/metrics"), ("GET", "/version"), ("POST", "/tokenize"),
-              ("POST", "/detokenize")]
+              ("POST", "/detokenize"),
+              # pooling routes (frontend/serving_pooling.py): on this generating model each answers a 400
+              ("POST", "/v1/embeddings"), ("POST", "/pooling"), ("POST", "/classify"), ("POST", "/score"),
+              ("POST", "/rerank"), ("POST", "/v1/rerank"), ("POST", "/v2/rerank")]
 _EXAMPLES = {"POST": 60, "GET": 5}
 
 
