@@ -40,8 +40,9 @@ class PoolingServing:
         kind = "embedding" if task == "embed" else "pooling"
         data = []
         for i, out in enumerate(outs):
-            vector = out.pooling_output if body.encoding_format == "base64" else decode_vector(out.pooling_output).tolist()
-            value = base64.b64encode(vector).decode() if body.encoding_format == "base64" else vector
+            # base64: the engine's little-endian float32 bytes as they are (what OpenAI's clients decode)
+            value = (base64.b64encode(out.pooling_output).decode() if body.encoding_format == "base64"
+                     else decode_vector(out.pooling_output).tolist())
             data.append({"index": i, "object": kind, ("embedding" if task == "embed" else "data"): value})
         prefix = "embd" if task == "embed" else "pool"
         return JSONResponse(listing(f"{prefix}-{uuid.uuid4().hex}", self.model_name, data, used))

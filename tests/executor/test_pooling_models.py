@@ -63,12 +63,13 @@ def test_bert_hidden_states_match_hf(tmp_path):
     np.testing.assert_allclose(got[0].outputs.data, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
-def test_decoder_embedder_chunked_matches_sentence_transformers(tmp_path, arch):
+@pytest.mark.parametrize("arch,base_model", [("qwen3", False), ("qwen2", True)])
+def test_decoder_embedder_chunked_matches_sentence_transformers(tmp_path, arch, base_model):
     """Last-token pooling of a causal LM (--convert embed): the long prompt is prefilled in 64-token chunks
-    beside short ones, and pooled at its last chunk's last token."""
+    beside short ones, and pooled at its last chunk's last token. qwen2: saved as its base model alone, with no
+    LM head (gte-Qwen2's layout)."""
     from sentence_transformers import SentenceTransformer
-    path = make_decoder_embedder(str(tmp_path / arch), arch)
+    path = make_decoder_embedder(str(tmp_path / arch), arch, base_model=base_model)
     texts = TEXTS + [LONG]
     ref = SentenceTransformer(path, device="cpu").encode(texts)
     with LLM(path, dtype="float32", device="cpu", runner="pooling", convert="embed",

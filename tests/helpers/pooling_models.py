@@ -96,12 +96,25 @@ def make_cross_encoder(path: str, num_labels: int = 1, seed: int = 0) -> str:
     return path
 
 
-def make_decoder_embedder(path: str, arch: str = "qwen3", seed: int = 0) -> str:
-    """A causal LM (Qwen3 / Qwen2 shape, tied embeddings) served with --convert embed: last-token pooling,
-    normalized, as Qwen3-Embedding's sentence-transformers folder says."""
+def make_decoder_embedder(path: str, arch: str = "qwen3", seed: int = 0, base_model: bool = False) -> str:
+    """A causal LM (Qwen3 / Qwen2 shape) served with --convert embed: last-token pooling, normalized, as
+    Qwen3-Embedding's sentence-transformers folder says. base_model: saved as gte-Qwen2 is, the base model
+    alone (no `model.` prefix, no LM head, untied) under a *ForCausalLM config."""
     from pagedserve.tests.helpers.tiny_models import make_tiny_model
-    make_tiny_model(path, arch=arch, seed=seed, vocab_size=49152, tie_word_embeddings=True, hidden_size=32,
-                    intermediate_size=64, max_position_embeddings=1024, initializer_range=0.05)
+    make_tiny_model(path, arch=arch, seed=seed, vocab_size=49152, tie_word_embeddings=not base_model,
+                    hidden_size=32, intermediate_size=64, max_position_embeddings=1024, initializer_range=0.05)
+    if base_model:
+        from transformers import AutoModelForCausalLM
+        full = AutoModelForCausalLM.from_pretrained(path)
+        for f in os.listdir(path):
+            if f.endswith(".safetensors"):
+                os.remove(os.path.join(path, f))
+        full.model.save_pretrained(path)
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        config["architectures"] = [type(full).__name__]       # save_pretrained wrote the base model's class
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f)
     with open(os.path.join(path, "tokenizer_config.json")) as f:
         tok_cfg = json.load(f)
     if not tok_cfg.get("pad_token"):          # sentence-transformers pads batches
