@@ -50,7 +50,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(model_config: ModelConfig, tp: TPGroup, pp: PPGroup = PPGroup(), pooling: bool = False) -> nn.Module:
+def load_model(model_config: ModelConfig, tp: TPGroup, pp: PPGroup = PPGroup(),
+               pooling: bool = False) -> nn.Module:
     """The model for this rank (its pipeline stage's layers), on model_config.device in model_config.dtype,
     weights loaded, eval mode. pooling (--runner pooling): the LM head is never used, so a checkpoint saved
     without one (an embedding model saved as its base model, Qwen3-Embedding / gte-Qwen2) loads too."""
