@@ -117,3 +117,13 @@ def test_encoder_refuses_prompt_longer_than_one_step(tmp_path):
         with pytest.raises(RequestError, match="input: .*max_model_len"):
             llm.embed({"prompt_token_ids": [5] * 600}, use_tqdm=False)
         assert len(llm.embed(LONG, truncate_prompt_tokens=32, use_tqdm=False)[0].outputs.embedding) == 32
+
+
+def test_matryoshka_dimensions_cut_then_normalize(tmp_path):
+    path = make_encoder_embedder(str(tmp_path / "mrl"), "bert", "CLS", True, matryoshka_dimensions=[8, 16])
+    with LLM(path, dtype="float32", device="cpu") as llm:
+        full = np.asarray(llm.encode(TEXTS[0], use_tqdm=False)[0].outputs.data)
+        cut = np.asarray(llm.embed(TEXTS[0], PoolingParams(dimensions=16), use_tqdm=False)[0].outputs.embedding)
+        with pytest.raises(RequestError, match="dimensions: must be one of"):
+            llm.embed(TEXTS[0], PoolingParams(dimensions=12), use_tqdm=False)
+    np.testing.assert_allclose(cut, full[:16] / np.linalg.norm(full[:16]), rtol=1e-5, atol=1e-6)
