@@ -109,19 +109,16 @@ def test_classifier_probs_match_hf(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_encoder_refuses_prompt_longer_than_one_step(tmp_path):
-    path = make_encoder_embedder(str(tmp_path / "bert"), "bert", "CLS", True)
+def test_matryoshka_dimensions_and_prompts_longer_than_one_step(tmp_path):
+    """dimensions cut the vector, then normalize; an encoder's prompt over the step budget or max_model_len is
+    refused naming input (truncate_prompt_tokens makes it fit)."""
+    path = make_encoder_embedder(str(tmp_path / "mrl"), "bert", "CLS", True, matryoshka_dimensions=[8, 16])
     with LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=32) as llm:
         with pytest.raises(RequestError, match="input: .*max_num_batched_tokens"):
             llm.embed(LONG, use_tqdm=False)
         with pytest.raises(RequestError, match="input: .*max_model_len"):
             llm.embed({"prompt_token_ids": [5] * 600}, use_tqdm=False)
-        assert len(llm.embed(LONG, truncate_prompt_tokens=32, use_tqdm=False)[0].outputs.embedding) == 32
-
-
-def test_matryoshka_dimensions_cut_then_normalize(tmp_path):
-    path = make_encoder_embedder(str(tmp_path / "mrl"), "bert", "CLS", True, matryoshka_dimensions=[8, 16])
-    with LLM(path, dtype="float32", device="cpu") as llm:
+        assert len(llm.encode(LONG, truncate_prompt_tokens=32, use_tqdm=False)[0].prompt_token_ids) == 32
         full = np.asarray(llm.encode(TEXTS[0], use_tqdm=False)[0].outputs.data)
         cut = np.asarray(llm.embed(TEXTS[0], PoolingParams(dimensions=16), use_tqdm=False)[0].outputs.embedding)
         with pytest.raises(RequestError, match="dimensions: must be one of"):
