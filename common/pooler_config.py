@@ -14,14 +14,18 @@ RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
 POOLING_TYPES = ("LAST", "CLS", "MEAN")
 
-# Architectures that are pooling models as they stand: (task, default pooling type, bidirectional).
-_NATIVE: dict[str, tuple[str, str]] = {
-    "BertModel": ("embed", "CLS"),
-    "XLMRobertaModel": ("embed", "CLS"),
-    "RobertaModel": ("embed", "CLS"),
-    "BertForSequenceClassification": ("classify", "CLS"),
-    "XLMRobertaForSequenceClassification": ("classify", "CLS"),
-    "RobertaForSequenceClassification": ("classify", "CLS"),
+# Architectures that are pooling models as they stand: (task, default pooling type, causal).
+_NATIVE: dict[str, tuple[str, str, bool]] = {
+    "BertModel": ("embed", "CLS", False),
+    "XLMRobertaModel": ("embed", "CLS", False),
+    "RobertaModel": ("embed", "CLS", False),
+    "BertForSequenceClassification": ("classify", "CLS", False),
+    "XLMRobertaForSequenceClassification": ("classify", "CLS", False),
+    "RobertaForSequenceClassification": ("classify", "CLS", False),
+    # A causal LM with a score head classifies by its last token (HF pools the last non-padding one).
+    "LlamaForSequenceClassification": ("classify", "LAST", True),
+    "Qwen2ForSequenceClassification": ("classify", "LAST", True),
+    "Qwen3ForSequenceClassification": ("classify", "LAST", True),
 }
 # sentence-transformers' 1_Pooling/config.json switches, in the order it checks them.
 _ST_MODES = (("pooling_mode_cls_token", "CLS"), ("pooling_mode_mean_tokens", "MEAN"),
@@ -49,10 +53,6 @@ class PoolerConfig:
         return ("embed", "encode") if self.task == "embed" else ("classify", "score", "encode")
 
 
-def is_native_pooling(hf_config: Any) -> bool:
-    return _architecture(hf_config) in _NATIVE
-
-
 def resolve_pooler(runner: str, convert: str, hf_config: Any, model_path: str | None) -> PoolerConfig | None:
     """The pooler of this model under --runner/--convert, or None for a generating model; ValueError naming
     the flag for a combination that cannot run."""
@@ -69,14 +69,14 @@ def resolve_pooler(runner: str, convert: str, hf_config: Any, model_path: str | 
     if native is not None:
         if convert not in ("auto", "none", native[0]):
             raise ValueError(f"convert: {arch} is a {native[0]} model; --convert {convert} does not apply")
-        task, pooling, causal = native[0], native[1], False
+        task, pooling, causal = native
     else:
         if convert == "none":
             raise ValueError(f"convert: {arch} is no pooling model; use --convert embed (or classify)")
         task, pooling, causal = ("embed" if convert == "auto" else convert), "LAST", True
         if task == "classify":
-            raise ValueError(f"convert: --convert classify of a causal LM ({arch}) is not supported yet; "
-                             "use --convert embed")
+            raise ValueError(f"convert: --convert classify of a causal LM ({arch}) is not supported: serve a "
+                             "*ForSequenceClassification checkpoint, or use --convert embed")
     st_pooling, st_normalize = _sentence_transformers(model_path)
     dims = getattr(hf_config, "matryoshka_dimensions", None)
     return PoolerConfig(

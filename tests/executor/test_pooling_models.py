@@ -9,7 +9,8 @@ import torch
 from pagedserve import LLM
 from pagedserve.common.errors import RequestError
 from pagedserve.common.pooling_params import PoolingParams
-from pagedserve.tests.helpers.pooling_models import make_cross_encoder, make_decoder_embedder, make_encoder_embedder
+from pagedserve.tests.helpers.pooling_models import (make_causal_classifier, make_cross_encoder, make_decoder_embedder,
+                                                     make_encoder_embedder)
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "paris is the capital of france", "what",
          "machine learning model for text embedding search, which is good"]
@@ -124,3 +125,16 @@ def test_matryoshka_dimensions_and_prompts_longer_than_one_step(tmp_path):
         with pytest.raises(RequestError, match="dimensions: must be one of"):
             llm.embed(TEXTS[0], PoolingParams(dimensions=12), use_tqdm=False)
     np.testing.assert_allclose(cut, full[:16] / np.linalg.norm(full[:16]), rtol=1e-5, atol=1e-6)
+
+
+def test_causal_lm_classifier_matches_hf(tmp_path):
+    """Qwen2ForSequenceClassification: the score head over the last token, chunked like any decoder prompt."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    path = make_causal_classifier(str(tmp_path / "qcls"), "qwen2", num_labels=3)
+    tok = AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+        want = [model(**tok(t, return_tensors="pt")).logits.softmax(-1)[0].numpy() for t in TEXTS + [LONG]]
+    with LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=64) as llm:
+        got = [o.outputs.probs for o in llm.classify(TEXTS + [LONG], use_tqdm=False)]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

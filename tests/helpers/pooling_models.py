@@ -123,3 +123,22 @@ def make_decoder_embedder(path: str, arch: str = "qwen3", seed: int = 0, base_mo
             json.dump(tok_cfg, f)
     write_sentence_transformers(path, "LAST", True, 32)
     return path
+
+
+def make_causal_classifier(path: str, arch: str = "qwen2", num_labels: int = 3, seed: int = 0) -> str:
+    """Qwen2ForSequenceClassification / Qwen3ForSequenceClassification with random weights (a score head over
+    the last token), the embedded tokenizer; no LM head in the checkpoint."""
+    import transformers
+
+    from pagedserve.tests.helpers.tiny_models import embedded_tokenizer
+    config_cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    model_cls = {"qwen2": transformers.Qwen2ForSequenceClassification,
+                 "qwen3": transformers.Qwen3ForSequenceClassification}[arch]
+    config = config_cls(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                        initializer_range=0.05, num_labels=num_labels, tie_word_embeddings=False,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=2, head_dim=8)
+    torch.manual_seed(seed)
+    model_cls(config).eval().save_pretrained(path)
+    embedded_tokenizer().save_pretrained(path)
+    return path

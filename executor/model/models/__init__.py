@@ -30,6 +30,9 @@ _BY_ARCHITECTURE: dict[str, tuple[str, str]] = {
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
     "XLMRobertaForSequenceClassification": ("bert", "XLMRobertaForSequenceClassification"),
     "RobertaForSequenceClassification": ("bert", "XLMRobertaForSequenceClassification"),
+    "LlamaForSequenceClassification": ("seq_cls", "LlamaForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("seq_cls", "Qwen2ForSequenceClassification"),
+    "Qwen3ForSequenceClassification": ("seq_cls", "Qwen3ForSequenceClassification"),
 }
 # Draft heads, never a served model: common/speculative.mark_eagle_head names them in an EAGLE checkpoint's config.
 _HEADS: dict[str, tuple[str, str]] = {
