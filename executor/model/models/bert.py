@@ -157,3 +157,11 @@ class XLMRobertaForSequenceClassification(XLMRobertaModel):
 
     def _local_name(self, name: str) -> str:
         return name if name.startswith("classifier.") else super()._local_name(name)
+
+
+class RobertaModel(XLMRobertaModel):
+    """RoBERTa's checkpoints share XLM-R's layout."""
+
+
+class RobertaForSequenceClassification(XLMRobertaForSequenceClassification):
+    pass
