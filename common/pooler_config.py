@@ -72,7 +72,7 @@ def resolve_pooler(runner: str, convert: str, hf_config: Any, model_path: str | 
         task, pooling, causal = native
     else:
         if convert == "none":
-            raise ValueError(f"convert: {arch} is no pooling model; use --convert embed (or classify)")
+            raise ValueError(f"convert: {arch} is no pooling model; use --convert embed")
         task, pooling, causal = ("embed" if convert == "auto" else convert), "LAST", True
         if task == "classify":
             raise ValueError(f"convert: --convert classify of a causal LM ({arch}) is not supported: serve a "
@@ -111,6 +111,10 @@ def _sentence_transformers(path: str | None) -> tuple[str | None, bool | None]:
     if not isinstance(modules, list):
         raise ValueError(f"modules.json: {path}/modules.json must hold a JSON list")
     kinds = {m.get("type", "").rsplit(".", 1)[-1]: m.get("path", "") for m in modules if isinstance(m, dict)}
+    unknown = set(kinds) - {"Transformer", "Pooling", "Normalize"}
+    if unknown:      # a Dense projection would change the vector: refuse rather than answer another one
+        raise ValueError(f"{path}/modules.json: sentence-transformers modules {', '.join(sorted(unknown))} are not "
+                         "supported (only Transformer, Pooling and Normalize)")
     pooling = None
     if "Pooling" in kinds:
         cfg = read_json_object(os.path.join(path, kinds["Pooling"], "config.json"), "1_Pooling/config.json")

@@ -35,6 +35,7 @@ def test_encoder_embeddings_match_sentence_transformers(tmp_path, arch, pooling,
     ref = SentenceTransformer(path, device="cpu").encode(texts)
     with LLM(path, dtype="float32", device="cpu") as llm:
         assert llm.info.pooling_tasks == ["embed", "encode"]
+        assert not llm.engine.config.cache.enable_prefix_caching      # an encoder keeps no KV to reuse
         got = [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]      # one batch, mixed lengths
         single = llm.embed(TEXTS[1], use_tqdm=False)[0].outputs.embedding
         raw = llm.encode(TEXTS[:1], use_tqdm=False)[0].outputs.data
