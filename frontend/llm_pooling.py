@@ -13,18 +13,19 @@ if TYPE_CHECKING:
     from pagedserve.frontend.llm import LLM
 
 
-def embed(llm: "LLM", prompts: Any, params: PoolingParams | None, use_tqdm: bool, truncate: int | None) -> list:
-    return _single(llm, prompts, pooling.default_params(params, "embed", truncate), use_tqdm, pooling.to_embedding)
+Params = PoolingParams | Sequence[PoolingParams] | None      # one for every prompt, or one per prompt
 
 
-def encode(llm: "LLM", prompts: Any, params: PoolingParams | None, use_tqdm: bool, truncate: int | None) -> list:
-    return _single(llm, prompts, pooling.default_params(params, "encode", truncate), use_tqdm,
-                   pooling.to_pooling_output)
+def embed(llm: "LLM", prompts: Any, params: Params, use_tqdm: bool, truncate: int | None) -> list:
+    return _single(llm, prompts, params, "embed", truncate, use_tqdm, pooling.to_embedding)
 
 
-def classify(llm: "LLM", prompts: Any, params: PoolingParams | None, use_tqdm: bool, truncate: int | None) -> list:
-    return _single(llm, prompts, pooling.default_params(params, "classify", truncate), use_tqdm,
-                   pooling.to_classification)
+def encode(llm: "LLM", prompts: Any, params: Params, use_tqdm: bool, truncate: int | None) -> list:
+    return _single(llm, prompts, params, "encode", truncate, use_tqdm, pooling.to_pooling_output)
+
+
+def classify(llm: "LLM", prompts: Any, params: Params, use_tqdm: bool, truncate: int | None) -> list:
+    return _single(llm, prompts, params, "classify", truncate, use_tqdm, pooling.to_classification)
 
 
 def score(llm: "LLM", data_1: Any, data_2: Any, params: PoolingParams | None, use_tqdm: bool,
@@ -44,11 +45,14 @@ def score(llm: "LLM", data_1: Any, data_2: Any, params: PoolingParams | None, us
     return [pooling.cosine_score(outs[2 * i], outs[2 * i + 1], outs[2 * i].request_id) for i in range(len(pairs))]
 
 
-def _single(llm: "LLM", prompts: Any, params: PoolingParams, use_tqdm: bool,
+def _single(llm: "LLM", prompts: Any, params: Params, task: str, truncate: int | None, use_tqdm: bool,
             convert: Callable[[RequestOutput], Any]) -> list:
-    from pagedserve.frontend.llm import _as_prompt_list
+    from pagedserve.frontend.llm import _as_prompt_list, _per_prompt
     items: Sequence[Any] = _as_prompt_list(prompts)
-    batch = [_prepare(llm, _tokenize(llm, p, params), params) for p in items]
+    given = list(params) if isinstance(params, (list, tuple)) else params
+    per_prompt = [pooling.default_params(p, task, truncate) for p in _per_prompt(given, len(items), "pooling_params",
+                                                                                 None)]
+    batch = [_prepare(llm, _tokenize(llm, p, pp), pp) for p, pp in zip(items, per_prompt)]
     return [convert(o) for o in llm._run_prepared(batch, use_tqdm)]
 
 
