@@ -81,28 +81,30 @@ class PoolingServing:
         info = self.engine.info
         check_pooling_task(params, info.pooling_tasks, info.is_matryoshka, info.matryoshka_dimensions)
         items = _inputs(body.input)
-        prompts = [await self.engine._run_tokenizer(pooling.tokenize_input, self.engine.processors.input, item,
-                                                    params.truncate_prompt_tokens) for item in items]
+        prompts = [await self._tokenize(pooling.tokenize_input, item, params.truncate_prompt_tokens) for item in items]
         return await self._run([self._prepare(p, params, body.priority) for p in prompts])
 
     async def _scores(self, pairs: list[tuple[str, str]], body: Any) -> tuple[list[float], int]:
         """A cross-encoder scores each pair as one prompt; an embedding model embeds both texts (cosine)."""
-        inputs = self.engine.processors.input
         truncate = body.truncate_prompt_tokens
         if "score" in self.engine.info.pooling_tasks:
             params = PoolingParams(task="score", truncate_prompt_tokens=truncate)
             jobs = []
             for a, b in pairs:
-                prompt, types = pooling.tokenize_pair(inputs, a, b, truncate)
+                prompt, types = await self._tokenize(pooling.tokenize_pair, a, b, truncate)
                 jobs.append(self._prepare(prompt, params.clone(token_type_ids=types), body.priority))
             outs, used = await self._run(jobs)
             return [float(decode_vector(o.pooling_output)[0]) for o in outs], used
         params = PoolingParams(task="embed", truncate_prompt_tokens=truncate)
         check_pooling_task(params, self.engine.info.pooling_tasks, False, None)
         texts = [t for pair in pairs for t in pair]
-        outs, used = await self._run([self._prepare(pooling.tokenize_input(inputs, t, truncate), params, body.priority)
-                                      for t in texts])
+        prompts = [await self._tokenize(pooling.tokenize_input, t, truncate) for t in texts]
+        outs, used = await self._run([self._prepare(p, params, body.priority) for p in prompts])
         return [pooling.cosine_score(outs[2 * i], outs[2 * i + 1], "").outputs.score for i in range(len(pairs))], used
+
+    async def _tokenize(self, fn: Any, *args: Any) -> Any:
+        """fn(input processor, *args) on the engine client's tokenizer thread (the event loop keeps serving)."""
+        return await self.engine._run_tokenizer(fn, self.engine.processors.input, *args)
 
     def _prepare(self, prompt: ProcessedPrompt, params: PoolingParams, priority: int) -> PreparedRequest:
         return pooling.prepare_pooling(self.engine.processors.input, f"pool-{uuid.uuid4().hex}", prompt, params,
