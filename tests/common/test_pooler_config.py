@@ -28,7 +28,8 @@ def test_defaults_per_architecture():
     dec = resolve_pooler("pooling", "auto", qwen3(), None)
     assert (dec.task, dec.pooling_type, dec.causal, dec.whole_prompt) == ("embed", "LAST", True, False)
     assert resolve_pooler("auto", "embed", qwen3(), None) == dec
-    cls = resolve_pooler("auto", "auto", BertConfig(architectures=["BertForSequenceClassification"], num_labels=1), None)
+    cross = BertConfig(architectures=["BertForSequenceClassification"], num_labels=1)
+    cls = resolve_pooler("auto", "auto", cross, None)
     assert (cls.task, cls.num_labels, cls.tasks) == ("classify", 1, ("classify", "score", "encode"))
 
 
