@@ -14,6 +14,7 @@ from pagedserve.common.dtype import DTYPE_CHOICES, checkpoint_dtype, resolve_dty
 from pagedserve.common.generation_config import AUTO, check_setting, load_generation_defaults
 from pagedserve.common.hub import TOKENIZER_FILES, local_or_hub_path, looks_like_hub_id
 from pagedserve.common.model_files import ModelSource, load_hf_config, resolve_model
+from pagedserve.common.pooler_config import CONVERTS, RUNNERS, PoolerConfig, position_limit, resolve_pooler
 from pagedserve.common.quantization import (QUANTIZATION_CHOICES, checkpoint_quant_spec, resolve_quantization)
 from pagedserve.common.reasoning import REASONING_PARSERS
 from pagedserve.common.engine_config import (CacheConfig, EngineConfig, LoRAConfig,  # noqa: F401
@@ -160,6 +161,15 @@ class EngineArgs:
                    f"own thread beats, so a long step does not count; under torchrun, how long a rank may keep the "
                    f"others waiting in a collective (unset: {DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S:g} s, under "
                    f"torchrun {DEFAULT_TORCHRUN_COLLECTIVE_TIMEOUT_S:g} s, to allow for start-up skew)")
+    runner: str = setting(
+        "auto", choices=RUNNERS,
+        help="generate: a language model; pooling: embeddings, classification and scores (docs/pooling.md); "
+             "auto: pooling for encoder checkpoints (BertModel, XLMRobertaModel, *ForSequenceClassification) "
+             "and with --convert embed|classify, else generate")
+    convert: str = setting(
+        "auto", choices=CONVERTS,
+        help="with --runner pooling: run a causal LM checkpoint as an embedding model (embed: last-token "
+             "pooling, normalized, as Qwen3-Embedding / gte-Qwen2); auto: the checkpoint's own task")
     engine_heartbeat_timeout: float = setting(
         30.0, help=f"seconds a client may hear nothing from the engine core (it beats every "
                    f"{CORE_HEARTBEAT_INTERVAL_S:g} s) before it declares the core dead: the server then ends "
@@ -170,11 +180,15 @@ class EngineArgs:
         processes as data (common/config_wire.py), so none of them repeats this."""
         self.validate()
         model = self._model_config()
+        pooler = resolve_pooler(self.runner, self.convert, model.hf_config,
+                                model.source.path if model.source.format == "hf" else None)
         cache = CacheConfig(
             block_size=self.block_size,
             kv_cache_memory_gib=DEFAULT_CPU_KV_CACHE_GIB if self.kv_cache_memory is None else self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            enable_prefix_caching=self.enable_prefix_caching,
+            # A pooler that reads the whole prompt needs every position computed in its step (an encoder keeps
+            # no KV cache at all): nothing may come from the prefix cache.
+            enable_prefix_caching=self.enable_prefix_caching and not (pooler is not None and pooler.whole_prompt),
             num_blocks_override=self.num_gpu_blocks_override,
             cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model.device, model.dtype,
                                                weight_only(model.quantization)))
@@ -191,7 +205,18 @@ class EngineArgs:
         speculative = parse_speculative_config(self.speculative_config)
         return EngineConfig(model=model, cache=cache, scheduler=self._scheduler_config(model.max_model_len),
                             parallel=parallel, structured_outputs=structured, speculative=speculative,
-                            draft_model=self._draft_model_config(speculative, model), lora=self._lora_config(model))
+                            draft_model=self._draft_model_config(speculative, model), lora=self._lora_config(model),
+                            pooler=self._check_pooler(pooler))
+
+    def _check_pooler(self, pooler: PoolerConfig | None) -> PoolerConfig | None:
+        if pooler is None:
+            return None
+        if self.speculative_config is not None or self.enable_lora or self.pipeline_parallel_size > 1:
+            raise ValueError("runner: a pooling model runs without speculative_config, enable_lora and "
+                             "pipeline_parallel_size > 1")
+        if not pooler.causal and self.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size: encoder models (BERT family) run on one rank")
+        return pooler
 
     def _lora_config(self, model: ModelConfig) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -213,10 +238,16 @@ class EngineArgs:
                               weight_only_quantized=weight_only(quantization))
         return ModelConfig(
             source=source, hf_config=hf_config, dtype=dtype, device=device,
-            max_model_len=resolve_max_model_len(self.max_model_len, hf_config), seed=self.seed,
+            max_model_len=self._max_model_len(hf_config), seed=self.seed,
             served_model_name=self.served_model_name or source.name, enforce_eager=self.enforce_eager,
             tokenizer=self._resolve_tokenizer(source), default_sampling=gen.sampling,
             generation_eos_token_ids=gen.eos_token_ids, quantization=quantization)
+
+    def _max_model_len(self, hf_config: Any) -> int:
+        limit = position_limit(hf_config)
+        if limit is not None and (self.max_model_len or limit) > limit:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's maximum length ({limit})")
+        return resolve_max_model_len(self.max_model_len or limit, hf_config)
 
     def _draft_model_config(self, spec: SpeculativeConfig | None, target: ModelConfig) -> ModelConfig | None:
         """The draft model (or EAGLE head) of speculative_config.model, in the model's dtype and length;
@@ -306,6 +337,8 @@ class EngineArgs:
         if self.reasoning_parser is not None:
             one_of("reasoning_parser", self.reasoning_parser, tuple(REASONING_PARSERS))
         parse_speculative_config(self.speculative_config)
+        one_of("runner", self.runner, RUNNERS)
+        one_of("convert", self.convert, CONVERTS)
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.common.model_files import ModelSource
+from pagedserve.common.pooler_config import PoolerConfig
 from pagedserve.common.quantization import QuantSpec
 from pagedserve.common.speculative import SpeculativeConfig
 
@@ -122,3 +123,4 @@ class EngineConfig:
     speculative: SpeculativeConfig | None     # None: no speculative decoding
     draft_model: ModelConfig | None           # speculative_config's draft model, resolved like the model
     lora: LoRAConfig | None                   # None: no adapters (enable_lora off)
+    pooler: PoolerConfig | None               # --runner pooling: how prompts become vectors; None: generate

@@ -17,6 +17,7 @@ from pagedserve.common.request_checks import (check_request, check_request_id, c
                                               generation_budget)
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.lora_registry import LoRARegistry
+from pagedserve.core.pooling_requests import check_runner, pooling_info
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.structured_output.setup import check_structured_outputs, make_structured_output_manager
@@ -100,20 +101,24 @@ class EngineCore:
         anything. checked: the frontend in this very process already ran check_request on it (InprocClient)."""
         model = self.config.model
         check_request_id(req.request_id, self.scheduler.requests)
+        check_runner(req, self.config)
         params = req.sampling_params
-        if checked:
+        if req.pooling_params is not None:     # the prompt only: checked above, against the pooler's limits
+            max_tokens = 0
+        elif checked:
             max_tokens = generation_budget(params, len(req.prompt_token_ids), model.max_model_len)
         else:
             max_tokens = check_request(req.prompt_token_ids, params, req.priority, model.max_model_len,
                                        model.vocab_size)
         check_waiting_room(len(self.scheduler.waiting), self.config.scheduler.max_waiting_requests)
-        structured = params.structured_outputs
+        structured = params.structured_outputs if req.pooling_params is None else None
         if structured is not None:
             check_structured_outputs(structured)
         digest = self._lora_digest(req.lora_int_id)
         request = Request(req.request_id, list(req.prompt_token_ids), params, self.eos_token_ids,
                           max_tokens, self.block_hasher, req.arrival_time, req.priority, req.client_index,
-                          req.lora_int_id, digest)
+                          req.lora_int_id, digest, req.pooling_params,
+                          whole_prompt=self.config.pooler is not None and self.config.pooler.whole_prompt)
         if structured is not None:
             request.structured = self.structured_outputs.submit(structured)
         self.scheduler.add_request(request)
@@ -223,7 +228,7 @@ class EngineCore:
                 max_waiting_requests=cfg.scheduler.max_waiting_requests, block_size=cfg.cache.block_size,
                 num_blocks=self.num_blocks, default_sampling=dict(cfg.model.default_sampling),
                 reasoning_parser=cfg.structured_outputs.reasoning_parser,
-                max_loras=cfg.lora.max_loras if cfg.lora is not None else 0)
+                max_loras=cfg.lora.max_loras if cfg.lora is not None else 0, **pooling_info(cfg))
         return self._info
 
     def call_utility(self, method: str, args: Sequence[Any] = ()) -> Any:

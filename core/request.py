@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from pagedserve.core.block_hash import BlockHasher
+from pagedserve.common.pooling_params import PoolingParams
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.ipc.messages import LogprobsEntry, PromptLogprobsChunk
 
@@ -38,7 +39,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_tokens: int, block_hasher: BlockHasher | None,
                  arrival_time: float | None = None, priority: int = 0, client_index: int = 0,
-                 lora_int_id: int = 0, lora_digest: bytes | None = None) -> None:
+                 lora_int_id: int = 0, lora_digest: bytes | None = None,
+                 pooling_params: PoolingParams | None = None, whole_prompt: bool = False) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
@@ -68,6 +70,10 @@ class Request:
         self.lora_int_id = lora_int_id          # 0: the base model
         self._lora_digest = lora_digest         # the adapter's identity in the prefix cache
         self._hasher = block_hasher
+        # A pooling request: its prompt is computed and pooled, never decoded (max_tokens is 0). whole_prompt:
+        # the pooler reads every prompt position in one step, so the prompt is never chunked.
+        self.pooling_params = pooling_params
+        self.whole_prompt = whole_prompt
         self._stop_ids = frozenset(self.eos_token_ids) | frozenset(sampling_params.stop_token_ids or ())
         self._update_hashes()
 

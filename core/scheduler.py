@@ -255,7 +255,7 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> tuple[list[int], int] | None:
         hit_blocks, num_hit = self.kv.get_computed_blocks(request)
         num_new = request.num_tokens - num_hit
-        if not self.config.enable_chunked_prefill and num_new > budget:
+        if (request.whole_prompt or not self.config.enable_chunked_prefill) and num_new > budget:
             return None
         num_new = min(num_new, budget)
         new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks, num_hit, self.lookahead)
@@ -282,7 +282,7 @@ class Scheduler:
             req_id=rid, prompt_token_ids=request.prompt_token_ids,
             output_token_ids=list(request.output_token_ids), sampling_params=request.sampling_params,
             block_ids=self.kv.get_block_ids(rid), num_computed_tokens=request.num_computed_tokens,
-            lora_int_id=request.lora_int_id))
+            lora_int_id=request.lora_int_id, pooling_params=request.pooling_params))
 
     def _unemit(self, request: Request, new_reqs: list[NewRequestData], cached: CachedRequestData) -> None:
         rid = request.request_id
@@ -311,6 +311,9 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or scheduled.get(rid, request) is not request:
                 continue                 # finished (aborted, or stopped by the step before) while it ran
+            if result.pooler_output is not None and result.pooler_output[i] is not None:
+                outputs.append(self._finish_pooled(request, result.pooler_output[i]))
+                continue
             if token >= 0:
                 request.num_output_placeholders -= 1
             scored = request.take_prompt_logprobs(prompt_logprobs.get(rid))
@@ -338,6 +341,17 @@ class Scheduler:
         if self.spec is not None:
             self.spec.maybe_log()
         return outputs
+
+    def _finish_pooled(self, request: Request, pooled: bytes) -> EngineCoreOutput:
+        """A pooling request's prompt is computed and pooled: it ends here, its blocks freed."""
+        self._unqueue(request)
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.num_output_placeholders = 0
+        out = EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason="stop",
+                               num_cached_tokens=max(request.num_cached_tokens, 0), pooling_output=pooled)
+        out.queue_time = request.take_queue_time()
+        self._free(request)
+        return out
 
     def _step_tokens(self, sched: SchedulerOutput, result: ModelRunnerOutput, i: int, request: Request,
                      token: int) -> tuple[list[int], list[LogprobsEntry | None]]:

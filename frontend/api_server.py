@@ -27,6 +27,7 @@ from pagedserve.frontend.protocol import (ChatCompletionRequest, CompletionReque
 from pagedserve.frontend.responses_serving import add_responses_routes
 from pagedserve.frontend.server_args import ServerArgs
 from pagedserve.frontend.serving import OpenAIServing
+from pagedserve.frontend.serving_pooling import add_pooling_routes
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
     if loras is not None:
         add_lora_routes(app, loras, parse_lora_modules(settings.lora_modules), settings.allow_runtime_lora_updating)
     add_responses_routes(app, serving, settings)
+
+    add_pooling_routes(app, engine, served_model_name, admission, serving.check_model)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from pagedserve.common.errors import RequestError
+from pagedserve.common.pooling_params import check_generation_allowed
 from pagedserve.common.request_checks import check_params, check_prompt
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.frontend.prompt_constraints import bad_words_token_ids, truncated_ids
@@ -110,6 +111,7 @@ class InputProcessor:
         engine request per sample: n > 1 fans out into children that share the prompt's blocks through the
         prefix cache. truncate_prompt_tokens is applied here, and only here."""
         check_params(params, priority)
+        check_generation_allowed(self.info.pooling_tasks)
         prompt = self.truncate(prompt, params.truncate_prompt_tokens)
         if params.bad_words:
             params = params.clone(_bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words))

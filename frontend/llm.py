@@ -17,7 +17,7 @@ from pagedserve.common.request_checks import has_waiting_room
 from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.frontend.beam_search import (BeamSearch, BeamSearchOutput, StepLogprobs, run_beam_search,
                                              step_logprobs, step_sampling_params)
-from pagedserve.frontend.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from pagedserve.frontend.input_processor import InputProcessor, PreparedRequest, ProcessedPrompt, PromptType
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.processors import Processors
@@ -144,10 +144,39 @@ class LLM:
             # Offline callers want one result per prompt: only the final output is needed.
             p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
             batch.append(self.processors.prepare(str(next(self._ids)), prompt, p, prio, lora_id))
+        return self._run_prepared(batch, use_tqdm)
+
+    def _run_prepared(self, batch: list[PreparedRequest], use_tqdm: bool) -> list[RequestOutput]:
+        """Run requests prepared (and so validated) all before any is queued; their final outputs, in order."""
         for prepared in batch:   # validated all before queueing any
             self.processors.track(prepared)
         backlog = deque(request for prepared in batch for request in prepared.requests)
         return self._run_engine([prepared.request_id for prepared in batch], backlog, use_tqdm)
+
+    # Pooling models (--runner pooling, docs/pooling.md): thin calls into frontend/llm_pooling.py.
+    def embed(self, prompts: Any, pooling_params: Any = None, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[Any]:
+        """One EmbeddingRequestOutput per prompt (.outputs.embedding)."""
+        from pagedserve.frontend import llm_pooling
+        return llm_pooling.embed(self, prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+
+    def encode(self, prompts: Any, pooling_params: Any = None, use_tqdm: bool = True,
+               truncate_prompt_tokens: int | None = None) -> list[Any]:
+        """One PoolingRequestOutput per prompt (.outputs.data: the pooler's raw vector)."""
+        from pagedserve.frontend import llm_pooling
+        return llm_pooling.encode(self, prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+
+    def classify(self, prompts: Any, pooling_params: Any = None, use_tqdm: bool = True,
+                 truncate_prompt_tokens: int | None = None) -> list[Any]:
+        """One ClassificationRequestOutput per prompt (.outputs.probs)."""
+        from pagedserve.frontend import llm_pooling
+        return llm_pooling.classify(self, prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+
+    def score(self, data_1: Any, data_2: Any, pooling_params: Any = None, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[Any]:
+        """One ScoringRequestOutput per pair (.outputs.score): a cross-encoder's, or embeddings' cosine."""
+        from pagedserve.frontend import llm_pooling
+        return llm_pooling.score(self, data_1, data_2, pooling_params, use_tqdm, truncate_prompt_tokens)
 
     def _lora_id(self, lora: LoRARequest | None) -> int:
         """The adapter's id, registered with the core the first time it is seen here (as vLLM's LLM does)."""

@@ -45,6 +45,7 @@ class _Parent:
     error_field: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     sent_prompt_logprobs: bool = False      # delta outputs carry them once, when complete
+    pooling_output: bytes | None = None     # a pooling request's pooled vector (float32 bytes)
 
     @property
     def finished(self) -> bool:
@@ -98,6 +99,8 @@ class OutputProcessor:
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if out.queue_time is not None and parent.queue_time is None:
                 parent.queue_time = out.queue_time
+            if out.pooling_output is not None:
+                parent.pooling_output = out.pooling_output
             if out.new_token_ids:
                 _add_intervals(intervals, seq, len(out.new_token_ids), now)
             self._update_sequence(seq, out)
@@ -155,7 +158,7 @@ class OutputProcessor:
             metrics["queue_time"] = parent.queue_time
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
                              parent.num_cached_tokens, metrics, parent.error, parent.error_kind,
-                             self._prompt_logprobs(parent, delta), parent.error_field)
+                             self._prompt_logprobs(parent, delta), parent.error_field, parent.pooling_output)
 
     @staticmethod
     def _prompt_logprobs(parent: _Parent, delta: bool) -> list[dict[int, Logprob] | None] | None:

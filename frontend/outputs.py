@@ -39,3 +39,4 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per prompt token.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error_field: str | None = None         # with error: the request field at fault, when one is
+    pooling_output: bytes | None = None    # a pooling request's answer: float32 values (frontend/pooling.py)

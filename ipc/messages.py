@@ -6,6 +6,7 @@ from typing import Optional, Union
 import msgspec
 
 from pagedserve.common.errors import error_field, error_kind
+from pagedserve.common.pooling_params import PoolingParams
 from pagedserve.common.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- frontend -> engine core
@@ -19,6 +20,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag
     priority: int = 0
     client_index: int = 0
     lora_int_id: int = 0      # a LoRA adapter the core registered (add_lora); 0: the base model
+    # A pooling request (embed, classify, score): its prompt is computed, pooled and answered, never decoded;
+    # its sampling_params are then only max_tokens=0 and the output kind.
+    pooling_params: Optional[PoolingParams] = None
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
@@ -56,6 +60,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Prompt positions scored this step, in order (entry j: the logprob of prompt token p+1 given 0..p).
     new_prompt_logprobs: Optional[list[LogprobsEntry]] = None
     error_field: Optional[str] = None       # with error: the request field at fault (RequestError.field)
+    pooling_output: Optional[bytes] = None  # a pooling request's answer: float32 values, little-endian, raw
 
     @property
     def finished(self) -> bool:
@@ -112,6 +117,12 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     default_sampling: dict[str, Union[int, float]] = {}
     reasoning_parser: Optional[str] = None    # --reasoning-parser: the frontend splits reasoning_content by it
     max_loras: int = 0                         # --enable-lora: adapters in one batch (0: LoRA off)
+    # --runner pooling: the tasks the model answers ([]: a generating model), Matryoshka dimensions, and the
+    # most tokens one prompt may have when the pooler needs it in one step (None: chunked).
+    pooling_tasks: list[str] = []
+    is_matryoshka: bool = False
+    matryoshka_dimensions: Optional[list[int]] = None
+    max_whole_prompt: Optional[int] = None
 
 
 class EngineReady(msgspec.Struct, array_like=True, tag="ready"):
@@ -152,6 +163,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     block_ids: list[int]
     num_computed_tokens: int
     lora_int_id: int = 0
+    pooling_params: Optional[PoolingParams] = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -196,6 +208,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     spec_logprobs: Optional[list[Optional[list[LogprobsEntry]]]] = None
     # A draft model's proposals for each row's next step (speculative method draft_model; [] for none).
     draft_token_ids: Optional[list[list[int]]] = None
+    # Pooling rows whose prompt completed this step: their pooled vector (float32 bytes), None elsewhere.
+    pooler_output: Optional[list[Optional[bytes]]] = None
 
 
 class PromptLogprobsChunk(msgspec.Struct, array_like=True):

@@ -43,6 +43,14 @@ class AttentionImpl(ABC):
         """Write key/value [T, Hkv, D] at meta.slot_mapping (slot -1: not written) into kv_cache
         [2, num_blocks, Hkv, block_size, D], then attend: query [T, Hq, D] -> [T, Hq, D]."""
 
+    def forward_encoder(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        """Encoder-only attention (BERT): no KV cache is written or read, and every token of a sequence sees
+        all of that sequence's tokens of this step (not causal); query [T, Hq, D] -> [T, Hq, D]. The SDPA
+        path serves every backend (CPU and CUDA); a backend with a faster varlen kernel overrides it."""
+        from pagedserve.kernels.attention_reference import encoder_attention
+        return encoder_attention(query, key, value, meta, self.scale)
+
 
 class AttentionMetadataBuilder:
     """Builds one step's AttentionMetadata from the runner's step tensors (device) and host copies.

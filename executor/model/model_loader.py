@@ -50,9 +50,11 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(model_config: ModelConfig, tp: TPGroup, pp: PPGroup = PPGroup()) -> nn.Module:
+def load_model(model_config: ModelConfig, tp: TPGroup, pp: PPGroup = PPGroup(),
+               pooling: bool = False) -> nn.Module:
     """The model for this rank (its pipeline stage's layers), on model_config.device in model_config.dtype,
-    weights loaded, eval mode."""
+    weights loaded, eval mode. pooling (--runner pooling): the LM head is never used, so a checkpoint saved
+    without one (an embedding model saved as its base model, Qwen3-Embedding / gte-Qwen2) loads too."""
     if model_config.dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {model_config.dtype!r}")
     cls = get_model_class(model_config.hf_config)
@@ -68,10 +70,16 @@ def load_model(model_config: ModelConfig, tp: TPGroup, pp: PPGroup = PPGroup()) 
         begin_packed(model)
     kv_scales: dict[int, dict[str, float]] = {}
     weights, count = open_weights(model_config, kv_scales)
+    expected = model.expected_weights()
+    if pooling:
+        weights = _base_model_names(weights, expected)
     progress = tqdm(weights, total=count or None, desc="Loading weights", unit="tensor",
                     disable=tp.rank != 0, leave=False)
     loaded = model.load_weights(progress)
-    _check_complete(model.expected_weights() - loaded, model_config.source.path)
+    missing = expected - loaded
+    if pooling:
+        missing = {n for n in missing if not n.startswith("lm_head.")}
+    _check_complete(missing, model_config.source.path)
     apply_kv_scales(model.attention_layers(), kv_scales)
     if method in PACKED_METHODS:
         finish_packed(model, method, torch.device(model_config.device), dtype)
@@ -80,6 +88,15 @@ def load_model(model_config: ModelConfig, tp: TPGroup, pp: PPGroup = PPGroup()) 
                 model_config.source.name, cls.__name__, model_config.dtype, method or "unquantized", tp.rank,
                 time.perf_counter() - start, nbytes / 2**20, 8 * nbytes / max(count, 1))
     return model.eval()
+
+
+def _base_model_names(weights: Weights, expected: set[str]) -> Weights:
+    """A causal LM's base model saved on its own (AutoModel: `layers.0...`, no `model.` prefix), as embedding
+    checkpoints are, named as the causal LM names it."""
+    for name, tensor in weights:
+        if f"model.{name}" in expected and name not in expected:
+            name = f"model.{name}"
+        yield name, tensor
 
 
 def _check_complete(missing: set[str], path: str) -> None:

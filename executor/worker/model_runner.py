@@ -18,6 +18,7 @@ from pagedserve.executor.worker.eagle_proposer import EagleProposer
 from pagedserve.executor.worker.grammar_mask import grammar_rows
 from pagedserve.executor.worker.input_prep import prepare_inputs
 from pagedserve.executor.worker.lora_manager import LoRAManager
+from pagedserve.executor.worker.pooling_step import pooling_output, token_type_ids
 from pagedserve.executor.worker.prompt_logprobs import compute_prompt_logprobs
 from pagedserve.executor.worker.rejection_sampler import verify_drafts
 from pagedserve.executor.worker.request_state import CachedRequestState
@@ -90,6 +91,8 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
+        if not layers:                     # an encoder (BERT): no KV cache; blocks are the scheduler's bookkeeping
+            return
         shape = (2, num_blocks, layers[0].num_kv_heads, self.block_size, layers[0].head_dim)
         self.kv_caches = []        # let a previous (profiling) cache go before the new one is allocated
         # Zeros, not empty: attention reads whole blocks and masks the tail, and a masked NaN in V
@@ -109,6 +112,9 @@ class ModelRunner:
 
     def capture_cuda_graphs(self) -> int:
         """Capture decode graphs (CUDA only); returns the bytes their memory pool took."""
+        if self.config.pooler is not None:
+            logger.info("no CUDA graphs: a pooling model runs prompts, never decodes")
+            return 0
         if self._needs_aux_hidden or self.pp.size > 1:
             logger.info("no CUDA graphs: %s", "pipeline stages pass activations between them" if self.pp.size > 1
                         else "EAGLE-3 reads the model's inner layers, which a replay does not keep")
@@ -158,7 +164,8 @@ class ModelRunner:
             intermediate = None if self.pp.is_first else self.pp.recv(
                 (len(batch.input_ids), self.config.model.hf_config.hidden_size), self.dtype, self.device, 2)
             return batch, self.model(batch.input_ids, batch.positions, batch.meta, intermediate)
-        return batch, self.model(batch.input_ids, batch.positions, batch.meta)
+        extra = token_type_ids(self.model, batch, self.states, self.device) if self.config.pooler else {}
+        return batch, self.model(batch.input_ids, batch.positions, batch.meta, **extra)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.launch(sched).result()
@@ -172,6 +179,8 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return PendingStep.ready(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         batch, hidden = self._forward(sched)
+        if self.config.pooler is not None:     # every request of a pooling model pools; none samples
+            return PendingStep.ready(pooling_output(self.model, self.config.pooler, batch, hidden, self.states))
         if not self.pp.is_last:
             self._send(hidden)
             return PendingStep.ready(ModelRunnerOutput(req_ids=batch.req_ids,

@@ -42,8 +42,10 @@ def peak_step_bytes(runner, batch: HostBatch) -> int:
     with torch.inference_mode():
         prepared = runner.buffers.commit(batch)
         hidden = runner.model(prepared.input_ids, prepared.positions, prepared.meta)
-        logits = runner.model.compute_logits(hidden[prepared.logits_indices])
-        runner.sampler(logits, random_sampling_metadata(logits.shape[0], logits.device))
-        del hidden, logits
+        if hasattr(runner.model, "compute_logits"):      # a pooling encoder has no LM head
+            logits = runner.model.compute_logits(hidden[prepared.logits_indices])
+            runner.sampler(logits, random_sampling_metadata(logits.shape[0], logits.device))
+            del logits
+        del hidden
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.common.pooling_params import PoolingParams
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.executor.worker.logit_constraints import RowConstraints
 from pagedserve.ipc.messages import NewRequestData
@@ -29,6 +30,7 @@ class CachedRequestState:
     # host value is -1 until that step's output is taken (fill). Typed Any: step_output imports this module.
     pending: dict[int, tuple[Any, int]] = field(default_factory=dict, repr=False)
     lora_int_id: int = 0              # its LoRA adapter (0: the base model)
+    pooling_params: PoolingParams | None = None     # a pooling request: pooled, never sampled
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "CachedRequestState":
@@ -38,7 +40,8 @@ class CachedRequestState:
                    num_prompt_tokens=len(data.prompt_token_ids), output_token_ids=list(data.output_token_ids),
                    sampling_params=params, block_ids=list(data.block_ids),
                    num_computed_tokens=data.num_computed_tokens, generator=generator,
-                   constraints=RowConstraints.of(params), lora_int_id=data.lora_int_id)
+                   constraints=RowConstraints.of(params), lora_int_id=data.lora_int_id,
+                   pooling_params=data.pooling_params)
 
     def step_generator(self) -> torch.Generator | None:
         """The seeded generator for the next sampled token.

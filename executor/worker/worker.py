@@ -69,7 +69,7 @@ class Worker:
 
     def load_model(self) -> None:
         from pagedserve.executor.model.model_loader import load_model
-        model = load_model(self.config.model, self.tp, self.pp)
+        model = load_model(self.config.model, self.tp, self.pp, pooling=self.config.pooler is not None)
         draft = None
         if self.config.draft_model is not None:    # unsharded: config refuses it with tensor parallelism
             draft = load_model(self.config.draft_model, TPGroup(rank=0, size=1))

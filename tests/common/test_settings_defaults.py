@@ -43,7 +43,8 @@ WHERE = {
 RESOLVED = {"model", "tokenizer", "revision", "tokenizer_revision", "download_dir", "generation_config",
             "served_model_name", "dtype", "device", "quantization", "max_model_len", "kv_cache_dtype",
             "kv_cache_memory", "max_num_batched_tokens", "distributed_executor_backend", "worker_heartbeat_timeout",
-            "speculative_config", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"}
+            "speculative_config", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+            "runner", "convert"}    # runner, convert: resolved with the model files into EngineConfig.pooler
 # Not the engine core's: the client that starts the core (or cores: data_parallel_size) reads it; accepted
 # vLLM no-ops.
 ELSEWHERE = {"engine_heartbeat_timeout", "trust_remote_code", "disable_log_stats", "data_parallel_size"}

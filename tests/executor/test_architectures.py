@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedserve.executor.model.models import get_model_class, resolve_architecture, supported_architectures
+from pagedserve.executor.model.models import (get_model_class, pooling_architectures, resolve_architecture,
+                                              supported_architectures)
 from pagedserve.frontend.cli import main
 from pagedserve.tests.helpers.tiny_models import make_tiny_model
 
@@ -19,7 +20,7 @@ from pagedserve.tests.helpers.tiny_models import make_tiny_model
 def test_every_registered_architecture_resolves_to_its_class():
     from torch import nn
     assert "Phi3ForCausalLM" in supported_architectures()
-    for arch in supported_architectures():
+    for arch in supported_architectures() + pooling_architectures():
         cls = get_model_class(SimpleNamespace(architectures=[arch]))
         assert cls.__name__ == arch and issubclass(cls, nn.Module)
 

@@ -24,6 +24,19 @@ _BY_ARCHITECTURE: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
 }
+# Pooling models (--runner pooling: common/pooler_config.py), tested against sentence-transformers and HF in
+# tests/executor/test_pooling_models.py rather than by generation parity.
+_POOLING: dict[str, tuple[str, str]] = {
+    "BertModel": ("bert", "BertModel"),
+    "XLMRobertaModel": ("bert", "XLMRobertaModel"),
+    "RobertaModel": ("bert", "RobertaModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "XLMRobertaForSequenceClassification": ("bert", "XLMRobertaForSequenceClassification"),
+    "RobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
+    "LlamaForSequenceClassification": ("seq_cls", "LlamaForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("seq_cls", "Qwen2ForSequenceClassification"),
+    "Qwen3ForSequenceClassification": ("seq_cls", "Qwen3ForSequenceClassification"),
+}
 # Draft heads, never a served model: common/speculative.mark_eagle_head names them in an EAGLE checkpoint's config.
 _HEADS: dict[str, tuple[str, str]] = {
     "EagleLlamaForCausalLM": ("llama_eagle", "EagleLlamaForCausalLM"),
@@ -39,16 +52,21 @@ _BY_MODEL_TYPE: dict[str, str] = {
 
 
 def supported_architectures() -> list[str]:
+    """The generating architectures (pooling_architectures: the rest)."""
     return list(_BY_ARCHITECTURE)
+
+
+def pooling_architectures() -> list[str]:
+    return list(_POOLING)
 
 
 def resolve_architecture(hf_config: Any) -> str:
     """The registered architecture for the config, or ValueError naming what is supported (one line)."""
     architectures = getattr(hf_config, "architectures", None) or []
     if architectures:
-        if architectures[0] not in _BY_ARCHITECTURE:
+        if architectures[0] not in _BY_ARCHITECTURE and architectures[0] not in _POOLING:
             raise ValueError(f"architectures: {architectures[0]!r} is not supported "
-                             f"(supported: {', '.join(_BY_ARCHITECTURE)})")
+                             f"(supported: {', '.join(_BY_ARCHITECTURE)}; pooling: {', '.join(_POOLING)})")
         return architectures[0]
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in _BY_MODEL_TYPE:
@@ -62,5 +80,6 @@ def get_model_class(hf_config: Any) -> type[nn.Module]:
     if architectures and architectures[0] in _HEADS:
         module, name = _HEADS[architectures[0]]
     else:
-        module, name = _BY_ARCHITECTURE[resolve_architecture(hf_config)]
+        arch = resolve_architecture(hf_config)
+        module, name = _BY_ARCHITECTURE[arch] if arch in _BY_ARCHITECTURE else _POOLING[arch]
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)

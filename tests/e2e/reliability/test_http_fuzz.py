@@ -53,7 +53,10 @@ def api_schema(api_server):
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
               ("GET", "/health"), ("GET", "/metrics"), ("GET", "/version"), ("POST", "/tokenize"),
               ("POST", "/detokenize"), ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
-              ("POST", "/v1/responses/{response_id}/cancel")]
+              ("POST", "/v1/responses/{response_id}/cancel"),
+              # pooling routes (frontend/serving_pooling.py): on this generating model each answers a 400
+              ("POST", "/v1/embeddings"), ("POST", "/pooling"), ("POST", "/classify"), ("POST", "/score"),
+              ("POST", "/rerank"), ("POST", "/v1/rerank"), ("POST", "/v2/rerank")]
 # POST operations whose input is their path alone.
 _NO_BODY = {("POST", "/v1/responses/{response_id}/cancel")}
 _EXAMPLES = {"POST": 60, "GET": 5}
