@@ -111,6 +111,14 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class RLConfig:
+    """What RL rollouts need from the engine (docs/rl_weight_updates.md)."""
+    worker_extension_cls: str | None   # "module.Class" mixed into every worker: its methods join collective_rpc
+    enable_sleep_mode: bool            # sleep()/wake_up() allowed
+    requests_while_sleeping: str       # "reject" (HTTP 503) or "wait" (queued until wake_up)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything resolved: no field has a default (EngineArgs holds the one default of each setting), and
     no process that receives it reads a model file or the Hub to rebuild it (common/config_wire.py)."""
@@ -122,3 +130,4 @@ class EngineConfig:
     speculative: SpeculativeConfig | None     # None: no speculative decoding
     draft_model: ModelConfig | None           # speculative_config's draft model, resolved like the model
     lora: LoRAConfig | None                   # None: no adapters (enable_lora off)
+    rl: RLConfig                              # worker extension, sleep mode

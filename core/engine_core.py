@@ -18,6 +18,7 @@ from pagedserve.common.request_checks import (check_request, check_request_id, c
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.lora_registry import LoRARegistry
 from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.rl_control import RLControl
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.structured_output.setup import check_structured_outputs, make_structured_output_manager
 from pagedserve.ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo,
@@ -72,6 +73,7 @@ class EngineCore:
         self.batch_queue_size = config.scheduler.batch_queue_size
         self._batch_queue: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self._info: EngineInfo | None = None
+        self.rl = RLControl(self)                  # collective_rpc, weight reloads, sleep (core/rl_control.py)
         logger.info("engine core ready in %.1f s: %d KV blocks", time.perf_counter() - start, self.num_blocks)
 
     @classmethod
@@ -100,6 +102,7 @@ class EngineCore:
         anything. checked: the frontend in this very process already ran check_request on it (InprocClient)."""
         model = self.config.model
         check_request_id(req.request_id, self.scheduler.requests)
+        self.rl.check_admission()
         params = req.sampling_params
         if checked:
             max_tokens = generation_budget(params, len(req.prompt_token_ids), model.max_model_len)
@@ -110,7 +113,7 @@ class EngineCore:
         structured = params.structured_outputs
         if structured is not None:
             check_structured_outputs(structured)
-        digest = self._lora_digest(req.lora_int_id)
+        digest = self.rl.cache_salt(self._lora_digest(req.lora_int_id))
         request = Request(req.request_id, list(req.prompt_token_ids), params, self.eos_token_ids,
                           max_tokens, self.block_hasher, req.arrival_time, req.priority, req.client_index,
                           req.lora_int_id, digest)
@@ -131,12 +134,21 @@ class EngineCore:
         return [EngineCoreOutput(request_id=r.request_id, new_token_ids=[], finish_reason="abort") for r in done]
 
     def has_unfinished_requests(self) -> bool:
+        """Outputs to give: a step's, or those of the requests sleep() ended (none is stepped while asleep)."""
+        return bool(self.rl.held) or (self.rl.can_step() and self.has_work())
+
+    def has_work(self) -> bool:
         # A step still in flight counts: its output must be taken even if all its requests were aborted.
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._batch_queue)
 
     # ---------------------------------------------------------------- the step
 
     def step(self) -> EngineCoreOutputs:
+        if self.rl.held or not self.rl.can_step():
+            return self._outputs(self.rl.take_held(), 0)
+        return self.run_step()
+
+    def run_step(self) -> EngineCoreOutputs:
         if self.batch_queue_size > 1:
             return self._step_batch_queue()
         if self.async_scheduling:
@@ -237,6 +249,7 @@ class EngineCore:
             "get_structured_output_stats": self.structured_outputs.stats,
             "add_lora": self._lora_call("add"), "remove_lora": self._lora_call("remove"),
             "list_loras": self._lora_call("list"),
+            **self.rl.handlers(),
         }
         handler = handlers.get(method)
         if handler is None:

@@ -15,6 +15,7 @@ from pagedserve.common.lora import LoRARequest, check_lora_request
 from pagedserve.common.request_checks import has_waiting_room
 from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.frontend.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from pagedserve.frontend.llm_rl import RLMethods
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.processors import Processors
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class LLM:
+class LLM(RLMethods):
     """Offline engine. `multiprocess_core=True` runs the engine core in its own process (as the
     server does); otherwise it runs here. tensor_parallel_size > 1 always uses worker processes."""
 
