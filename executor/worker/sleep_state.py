@@ -48,6 +48,15 @@ def _discard_pages(t: torch.Tensor) -> None:
         raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on the KV cache")
 
 
+def _trim_heap() -> None:
+    """Hand freed heap memory back to the OS: glibc keeps blocks under its (adaptive) mmap threshold in its
+    arenas after free(), so without this a released weight may stay resident."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except AttributeError:          # not glibc: its allocator decides
+        pass
+
+
 class _Released:
     """Tensors whose memory was released: their sizes, and host copies where kept. A storage torch allocated
     shrinks to nothing; an anonymous mapping (the CPU KV cache) keeps its address and drops its pages."""
@@ -113,6 +122,8 @@ class SleepState:
             freed += self.weights.nbytes
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        else:
+            _trim_heap()
         logger.info("asleep (level %d): released %.1f MiB", level, freed / 2**20)
         return {"level": level, "released_bytes": freed}
 
