@@ -22,7 +22,7 @@ import torch.distributed as dist
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.config_wire import decode_engine_config, encode_engine_config
 from pagedserve.executor.procs.executor import Executor
-from pagedserve.executor.worker.worker import Worker, worker_class
+from pagedserve.executor.worker.worker import worker_class
 from pagedserve.ipc.messages import (ExecuteModel, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerInput,
                                      WorkerShutdown)
 

@@ -137,11 +137,14 @@ def _serve(worker: Worker, reader: BroadcastReader, reply: Callable[[WorkerRespo
 
 
 def _call(worker: Worker, msg: WorkerCall, rank: int) -> WorkerResponse:
-    """A named call's answer. A method that raises ValueError refused the caller's input and left the rank as
-    it was (a weight update checks everything before it copies), so the rank keeps serving."""
+    """A named call's answer. A user's method (collective_rpc: RL_METHODS, the extension's) that raises
+    ValueError or TypeError refused the caller's input and left the rank as it was (a weight update checks
+    everything before it copies), so the rank keeps serving; the engine's own calls fail the rank as before."""
     try:
         return WorkerResponse(rank=rank, kind="result", result=worker.call_remote(msg.method, msg.args, msg.kwargs))
     except (ValueError, TypeError) as exc:
+        if msg.method not in worker.RL_METHODS | worker.EXTENSION_METHODS:
+            raise
         return WorkerResponse(rank=rank, kind="refused", error=f"{msg.method} on rank {rank}: {exc}")
 
 

@@ -6,6 +6,7 @@ JSON-able data, tensors come from disk or over the weight sync group, never thro
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, ClassVar
 
 import torch
@@ -78,11 +79,17 @@ class WeightUpdateMethods:
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"update_weights_from_distributed: names ({len(names)}), dtypes ({len(dtypes)}) and "
                              f"shapes ({len(shapes)}) must have the same length")
+        start = time.perf_counter()
         received = []
         for name, dtype, shape in zip(names, dtypes, shapes):
             buffer = torch.empty(tuple(int(d) for d in shape), dtype=torch_dtype(dtype), device=self.device)
             received.append((str(name), group.broadcast(buffer, src=0)))
-        return self.update_weights(received)
+        got = time.perf_counter()
+        applied = self.update_weights(received)
+        logger.info("rank %d: received %d tensors (%.1f MiB) in %.3f s, applied in %.3f s", self.rank, applied,
+                    sum(t.numel() * t.element_size() for _, t in received) / 2**20, got - start,
+                    time.perf_counter() - got)
+        return applied
 
     def update_weight(self, name: str, dtype: str, shape: list[int]) -> int:
         """vLLM's RLHF example spelling: one tensor."""
