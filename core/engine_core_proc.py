@@ -86,7 +86,7 @@ class EngineCoreProc:
         self.inputs: queue.Queue[tuple[bytes, EngineCoreInput]] = queue.Queue()
         self.outputs: queue.Queue[tuple[bytes, EngineCoreOutputs] | None] = queue.Queue()
         self.owner: dict[str, bytes] = {}          # request id -> client identity
-        self._answered: OrderedDict[tuple[bytes, int], UtilityResult] = OrderedDict()   # recent utility answers
+        self._answered: OrderedDict[tuple[bytes, int, str, bytes], UtilityResult] = OrderedDict()   # recent answers
         # client identity -> when it last sent anything (monotonic); written by the input thread only.
         self.clients: dict[bytes, float] = {}
         self._next_prune = 0.0
@@ -165,8 +165,9 @@ class EngineCoreProc:
 
     def _utility(self, client: bytes, call: UtilityCall) -> None:
         # A client resends an unanswered call (core_client.UTILITY_RESEND_S); a call that took longer than that
-        # (a weight update, sleep) is answered again from here, never run twice.
-        key = (client, call.call_id)
+        # (a weight update, sleep) is answered again from here, never run twice. A resend is the same call;
+        # another call under a reused id is not one.
+        key = (client, call.call_id, call.method, msgspec.msgpack.encode(call.args))
         result = self._answered.get(key)
         if result is None:
             result = UtilityResult(call_id=call.call_id)

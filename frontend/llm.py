@@ -104,6 +104,7 @@ class LLM(RLMethods):
 
     def _run(self, prompts: list[ProcessedPrompt], sampling_params: Any, use_tqdm: bool,
              priority: Sequence[int] | None, lora_request: Any = None) -> list[RequestOutput]:
+        self._refuse_waiting_asleep()
         params = _per_prompt(sampling_params, len(prompts), "sampling_params", self.get_default_sampling_params())
         priorities = _per_prompt(list(priority) if priority is not None else None, len(prompts), "priority", 0)
         loras = _per_prompt(list(lora_request) if isinstance(lora_request, (list, tuple)) else lora_request,

@@ -10,6 +10,7 @@ from typing import Any
 
 class RLMethods:
     client: Any
+    engine_args: Any
 
     def _rl_call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         # A weight update can wait on a trainer for long: no deadline unless the caller gives one.
@@ -43,3 +44,9 @@ class RLMethods:
 
     def reset_prefix_cache(self) -> bool:
         return bool(self._rl_call("reset_prefix_cache"))
+
+    def _refuse_waiting_asleep(self) -> None:
+        """With requests_while_sleeping="wait" the engine would queue this LLM's requests until a wake_up that
+        nothing else can send while generate() waits: refuse at once instead."""
+        if self.engine_args.requests_while_sleeping == "wait" and self.is_sleeping():
+            raise ValueError("the engine is sleeping: call wake_up() before generate()")

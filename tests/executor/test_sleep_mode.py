@@ -88,3 +88,21 @@ def test_sleep_finishes_or_aborts_held_requests(model_dir, abort: bool) -> None:
             assert all(len(t) == 5 for t in tokens.values())
     finally:
         core.shutdown()
+
+
+def test_wait_policy_queues_requests_until_wake_up(model_dir) -> None:
+    args = EngineArgs(model=model_dir, dtype="float32", enable_sleep_mode=True, kv_cache_memory=0.125,
+                      requests_while_sleeping="wait")
+    core = EngineCore.from_engine_args(args, get_executor_class("uni"))
+    try:
+        core.call_utility("sleep", [1])
+        core.add_request(EngineCoreRequest("queued", PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0,
+                                                                                ignore_eos=True), time.time()))
+        assert not core.has_unfinished_requests() and core.step().outputs == []    # nothing runs asleep
+        core.call_utility("wake_up", [None])
+        tokens = []
+        while core.has_unfinished_requests():
+            tokens += [t for out in core.step().outputs for t in out.new_token_ids]
+        assert len(tokens) == 3
+    finally:
+        core.shutdown()

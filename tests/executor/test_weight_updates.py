@@ -57,6 +57,14 @@ def rl_rounds(llm: LLM, path: str, tp: int) -> None:
             assert new == oracle
             assert new != answers, "the update changed no answer: the test would not see a stale engine"
             answers = new
+        # A name the model does not know: every tensor is still received (the trainer is not left hanging),
+        # the error names it, and no weight changed.
+        inbox.put("again")
+        names, dtypes, shapes, _ = outbox.get(timeout=120)
+        names[1] = "model.layers.0.mlp.surprise.weight"
+        with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.surprise\.weight"):
+            llm.collective_rpc("update_weights_from_distributed", args=(names, dtypes, shapes))
+        assert greedy(llm) == answers
         inbox.put(None)
         assert outbox.get(timeout=60) == "done"
     finally:

@@ -28,14 +28,16 @@ def _sgd(model: Any, sequences: list[list[int]]) -> None:
 
 def trainer_main(path: str, host: str, port: int, world_size: int, prompts: list[list[int]], new_tokens: int,
                  inbox: Any, outbox: Any) -> None:
-    """Rounds until inbox yields None: samples in -> (names, dtypes, shapes, oracle) out, then the broadcast."""
+    """Rounds until inbox yields None: samples in -> (names, dtypes, shapes, oracle) out, then the broadcast;
+    "again" in: the same weights broadcast once more, untrained."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     group = WeightSyncGroup(host, port, 0, world_size)
     outbox.put("joined")
     while (samples := inbox.get()) is not None:
-        _sgd(model, samples)
+        if samples != "again":
+            _sgd(model, samples)
         params = [(n, p.detach().contiguous()) for n, p in model.named_parameters()]
         oracle = hf_greedy(model, prompts, new_tokens)
         outbox.put(([n for n, _ in params], [str(p.dtype) for _, p in params], [list(p.shape) for _, p in params],
