@@ -35,8 +35,9 @@ def greedy(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def rl_rounds(llm: LLM, path: str, tp: int) -> None:
-    """ROUNDS of generate -> train -> push -> generate; each round's answers are HF's under the new weights."""
+def rl_rounds(llm: LLM, path: str, tp: int) -> list[list[int]]:
+    """ROUNDS of generate -> train -> push -> generate; each round's answers are HF's under the new weights.
+    Returns the last round's answers."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
@@ -72,6 +73,7 @@ def rl_rounds(llm: LLM, path: str, tp: int) -> None:
         if trainer.is_alive():
             trainer.kill()
     assert trainer.exitcode == 0
+    return answers
 
 
 def test_rl_loop_tp1_equals_hf_each_round(checkpoints) -> None:
@@ -80,14 +82,18 @@ def test_rl_loop_tp1_equals_hf_each_round(checkpoints) -> None:
 
 
 def test_rl_loop_tp2_with_worker_extension(checkpoints) -> None:
-    with LLM(checkpoints[0], dtype="float32", tensor_parallel_size=2, worker_extension_cls=EXTENSION) as llm:
+    with LLM(checkpoints[0], dtype="float32", tensor_parallel_size=2, worker_extension_cls=EXTENSION,
+             enable_sleep_mode=True) as llm:
         ranks = llm.collective_rpc("describe_rank", kwargs={"tag": "t"})
         assert ranks == [{"rank": r, "tp_rank": r, "rows": 64, "tag": "t"} for r in (0, 1)]  # (4 + 2*2) * 16 / 2
         with pytest.raises(ValueError, match="weight_tensor"):
             llm.collective_rpc("weight_tensor")              # a tensor is not sent back
         with pytest.raises(ValueError, match="no_such_method"):
             llm.collective_rpc("no_such_method")
-        rl_rounds(llm, checkpoints[0], tp=2)                # the ranks still serve after refused calls
+        answers = rl_rounds(llm, checkpoints[0], tp=2)      # the ranks still serve after refused calls
+        llm.sleep(level=1)                                  # both worker processes release their KV caches
+        llm.wake_up()
+        assert greedy(llm) == answers
 
 
 def _bad_copy(src: str, dst: str, change: str) -> str:
