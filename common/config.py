@@ -18,7 +18,8 @@ from pagedserve.common.pooler_config import CONVERTS, RUNNERS, PoolerConfig, pos
 from pagedserve.common.quantization import (QUANTIZATION_CHOICES, checkpoint_quant_spec, resolve_quantization)
 from pagedserve.common.reasoning import REASONING_PARSERS
 from pagedserve.common.engine_config import (CacheConfig, EngineConfig, LoRAConfig,  # noqa: F401
-                                             ModelConfig, ParallelConfig, SchedulerConfig, StructuredOutputsConfig)
+                                             ModelConfig, ParallelConfig, RLConfig, SchedulerConfig,
+                                             StructuredOutputsConfig)
 from pagedserve.common.speculative import SpeculativeConfig, mark_eagle_head, parse_speculative_config
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,8 @@ DEVICES = ("auto", "cpu", "cuda")
 # fp8 (vLLM also spells it fp8_e4m3): e4m3 with per-layer scales.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# sleep mode: what becomes of a request that arrives while the engine sleeps (core/rl_control.py)
+REQUESTS_WHILE_SLEEPING = ("reject", "wait")
 # "uni" (in-process) | "mp" (one process per rank) | "torchrun" (ranks started by torchrun)
 EXECUTOR_BACKENDS = ("uni", "mp", "ray", "torchrun")
 # What an unset kv_cache_memory (CPU) and max_num_batched_tokens (with chunked prefill) become: the unset
@@ -175,6 +178,17 @@ class EngineArgs:
                    f"{CORE_HEARTBEAT_INTERVAL_S:g} s) before it declares the core dead: the server then ends "
                    "open streams with an error and turns /health 503")
 
+    worker_extension_cls: str | None = setting(
+        None, help="a class (\"module.Class\") whose methods are added to every worker, callable with "
+                   "collective_rpc (RL weight syncing: docs/rl_weight_updates.md)")
+    enable_sleep_mode: bool = setting(False, store_true=True,
+                                      help="allow sleep()/wake_up(): free the KV cache (level 1) and the weights "
+                                           "(level 2) between rollouts (docs/rl_weight_updates.md)")
+    requests_while_sleeping: str = setting(
+        "reject", choices=REQUESTS_WHILE_SLEEPING,
+        help="a request that arrives while the engine sleeps: reject (HTTP 503, retry after wake_up) or wait "
+             "(queued until wake_up)")
+
     def create_engine_config(self) -> EngineConfig:
         """Resolve every setting (model files, the Hub, the device) once; the result crosses to other
         processes as data (common/config_wire.py), so none of them repeats this."""
@@ -206,7 +220,10 @@ class EngineArgs:
         return EngineConfig(model=model, cache=cache, scheduler=self._scheduler_config(model.max_model_len),
                             parallel=parallel, structured_outputs=structured, speculative=speculative,
                             draft_model=self._draft_model_config(speculative, model), lora=self._lora_config(model),
-                            pooler=self._check_pooler(pooler))
+                            pooler=self._check_pooler(pooler),
+                            rl=RLConfig(worker_extension_cls=self.worker_extension_cls,
+                                        enable_sleep_mode=self.enable_sleep_mode,
+                                        requests_while_sleeping=self.requests_while_sleeping))
 
     def _check_pooler(self, pooler: PoolerConfig | None) -> PoolerConfig | None:
         if pooler is None:
@@ -332,6 +349,7 @@ class EngineArgs:
         one_of("device", self.device, DEVICES)
         one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         one_of("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        one_of("requests_while_sleeping", self.requests_while_sleeping, REQUESTS_WHILE_SLEEPING)
         if self.distributed_executor_backend is not None:
             one_of("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
         if self.reasoning_parser is not None:

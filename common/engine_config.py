@@ -112,6 +112,14 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class RLConfig:
+    """What RL rollouts need from the engine (docs/rl_weight_updates.md)."""
+    worker_extension_cls: str | None   # "module.Class" mixed into every worker: its methods join collective_rpc
+    enable_sleep_mode: bool            # sleep()/wake_up() allowed
+    requests_while_sleeping: str       # "reject" (HTTP 503) or "wait" (queued until wake_up)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything resolved: no field has a default (EngineArgs holds the one default of each setting), and
     no process that receives it reads a model file or the Hub to rebuild it (common/config_wire.py)."""
@@ -124,3 +132,4 @@ class EngineConfig:
     draft_model: ModelConfig | None           # speculative_config's draft model, resolved like the model
     lora: LoRAConfig | None                   # None: no adapters (enable_lora off)
     pooler: PoolerConfig | None               # --runner pooling: how prompts become vectors; None: generate
+    rl: RLConfig                              # worker extension, sleep mode

@@ -50,6 +50,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter (or --allow-runtime-lora-updating).
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower()
     in ("1", "true"),
+    # vLLM's switch for the development routes RL trainers use: /sleep, /wake_up, /is_sleeping,
+    # /reset_prefix_cache, /collective_rpc (frontend/dev_routes.py).
+    "VLLM_SERVER_DEV_MODE": lambda: os.environ.get("VLLM_SERVER_DEV_MODE", "0").lower() in ("1", "true"),
     # "torch" runs the PyTorch kernels on CUDA too (A/B checks against the Triton ones).
     "PAGEDSERVE_KERNELS": _choice("PAGEDSERVE_KERNELS", "triton", ("triton", "torch")),
     # "0" keeps quantized CPU decode steps on the layer stack instead of the one-call C step (A/B runs).

@@ -7,6 +7,7 @@ from typing import Optional
 # EngineCoreOutput.error_kind / RequestOutput.error_kind values.
 INVALID = "invalid"          # the request can never run as asked (HTTP 400)
 OVERLOADED = "overloaded"    # refused for load, not queued: retrying later may work (HTTP 429)
+SLEEPING = "sleeping"        # the engine sleeps (sleep mode) and refuses new requests until wake_up (HTTP 503)
 ENGINE_DIED = "engine_died"  # its engine core died with it in flight (a data-parallel peer may serve a retry)
 
 
@@ -29,7 +30,13 @@ class EngineOverloadedError(ValueError):
     """The waiting queue is at its bound: the request was refused, not queued. Retrying later may work."""
 
 
+class EngineSleepingError(ValueError):
+    """The engine is asleep (sleep mode between RL rollouts) and refuses new requests until wake_up (HTTP 503)."""
+
+
 def error_kind(exc: ValueError) -> str:
+    if isinstance(exc, EngineSleepingError):
+        return SLEEPING
     return OVERLOADED if isinstance(exc, EngineOverloadedError) else INVALID
 
 

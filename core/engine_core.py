@@ -19,6 +19,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.lora_registry import LoRARegistry
 from pagedserve.core.pooling_requests import check_runner, pooling_info
 from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.rl_control import RLControl
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.structured_output.setup import check_structured_outputs, make_structured_output_manager
 from pagedserve.ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo,
@@ -73,6 +74,7 @@ class EngineCore:
         self.batch_queue_size = config.scheduler.batch_queue_size
         self._batch_queue: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self._info: EngineInfo | None = None
+        self.rl = RLControl(self)                  # collective_rpc, weight reloads, sleep (core/rl_control.py)
         logger.info("engine core ready in %.1f s: %d KV blocks", time.perf_counter() - start, self.num_blocks)
 
     @classmethod
@@ -102,6 +104,7 @@ class EngineCore:
         model = self.config.model
         check_request_id(req.request_id, self.scheduler.requests)
         check_runner(req, self.config)
+        self.rl.check_admission()
         params = req.sampling_params
         if req.pooling_params is not None:     # the prompt only: checked above, against the pooler's limits
             max_tokens = 0
@@ -114,7 +117,7 @@ class EngineCore:
         structured = params.structured_outputs if req.pooling_params is None else None
         if structured is not None:
             check_structured_outputs(structured)
-        digest = self._lora_digest(req.lora_int_id)
+        digest = self.rl.cache_salt(self._lora_digest(req.lora_int_id))
         request = Request(req.request_id, list(req.prompt_token_ids), params, self.eos_token_ids,
                           max_tokens, self.block_hasher, req.arrival_time, req.priority, req.client_index,
                           req.lora_int_id, digest, req.pooling_params,
@@ -136,12 +139,21 @@ class EngineCore:
         return [EngineCoreOutput(request_id=r.request_id, new_token_ids=[], finish_reason="abort") for r in done]
 
     def has_unfinished_requests(self) -> bool:
+        """Outputs to give: a step's, or those of the requests sleep() ended (none is stepped while asleep)."""
+        return bool(self.rl.held) or (self.rl.can_step() and self.has_work())
+
+    def has_work(self) -> bool:
         # A step still in flight counts: its output must be taken even if all its requests were aborted.
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._batch_queue)
 
     # ---------------------------------------------------------------- the step
 
     def step(self) -> EngineCoreOutputs:
+        if self.rl.held or not self.rl.can_step():
+            return self._outputs(self.rl.take_held(), 0)
+        return self.run_step()
+
+    def run_step(self) -> EngineCoreOutputs:
         if self.batch_queue_size > 1:
             return self._step_batch_queue()
         if self.async_scheduling:
@@ -242,6 +254,7 @@ class EngineCore:
             "get_structured_output_stats": self.structured_outputs.stats,
             "add_lora": self._lora_call("add"), "remove_lora": self._lora_call("remove"),
             "list_loras": self._lora_call("list"),
+            **self.rl.handlers(),
         }
         handler = handlers.get(method)
         if handler is None:

@@ -13,7 +13,7 @@ import queue
 import signal
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 
 import msgspec
@@ -32,6 +32,7 @@ from pagedserve.ipc.sockets import make_socket
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
+_ANSWERS_KEPT = 256       # recent utility answers kept for resent calls
 # Bigger frames are refused by ZeroMQ before they are buffered (the peer is disconnected); a request at
 # any max_model_len this engine serves is far smaller.
 MAX_INPUT_FRAME_BYTES = 64 << 20
@@ -85,6 +86,7 @@ class EngineCoreProc:
         self.inputs: queue.Queue[tuple[bytes, EngineCoreInput]] = queue.Queue()
         self.outputs: queue.Queue[tuple[bytes, EngineCoreOutputs] | None] = queue.Queue()
         self.owner: dict[str, bytes] = {}          # request id -> client identity
+        self._answered: OrderedDict[tuple[bytes, int, str, bytes], UtilityResult] = OrderedDict()   # recent answers
         # client identity -> when it last sent anything (monotonic); written by the input thread only.
         self.clients: dict[bytes, float] = {}
         self._next_prune = 0.0
@@ -162,11 +164,20 @@ class EngineCoreProc:
         self.owner[req.request_id] = client
 
     def _utility(self, client: bytes, call: UtilityCall) -> None:
-        result = UtilityResult(call_id=call.call_id)
-        try:
-            result.result = self.core.call_utility(call.method, call.args)
-        except Exception as exc:    # a client's bad call must not take the core down
-            result.error = str(exc)
+        # A client resends an unanswered call (core_client.UTILITY_RESEND_S); a call that took longer than that
+        # (a weight update, sleep) is answered again from here, never run twice. A resend is the same call;
+        # another call under a reused id is not one.
+        key = (client, call.call_id, call.method, msgspec.msgpack.encode(call.args))
+        result = self._answered.get(key)
+        if result is None:
+            result = UtilityResult(call_id=call.call_id)
+            try:
+                result.result = self.core.call_utility(call.method, call.args)
+            except Exception as exc:    # a client's bad call must not take the core down
+                result.error = str(exc)
+            self._answered[key] = result
+            while len(self._answered) > _ANSWERS_KEPT:
+                self._answered.popitem(last=False)
         self.outputs.put((client, EngineCoreOutputs(utility_results=[result])))
 
     def _send(self, outputs: EngineCoreOutputs) -> None:

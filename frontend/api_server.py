@@ -18,6 +18,7 @@ from pagedserve.common.version import __version__
 from pagedserve.frontend.admission import Admission
 from pagedserve.frontend.async_client import AsyncEngineClient
 from pagedserve.frontend.core_client import EngineDeadError
+from pagedserve.frontend.dev_routes import add_dev_routes
 from pagedserve.frontend.errors import ModelNotFoundError, classify, error_payload
 from pagedserve.frontend.http_guards import ApiKeyMiddleware, BodyLimitMiddleware
 from pagedserve.frontend.lora_serving import LoRAModels, add_lora_routes, parse_lora_modules
@@ -78,8 +79,8 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
     if loras is not None:
         add_lora_routes(app, loras, parse_lora_modules(settings.lora_modules), settings.allow_runtime_lora_updating)
     add_responses_routes(app, serving, settings)
-
     add_pooling_routes(app, engine, served_model_name, admission, serving.check_model)
+    add_dev_routes(app, engine)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

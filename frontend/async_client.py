@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 import msgspec
 
 from pagedserve.common.config import CORE_HEARTBEAT_INTERVAL_S, EngineArgs
-from pagedserve.common.errors import ENGINE_DIED, OVERLOADED, EngineOverloadedError, RequestError
+from pagedserve.common.errors import (ENGINE_DIED, OVERLOADED, SLEEPING, EngineOverloadedError, EngineSleepingError,
+                                      RequestError)
 from pagedserve.common.request_checks import check_request_id
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.frontend.core_client import AsyncMPClient, CoreProcess, EngineDeadError, split_engine_address
@@ -283,4 +284,6 @@ def _request_error(out: RequestOutput, engine_dead: bool) -> Exception:
         return EngineDeadError(out.error)
     if out.error_kind == OVERLOADED:
         return EngineOverloadedError(out.error)
+    if out.error_kind == SLEEPING:
+        return EngineSleepingError(out.error)
     return RequestError(out.error_field, out.error)

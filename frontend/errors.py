@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.common.errors import EngineOverloadedError
+from pagedserve.common.errors import EngineOverloadedError, EngineSleepingError
 from pagedserve.frontend.core_client import EngineDeadError
 
 
@@ -13,6 +13,8 @@ class ModelNotFoundError(LookupError):
 
 def classify(exc: BaseException) -> tuple[int, str]:
     """(HTTP status, OpenAI error type) for an exception raised while serving a request."""
+    if isinstance(exc, EngineSleepingError):       # before ValueError: it is one
+        return 503, "service_unavailable"
     if isinstance(exc, EngineOverloadedError):     # before ValueError: it is one
         return 429, "overloaded_error"
     if isinstance(exc, EngineDeadError):

@@ -34,7 +34,7 @@ class InprocClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.core.abort_requests(request_ids)
 
-    def call_utility(self, method: str, *args: Any) -> Any:
+    def call_utility(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         return self.core.call_utility(method, args)
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.frontend.beam_search import (BeamSearch, BeamSearchOutput, StepLogprobs, run_beam_search,
                                              step_logprobs, step_sampling_params)
 from pagedserve.frontend.input_processor import InputProcessor, PreparedRequest, ProcessedPrompt, PromptType
+from pagedserve.frontend.llm_rl import RLMethods
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.processors import Processors
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class LLM:
+class LLM(RLMethods):
     """Offline engine. `multiprocess_core=True` runs the engine core in its own process (as the
     server does); otherwise it runs here. tensor_parallel_size > 1 always uses worker processes."""
 
@@ -134,6 +135,7 @@ class LLM:
 
     def _run(self, prompts: list[ProcessedPrompt], sampling_params: Any, use_tqdm: bool,
              priority: Sequence[int] | None, lora_request: Any = None) -> list[RequestOutput]:
+        self._refuse_waiting_asleep()
         params = _per_prompt(sampling_params, len(prompts), "sampling_params", self.get_default_sampling_params())
         priorities = _per_prompt(list(priority) if priority is not None else None, len(prompts), "priority", 0)
         loras = _per_prompt(list(lora_request) if isinstance(lora_request, (list, tuple)) else lora_request,

@@ -1,7 +1,7 @@
 """Everything that crosses a process boundary, as msgspec Structs (no pickle anywhere)."""
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import msgspec
 
@@ -32,7 +32,8 @@ class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
 class UtilityCall(msgspec.Struct, array_like=True, tag="utility"):
     call_id: int
     method: str
-    args: list[Union[int, float, str, bool, None]] = []
+    # JSON-able values (collective_rpc passes lists and dicts through); tensors never cross here.
+    args: list[Any] = []
 
 
 EngineCoreInput = Union[EngineCoreRequest, AbortRequests, UtilityCall]
@@ -226,7 +227,8 @@ class ExecuteModel(msgspec.Struct, array_like=True, tag="exec"):
 
 class WorkerCall(msgspec.Struct, array_like=True, tag="call"):
     method: str
-    args: list[Union[int, float, str, bool, None]] = []
+    args: list[Any] = []                # JSON-able values (collective_rpc); tensors never cross here
+    kwargs: dict[str, Any] = {}
 
 
 class WorkerShutdown(msgspec.Struct, array_like=True, tag="shutdown"):

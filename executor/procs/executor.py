@@ -42,8 +42,9 @@ class Executor(ABC):
         resolve_architecture(config.model.hf_config)
 
     @abstractmethod
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        """Call Worker.<method>(*args) on every rank; one result per rank."""
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call Worker.<method>(*args, **kwargs) on every rank; one result per rank, in rank order."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

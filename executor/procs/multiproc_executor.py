@@ -219,8 +219,9 @@ class MultiProcExecutor(Executor):
         self.check_health()
         self.writer.broadcast(self.encoder.encode(msg), timeout_s=60.0)
 
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        self._broadcast(WorkerCall(method, list(args)))
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        self._broadcast(WorkerCall(method, list(args), dict(kwargs or {})))
         answers: dict[int, WorkerResponse] = {}
         while len(answers) < self.world_size:
             resp = self._recv_response()

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.config_wire import decode_engine_config, encode_engine_config
 from pagedserve.executor.procs.executor import Executor
-from pagedserve.executor.worker.worker import Worker
+from pagedserve.executor.worker.worker import worker_class
 from pagedserve.ipc.messages import (ExecuteModel, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerInput,
                                      WorkerShutdown)
 
@@ -78,13 +78,14 @@ class TorchrunExecutor(Executor):
                              f"torchrun world size ({dist.get_world_size()})")
         self.channel = ControlChannel(config.parallel.worker_heartbeat_timeout_s)
         self.channel.broadcast_bytes(encode_engine_config(config))      # serve_torchrun_worker's first receive
-        self.worker = Worker(config, rank=0)
+        self.worker = worker_class(config)(config, rank=0)
         self.worker.init_device()
         self.worker.load_model()
 
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        call = self.channel.broadcast(WorkerCall(method, list(args)))
-        return self.channel.gather_results(self.worker.call_remote(call.method, call.args))
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        call = self.channel.broadcast(WorkerCall(method, list(args), dict(kwargs or {})))
+        return self.channel.gather_results(self.worker.call_remote(call.method, call.args, call.kwargs))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.channel.broadcast(ExecuteModel(scheduler_output))
@@ -101,7 +102,7 @@ def serve_torchrun_worker(timeout_s: float) -> None:
     rank = dist.get_rank()
     channel = ControlChannel(timeout_s)
     config = decode_engine_config(channel.broadcast_bytes(None))
-    worker = Worker(config, rank=rank)
+    worker = worker_class(config)(config, rank=rank)
     worker.init_device()
     worker.load_model()
     while True:
@@ -111,4 +112,4 @@ def serve_torchrun_worker(timeout_s: float) -> None:
         if isinstance(msg, ExecuteModel):
             worker.execute_model(msg.scheduler_output)
         elif isinstance(msg, WorkerCall):
-            channel.gather_results(worker.call_remote(msg.method, msg.args))
+            channel.gather_results(worker.call_remote(msg.method, msg.args, msg.kwargs))

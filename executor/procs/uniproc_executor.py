@@ -17,14 +17,17 @@ class UniProcExecutor(Executor):
         super().__init__(config)
         if config.parallel.tensor_parallel_size != 1:
             raise ValueError("the in-process executor runs tensor_parallel_size=1 only")
-        from pagedserve.executor.worker.worker import Worker    # here, not at import: see backends.py
-        self.worker = Worker(config, rank=0)
+        from pagedserve.executor.worker.worker import worker_class    # here, not at import: see backends.py
+        self.worker = worker_class(config)(config, rank=0)
         self.worker.init_device()
         self.worker.load_model()
         self._step_thread: ThreadPoolExecutor | None = None
 
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        return [self.worker.call_remote(method, args)]
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        if self._step_thread is not None:    # after the steps already launched there, never beside one
+            return [self._step_thread.submit(self.worker.call_remote, method, args, kwargs).result()]
+        return [self.worker.call_remote(method, args, kwargs)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)

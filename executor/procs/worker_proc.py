@@ -21,7 +21,7 @@ from pagedserve.common.throttled_log import ThrottledLog
 from pagedserve.executor.procs.heartbeat import start_heartbeat_sender
 from pagedserve.ipc.broadcast import BroadcastReader
 from pagedserve.ipc.curve import CurveClientKeys
-from pagedserve.ipc.messages import ExecuteModel, WorkerInput, WorkerResponse, WorkerShutdown
+from pagedserve.ipc.messages import ExecuteModel, WorkerCall, WorkerInput, WorkerResponse, WorkerShutdown
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from pagedserve.ipc.sockets import make_socket
 
@@ -73,9 +73,9 @@ def serve_worker(launch: WorkerLaunch) -> int:
         sock.send_multipart(encoder.encode(resp), copy=False)
 
     try:
-        from pagedserve.executor.worker.worker import Worker    # here, not at import: see backends.py
+        from pagedserve.executor.worker.worker import worker_class    # here, not at import: see backends.py
         config = config_from_builtins(launch.engine_config)
-        worker = Worker(config, rank=rank, distributed_init_method=launch.init_method)
+        worker = worker_class(config)(config, rank=rank, distributed_init_method=launch.init_method)
         worker.init_device()
         worker.load_model()
         reader = BroadcastReader.connect(launch.broadcast_handle, rank)
@@ -136,6 +136,18 @@ def _serve(worker: Worker, reader: BroadcastReader, reply: Callable[[WorkerRespo
         replies.close()
 
 
+def _call(worker: Worker, msg: WorkerCall, rank: int) -> WorkerResponse:
+    """A named call's answer. A user's method (collective_rpc: RL_METHODS, the extension's) that raises
+    ValueError or TypeError refused the caller's input and left the rank as it was (a weight update checks
+    everything before it copies), so the rank keeps serving; the engine's own calls fail the rank as before."""
+    try:
+        return WorkerResponse(rank=rank, kind="result", result=worker.call_remote(msg.method, msg.args, msg.kwargs))
+    except (ValueError, TypeError) as exc:
+        if msg.method not in worker.RL_METHODS | worker.EXTENSION_METHODS:
+            raise
+        return WorkerResponse(rank=rank, kind="refused", error=f"{msg.method} on rank {rank}: {exc}")
+
+
 def _serve_loop(worker: Worker, reader: BroadcastReader, replies: _Replies, rank: int) -> int:
     decoder = MsgpackDecoder(WorkerInput)
     while not replies.failed.is_set():
@@ -159,7 +171,7 @@ def _serve_loop(worker: Worker, reader: BroadcastReader, replies: _Replies, rank
                 # The caller's mistake, not this rank's failure: answer it and keep serving.
                 replies.put(WorkerResponse(rank=rank, kind="refused", error=why))
             else:
-                replies.put(WorkerResponse(rank=rank, kind="result", result=worker.call_remote(msg.method, msg.args)))
+                replies.put(_call(worker, msg, rank))
         except BaseException as exc:
             logger.exception("worker %d failed", rank)
             replies.put(WorkerResponse(rank=rank, kind="error", error=describe_exception(exc)))

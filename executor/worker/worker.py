@@ -9,8 +9,10 @@ import torch
 
 from pagedserve.common import envs
 from pagedserve.common.config import EngineConfig
+from pagedserve.executor.worker.extension import checked_result, extend
 from pagedserve.executor.worker.model_runner import ModelRunner
 from pagedserve.executor.worker.step_output import PendingStep
+from pagedserve.executor.worker.weight_updates import WeightUpdateMethods
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
 from pagedserve.kernels.kv_quant import check_fp8_kv_device, kv_cache_torch_dtype
@@ -20,10 +22,12 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class Worker:
-    # What an executor may call by name, from a message (WorkerCall) or in process; nothing else is reachable.
+class Worker(WeightUpdateMethods):
+    # What an executor may call by name, from a message (WorkerCall) or in process; nothing else is reachable
+    # (besides RL_METHODS, executor/worker/weight_updates.py, and a worker_extension_cls's methods).
     REMOTE_METHODS: ClassVar[frozenset[str]] = frozenset({"determine_num_blocks", "initialize_cache", "ping",
                                                                "add_lora", "remove_lora"})
+    EXTENSION_METHODS: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
         self.config = config
@@ -77,15 +81,17 @@ class Worker:
 
     def remote_refusal(self, method: str) -> str | None:
         """Why `method` may not be called from another process, or None if it is in REMOTE_METHODS."""
-        if method in self.REMOTE_METHODS:
+        allowed = self.REMOTE_METHODS | self.RL_METHODS | self.EXTENSION_METHODS
+        if method in allowed:
             return None
-        return f"worker method {method!r} is not callable remotely (allowed: {', '.join(sorted(self.REMOTE_METHODS))})"
+        return f"worker method {method!r} is not callable remotely (allowed: {', '.join(sorted(allowed))})"
 
-    def call_remote(self, method: str, args: Sequence[Any] = ()) -> Any:
-        """Worker.<method>(*args) for a method named in REMOTE_METHODS; ValueError for any other name."""
+    def call_remote(self, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        """Worker.<method>(*args, **kwargs) for a method named in REMOTE_METHODS (or RL_METHODS, or the
+        extension's); ValueError for any other name, or for a result that is not JSON-able data."""
         if (why := self.remote_refusal(method)) is not None:
             raise ValueError(why)
-        return getattr(self, method)(*args)
+        return checked_result(method, getattr(self, method)(*args, **(kwargs or {})))
 
     def ping(self) -> str:
         return "pong"
@@ -166,3 +172,8 @@ class Worker:
         """Queue the step on the device; its output is taken with .result() (async scheduling)."""
         assert self.runner is not None
         return self.runner.launch(scheduler_output)
+
+
+def worker_class(config: EngineConfig) -> type[Worker]:
+    """Worker, or Worker with the configured worker_extension_cls mixed in."""
+    return extend(Worker, config.rl.worker_extension_cls)

@@ -21,7 +21,7 @@ from pagedserve.common.arg_utils import add_dataclass_args, dataclass_from, sett
 from pagedserve.common.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                       DEFAULT_TORCHRUN_COLLECTIVE_TIMEOUT_S, DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S,
                                       CacheConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig,
-                                      SchedulerConfig, StructuredOutputsConfig)
+                                      RLConfig, SchedulerConfig, StructuredOutputsConfig)
 from pagedserve.common.speculative import SpeculativeConfig
 
 ROOT = os.path.dirname(os.path.abspath(pagedserve.__file__))         # the package: the repository root
@@ -39,6 +39,8 @@ WHERE = {
     "structured_outputs_compile_timeout": "structured_outputs.compile_timeout_s",
     "seed": "model.seed", "enforce_eager": "model.enforce_eager",
     "pipeline_parallel_size": "parallel.pipeline_parallel_size",
+    "worker_extension_cls": "rl.worker_extension_cls", "enable_sleep_mode": "rl.enable_sleep_mode",
+    "requests_while_sleeping": "rl.requests_while_sleeping",
 }
 RESOLVED = {"model", "tokenizer", "revision", "tokenizer_revision", "download_dir", "generation_config",
             "served_model_name", "dtype", "device", "quantization", "max_model_len", "kv_cache_dtype",
@@ -64,7 +66,7 @@ def load_script(name: str):
 
 
 @pytest.mark.parametrize("cls", [ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig,
-                                 StructuredOutputsConfig, SpeculativeConfig, EngineConfig])
+                                 StructuredOutputsConfig, SpeculativeConfig, RLConfig, EngineConfig])
 def test_frozen_configs_repeat_no_default(cls):
     with_default = [f.name for f in dataclasses.fields(cls)
                     if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
@@ -95,6 +97,8 @@ def test_unset_settings_resolve_to_the_engine_args_defaults(tiny_llama_dir):
     ("scheduling_policy", "priority"), ("enable_chunked_prefill", False), ("async_scheduling", True),
     ("tensor_parallel_size", 2), ("reasoning_parser", "deepseek_r1"), ("structured_outputs_compile_timeout", 2.5),
     ("seed", 9), ("enforce_eager", True),
+    ("worker_extension_cls", "pagedserve.tests.helpers.rl_extension.Probe"), ("enable_sleep_mode", True),
+    ("requests_while_sleeping", "wait"),
 ])
 def test_a_set_setting_reaches_its_config_field(tiny_llama_dir, name, value):
     extra = {"max_num_batched_tokens": 1024} if name == "enable_chunked_prefill" else {}

@@ -14,7 +14,7 @@ import re
 import torch
 from torch import nn
 
-from pagedserve.executor.model.layers.linear import copy_weight
+from pagedserve.executor.model.layers.linear import check_checkpoint_shape, copy_weight
 from pagedserve.executor.model.layers.linear_method import dense_linear_method
 from pagedserve.executor.model.parallel_state import TPGroup, split_evenly
 from pagedserve.kernels import ops
@@ -91,6 +91,7 @@ class FusedMoE(nn.Module):
         dst = param.data if expert is None else param.data[expert:expert + 1]
         src = loaded_weight if expert is None else loaded_weight.unsqueeze(0)
         what = f"FusedMoE {shard_id}" + ("" if expert is None else f" expert {expert}")
+        check_checkpoint_shape(loaded_weight, self.checkpoint_shape(shard_id, expert is None), what)
         if shard_id == "w2":
             copy_weight(dst, src.narrow(2, start, size), what)
         elif shard_id == "w13":                     # stacked gate rows then up rows, each split across ranks
@@ -100,6 +101,13 @@ class FusedMoE(nn.Module):
         else:
             offset = 0 if shard_id == "w1" else size
             copy_weight(dst[:, offset:offset + size], src.narrow(1, start, size), what)
+
+    def checkpoint_shape(self, shard_id: str, stacked: bool) -> tuple[int, ...]:
+        """The whole checkpoint tensor's shape: one expert's [I, H] (w1, w3) or [H, I] (w2), or the stacked
+        [E, 2I, H] (w13) / [E, H, I] (w2) form."""
+        inter, hidden = self.intermediate_size, self.hidden_size
+        one = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter), "w13": (2 * inter, hidden)}
+        return (self.num_experts, *one[shard_id]) if stacked else one[shard_id]
 
     def begin_packed_load(self) -> None:
         """Called by the loader for a quantized model: the expert kernels take dense weights only (so far)."""

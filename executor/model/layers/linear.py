@@ -32,6 +32,14 @@ def copy_weight(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     dst.copy_(src)
 
 
+def check_checkpoint_shape(loaded_weight, expected: tuple[int, ...], what: str) -> None:
+    """The whole checkpoint tensor's shape, checked before a rank takes its slice: a slice of a wider tensor
+    would otherwise fit and load silently (issue 30: a [128, 264] down_proj narrowed to [128, 256])."""
+    if tuple(loaded_weight.shape) != tuple(expected):
+        raise ValueError(f"{what}: checkpoint shape {tuple(loaded_weight.shape)} does not match the model's "
+                         f"{tuple(expected)}")
+
+
 def _empty_param(*shape: int) -> nn.Parameter:
     # torch.empty: the loader overwrites every value, so random init would be wasted work.
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -59,12 +67,22 @@ class LinearBase(nn.Module):
         """(first row of this rank's weight it fills, the checkpoint rows/columns this rank owns)."""
         raise NotImplementedError
 
+    def checkpoint_rows(self, shard_id: int | str | None) -> int:
+        """Rows of the whole checkpoint tensor `shard_id` names (all ranks' slices together)."""
+        raise NotImplementedError
+
+    def checkpoint_shape(self, loaded_weight, shard_id: int | str | None) -> tuple[int, ...]:
+        """The shape the whole checkpoint tensor must have: a weight [rows, in] or a bias [rows]."""
+        rows = self.checkpoint_rows(shard_id)
+        return (rows,) if loaded_weight.dim() == 1 else (rows, self.in_features)
+
     def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id: int | str | None = None) -> None:
+        what = f"{type(self).__name__}{'' if shard_id is None else f' shard {shard_id}'}"
+        check_checkpoint_shape(loaded_weight, self.checkpoint_shape(loaded_weight, shard_id), what)
         row, src = self.shard(loaded_weight, shard_id)
         if param is self.weight and self._pieces is not None:
             self._pieces.append((row, src))
             return
-        what = f"{type(self).__name__}{'' if shard_id is None else f' shard {shard_id}'}"
         copy_weight(param.data.narrow(0, row, src.shape[0]), src, what)
 
     def begin_packed_load(self) -> None:
@@ -97,6 +115,9 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__(in_features, split_evenly(out_features, tp, "output features"), bias, tp)
 
+    def checkpoint_rows(self, shard_id: int | str | None) -> int:
+        return self.out_features * self.tp.size
+
     def shard(self, loaded_weight, shard_id: int | str | None) -> tuple[int, object]:
         size = self.out_features
         return 0, loaded_weight.narrow(0, self.tp.rank * size, size)
@@ -110,10 +131,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(output_sizes), bias, tp)
         self.output_partition_sizes = list(self.local_sizes)
 
-    def shard(self, loaded_weight, shard_id: int | str | None) -> tuple[int, object]:
+    def checkpoint_rows(self, shard_id: int | str | None) -> int:
+        self._check_shard_id(shard_id)
+        return self.local_sizes[shard_id] * self.tp.size
+
+    def _check_shard_id(self, shard_id: int | str | None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.local_sizes):
             raise ValueError(f"MergedColumnParallelLinear: shard_id must be an int in "
                              f"[0, {len(self.local_sizes)}), got {shard_id!r}")
+
+    def shard(self, loaded_weight, shard_id: int | str | None) -> tuple[int, object]:
+        self._check_shard_id(shard_id)
         size = self.local_sizes[shard_id]
         return sum(self.local_sizes[:shard_id]), loaded_weight.narrow(0, self.tp.rank * size, size)
 
@@ -140,6 +168,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, out, bias, tp)
         self.output_partition_sizes = [self.q_size, self.kv_size, self.kv_size]
 
+    def checkpoint_rows(self, shard_id: int | str | None) -> int:
+        if shard_id == "q":
+            return self.q_size * self.tp.size
+        if shard_id in ("k", "v"):
+            return self.total_kv_heads * self.head_dim
+        raise ValueError(f"QKVParallelLinear: shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+
     def shard(self, loaded_weight, shard_id: int | str | None) -> tuple[int, object]:
         if shard_id == "q":
             offset, size, start = 0, self.q_size, self.tp.rank * self.q_size
@@ -162,6 +197,12 @@ class RowParallelLinear(LinearBase):
                  reduce_results: bool = True) -> None:
         super().__init__(split_evenly(in_features, tp, "input features"), out_features, bias, tp)
         self.reduce_results = reduce_results
+
+    def checkpoint_rows(self, shard_id: int | str | None) -> int:
+        return self.out_features
+
+    def checkpoint_shape(self, loaded_weight, shard_id: int | str | None) -> tuple[int, ...]:
+        return (self.out_features,) if loaded_weight.dim() == 1 else (self.out_features, self.in_features * self.tp.size)
 
     def shard(self, loaded_weight, shard_id: int | str | None) -> tuple[int, object]:
         if loaded_weight.dim() == 1:    # the bias is whole on every rank: added once, after the reduce

@@ -270,8 +270,11 @@ def load_checkpoint_tensor(params: dict[str, nn.Parameter], name: str, tensor: t
     loader = getattr(param, "weight_loader", None)
     if loader is None:
         copy_weight(param.data, tensor, name)
-    else:
+        return
+    try:
         loader(param, tensor, shard_id)
+    except ValueError as exc:       # the layer knows the shapes, the caller the tensor's name
+        raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
 
 
 def _target_param(name: str) -> tuple[str, int | str | None]:

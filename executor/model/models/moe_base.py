@@ -44,7 +44,11 @@ class MoeForCausalLM(LlamaForCausalLM):
                     continue
                 prefix, shard_id, expert = shard
                 moe = experts[prefix]
-                moe.weight_loader(moe.w2_weight if shard_id == "w2" else moe.w13_weight, tensor, shard_id, expert)
+                try:
+                    moe.weight_loader(moe.w2_weight if shard_id == "w2" else moe.w13_weight, tensor, shard_id,
+                                      expert)
+                except ValueError as exc:   # the layer knows the shapes, the caller the tensor's name
+                    raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
                 loaded.update([name] if expert is not None else self._covered(moe, prefix, shard_id))
 
         loaded |= {self.to_checkpoint(name) for name in super().load_weights(others())}
