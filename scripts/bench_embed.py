@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="32,128,512")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--calls", type=int, default=4, help="calls of each configuration per repeat")
+    parser.add_argument("--batches", default="1,64", help="which of the batch-1 and batch-64 runs to make")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "pagedserve-bench-bert-base"))
     parser.add_argument("--result-file", default=None)
@@ -68,9 +69,11 @@ def main() -> None:
     ours = lambda batch: llm.embed(batch, use_tqdm=False)                       # noqa: E731
     theirs = lambda batch: st.encode(batch, batch_size=64, convert_to_numpy=True)  # noqa: E731
     rng = random.Random(0)
-    configs = [(1, [n] * args.calls, f"len{n}") for n in lengths]
-    configs.append((64, [rng.randint(min(lengths), max(lengths)) for _ in range(64 * args.calls)],
-                    f"len{min(lengths)}-{max(lengths)}"))
+    batches = {int(b) for b in args.batches.split(",")}
+    configs = [(1, [n] * args.calls, f"len{n}") for n in lengths] if 1 in batches else []
+    if 64 in batches:
+        configs.append((64, [rng.randint(min(lengths), max(lengths)) for _ in range(64 * args.calls)],
+                        f"len{min(lengths)}-{max(lengths)}"))
     for batch, lens, name in configs:
         texts = texts_of(lens, seed=batch)
         timed(ours, texts[:batch], batch), timed(theirs, texts[:batch], batch)        # warm-up
