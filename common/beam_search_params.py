@@ -6,7 +6,7 @@ from typing import Literal, Union
 
 import msgspec
 
-from pagedserve.common.errors import RequestError
+from pagedserve.common.sampling_params import check_field, is_int, is_number
 
 # Each step asks the engine for the top (beam_width + number of EOS ids) logprobs of every live beam, and the
 # engine returns at most this many per position (SamplingParams.logprobs' bound).
@@ -33,18 +33,18 @@ class BeamSearchParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def validate(self, num_eos: int = 1) -> None:
         """RequestError naming the first field at fault. num_eos: the model's EOS ids (each step needs
         beam_width + num_eos logprobs of every beam)."""
-        _check(_is_int(self.beam_width) and self.beam_width >= 1, "beam_width",
+        check_field(is_int(self.beam_width) and self.beam_width >= 1, "beam_width",
                f"must be an integer >= 1, got {self.beam_width!r}")
         widest = MAX_STEP_LOGPROBS - (0 if self.ignore_eos else num_eos)
-        _check(self.beam_width <= widest, "beam_width",
+        check_field(self.beam_width <= widest, "beam_width",
                f"must be at most {widest} (each step reads beam_width + EOS ids <= {MAX_STEP_LOGPROBS} logprobs "
                f"of every beam), got {self.beam_width}")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+        check_field(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
                f"must be an integer >= 1, got {self.max_tokens!r}")
-        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
+        check_field(is_number(self.temperature) and self.temperature >= 0, "temperature",
                f"must be >= 0, got {self.temperature!r}")
-        _check(_is_num(self.length_penalty), "length_penalty", f"must be a number, got {self.length_penalty!r}")
-        _check(isinstance(self.early_stopping, bool) or self.early_stopping == "never", "early_stopping",
+        check_field(is_number(self.length_penalty), "length_penalty", f"must be a number, got {self.length_penalty!r}")
+        check_field(isinstance(self.early_stopping, bool) or self.early_stopping == "never", "early_stopping",
                f"must be true, false or \"never\", got {self.early_stopping!r}")
 
     def step_logprobs(self, num_eos: int) -> int:
@@ -52,15 +52,3 @@ class BeamSearchParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         beam are always among its best beam_width + num_eos tokens (at most num_eos of them are EOS)."""
         return self.beam_width + (0 if self.ignore_eos else num_eos)
 
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_num(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-
-
-def _check(ok: bool, field: str, message: str) -> None:
-    if not ok:
-        raise RequestError(field, f"{field} {message}")

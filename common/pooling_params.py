@@ -8,6 +8,7 @@ from typing import Optional
 import msgspec
 
 from pagedserve.common.errors import RequestError
+from pagedserve.common.sampling_params import is_int
 
 # embed: one normalized vector per prompt; encode: the pooler's raw vector (no normalization);
 # classify: class probabilities; score: a cross-encoder's relevance of a text pair.
@@ -27,10 +28,10 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def validate(self) -> None:
         if self.task is not None and self.task not in POOLING_TASKS:
             raise RequestError.at("task", f"must be one of {', '.join(POOLING_TASKS)}, got {self.task!r}")
-        if self.dimensions is not None and (not _is_int(self.dimensions) or self.dimensions < 1):
+        if self.dimensions is not None and (not is_int(self.dimensions) or self.dimensions < 1):
             raise RequestError.at("dimensions", f"must be a positive integer, got {self.dimensions!r}")
         t = self.truncate_prompt_tokens
-        if t is not None and (not _is_int(t) or (t < 1 and t != -1)):
+        if t is not None and (not is_int(t) or (t < 1 and t != -1)):
             raise RequestError.at("truncate_prompt_tokens", f"must be a positive integer or -1, got {t!r}")
 
     def clone(self, **changes: object) -> "PoolingParams":
@@ -83,6 +84,3 @@ def check_pooling_task(params: PoolingParams, tasks: Sequence[str], is_matryoshk
         if matryoshka_dimensions is not None and dims not in matryoshka_dimensions:
             raise RequestError.at("dimensions", f"must be one of {list(matryoshka_dimensions)}, got {dims}")
 
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

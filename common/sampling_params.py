@@ -74,34 +74,34 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def _validate(self) -> None:
-        _check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
+        check_field(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        check_field(is_number(self.temperature) and self.temperature >= 0, "temperature",
                f"must be >= 0, got {self.temperature!r}")
-        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k",
+        check_field(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        check_field(is_int(self.top_k) and self.top_k >= 0, "top_k",
                f"must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
-        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        check_field(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_num(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
-        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+            check_field(is_number(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
+        check_field(is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
                f"must be > 0, got {self.repetition_penalty!r}")
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0), "max_tokens",
+        check_field(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 0), "max_tokens",
                f"must be at least 0, got {self.max_tokens!r}")
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+        check_field(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
                f"must be >= 0, got {self.min_tokens!r}")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+        check_field(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
+        check_field(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
                f"must be an integer in [0, 20], got {self.logprobs!r}")
-        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+        check_field(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
                "prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         # Integers cross process boundaries as msgpack 64-bit ints, and seed a torch.Generator.
-        _check(self.seed is None or (_is_int(self.seed) and _INT64_MIN <= self.seed <= _UINT64_MAX), "seed",
+        check_field(self.seed is None or (is_int(self.seed) and _INT64_MIN <= self.seed <= _UINT64_MAX), "seed",
                f"must be a 64-bit integer, got {self.seed!r}")
-        _check(self.top_k <= _INT64_MAX, "top_k", f"must be a 64-bit integer, got {self.top_k!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(all(_is_int(t) and 0 <= t <= _INT64_MAX for t in self.stop_token_ids), "stop_token_ids",
+        check_field(self.top_k <= _INT64_MAX, "top_k", f"must be a 64-bit integer, got {self.top_k!r}")
+        check_field(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check_field(all(is_int(t) and 0 <= t <= _INT64_MAX for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative 64-bit integers")
 
     @property
@@ -117,38 +117,38 @@ def check_constraints(params: SamplingParams) -> None:
     common/request_checks, which knows the model."""
     bias = params.logit_bias
     if bias is not None:
-        _check(isinstance(bias, dict), "logit_bias", "must map token ids to biases")
+        check_field(isinstance(bias, dict), "logit_bias", "must map token ids to biases")
         for tok, value in bias.items():
-            _check(_is_int(tok) and 0 <= tok <= _INT64_MAX, "logit_bias",
+            check_field(is_int(tok) and 0 <= tok <= _INT64_MAX, "logit_bias",
                    f"keys must be non-negative integer token ids, got {tok!r}")
-            _check(_is_num(value) and -100 <= value <= 100, "logit_bias",
+            check_field(is_number(value) and -100 <= value <= 100, "logit_bias",
                    f"values must be in [-100, 100], got {value!r} for token {tok}")
     allowed = params.allowed_token_ids
     if allowed is not None:
-        _check(isinstance(allowed, list) and len(allowed) > 0, "allowed_token_ids", "must be a non-empty list")
-        _check(all(_is_int(t) and 0 <= t <= _INT64_MAX for t in allowed), "allowed_token_ids",
+        check_field(isinstance(allowed, list) and len(allowed) > 0, "allowed_token_ids", "must be a non-empty list")
+        check_field(all(is_int(t) and 0 <= t <= _INT64_MAX for t in allowed), "allowed_token_ids",
                "must be non-negative integer token ids")
     if params.bad_words is not None:
-        _check(isinstance(params.bad_words, list) and all(isinstance(w, str) and w.strip()
+        check_field(isinstance(params.bad_words, list) and all(isinstance(w, str) and w.strip()
                                                           for w in params.bad_words),
                "bad_words", "must be a list of non-empty strings")
     words = params._bad_words_token_ids
     if words is not None:
-        _check(all(isinstance(w, list) and w and all(_is_int(t) and 0 <= t <= _INT64_MAX for t in w)
+        check_field(all(isinstance(w, list) and w and all(is_int(t) and 0 <= t <= _INT64_MAX for t in w)
                    for w in words), "bad_words", "token sequences must be non-empty lists of token ids")
     k = params.truncate_prompt_tokens
-    _check(k is None or (_is_int(k) and (k == -1 or 1 <= k <= _INT64_MAX)), "truncate_prompt_tokens",
+    check_field(k is None or (is_int(k) and (k == -1 or 1 <= k <= _INT64_MAX)), "truncate_prompt_tokens",
            f"must be -1 (max_model_len) or an integer >= 1, got {k!r}")
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_num(value: object) -> bool:
+def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
-def _check(ok: bool, field: str, message: str) -> None:
+def check_field(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise RequestError(field, f"{field} {message}")
