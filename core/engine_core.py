@@ -74,7 +74,8 @@ class EngineCore:
         self.batch_queue_size = config.scheduler.batch_queue_size
         self._batch_queue: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self._info: EngineInfo | None = None
-        self.rl = RLControl(self)                  # collective_rpc, weight reloads, sleep (core/rl_control.py)
+        # collective_rpc, weight reloads, sleep (core/rl_control.py)
+        self.rl = RLControl(self.executor, config.rl, self.reset_prefix_cache, self.settle)
         logger.info("engine core ready in %.1f s: %d KV blocks", time.perf_counter() - start, self.num_blocks)
 
     @classmethod
@@ -145,6 +146,13 @@ class EngineCore:
     def has_work(self) -> bool:
         # A step still in flight counts: its output must be taken even if all its requests were aborted.
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._batch_queue)
+
+    def settle(self, abort: bool) -> list[EngineCoreOutput]:
+        """Before sleep: no request left in the scheduler, each run to its end or aborted; their outputs."""
+        outputs = self.abort_requests(list(self.scheduler.requests)) if abort else []
+        while self.has_work():
+            outputs += self.run_step().outputs
+        return outputs
 
     # ---------------------------------------------------------------- the step
 

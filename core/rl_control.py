@@ -15,13 +15,11 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pagedserve.common.engine_config import RLConfig
 from pagedserve.common.errors import EngineSleepingError
 from pagedserve.ipc.messages import EngineCoreOutput
-
-if TYPE_CHECKING:
-    from pagedserve.core.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +30,12 @@ _KEEPS_WEIGHTS = frozenset({"ping", "determine_num_blocks", "init_weight_update_
 
 
 class RLControl:
-    def __init__(self, core: EngineCore) -> None:
-        self.core = core
+    def __init__(self, executor: Any, config: RLConfig, reset_prefix_cache: Callable[[], bool],
+                 settle: Callable[[bool], list[EngineCoreOutput]]) -> None:
+        """executor: the core's (collective_rpc); settle(abort): the core runs or aborts every request it holds
+        and returns their outputs."""
+        self.executor, self.config = executor, config
+        self._reset_prefix_cache, self._settle = reset_prefix_cache, settle
         self.level = 0                          # 0: awake
         self.asleep_tags: set[str] = set()      # what is still asleep: "weights", "kv_cache"
         self.weights_version = 0
@@ -52,7 +54,7 @@ class RLControl:
         if method in ("sleep", "wake_up"):
             raise ValueError(f"collective_rpc: call {method}() itself, so the engine core knows it sleeps")
         try:
-            return self.core.executor.collective_rpc(method, tuple(args or ()), dict(kwargs or {}))
+            return self.executor.collective_rpc(method, tuple(args or ()), dict(kwargs or {}))
         finally:            # a refused update changed nothing; dropping the cache then only costs recomputing
             if method not in _KEEPS_WEIGHTS:
                 self.weights_changed()
@@ -61,13 +63,13 @@ class RLControl:
         if "weights" in self.asleep_tags:
             raise ValueError("reload_weights: the weights are asleep; wake_up(tags=['weights']) first")
         try:
-            return self.core.executor.collective_rpc("reload_weights", (weights_path,))
+            return self.executor.collective_rpc("reload_weights", (weights_path,))
         finally:
             self.weights_changed()
 
     def weights_changed(self) -> None:
         self.weights_version += 1
-        self.core.reset_prefix_cache()          # the free cached blocks; the salt covers the rest
+        self._reset_prefix_cache()          # the free cached blocks; the salt covers the rest
 
     def cache_salt(self, lora_digest: bytes | None) -> bytes | None:
         """The salt of a new request's first block hash: its adapter's digest, and the weights version."""
@@ -81,30 +83,22 @@ class RLControl:
     # ---------------------------------------------------------------- sleep
 
     def sleep(self, level: int = 1, abort_requests: bool = False) -> dict[str, Any]:
-        if not self.core.config.rl.enable_sleep_mode:
+        if not self.config.enable_sleep_mode:
             raise ValueError("sleep: start the engine with enable_sleep_mode=True (--enable-sleep-mode)")
         if level not in (1, 2):
             raise ValueError(f"sleep: level must be 1 or 2, got {level!r}")
-        self._settle(abort_requests)
-        answers = self.core.executor.collective_rpc("sleep", (level,))
+        self.held += self._settle(abort_requests)
+        answers = self.executor.collective_rpc("sleep", (level,))
         self.level = max(self.level, level)
         self.asleep_tags = {"weights", "kv_cache"}
         self.weights_changed()                  # the KV cache's contents are gone
         logger.info("engine asleep at level %d", self.level)
         return {"level": self.level, "released_bytes": [a["released_bytes"] for a in answers]}
 
-    def _settle(self, abort: bool) -> None:
-        """No request left in the scheduler: each ran to its end, or was aborted; outputs kept for the client."""
-        core = self.core
-        outputs = core.abort_requests(list(core.scheduler.requests)) if abort else []
-        while core.has_work():
-            outputs += core.run_step().outputs
-        self.held += outputs
-
     def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
         if tags is not None and (not isinstance(tags, list) or any(t not in ("weights", "kv_cache") for t in tags)):
             raise ValueError(f"wake_up: tags must be a list of 'weights' and 'kv_cache', got {tags!r}")
-        answers = self.core.executor.collective_rpc("wake_up", (tags,))
+        answers = self.executor.collective_rpc("wake_up", (tags,))
         self.asleep_tags -= set(tags or ("weights", "kv_cache"))
         if not self.asleep_tags:
             self.level = 0
@@ -115,7 +109,7 @@ class RLControl:
 
     def check_admission(self) -> None:
         """EngineSleepingError for a new request while asleep, unless the engine queues them."""
-        if self.asleep_tags and self.core.config.rl.requests_while_sleeping == "reject":
+        if self.asleep_tags and self.config.requests_while_sleeping == "reject":
             raise EngineSleepingError("the engine is sleeping (sleep mode, between RL rollouts): retry after "
                                       "wake_up")
 

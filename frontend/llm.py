@@ -22,6 +22,7 @@ from pagedserve.frontend.llm_rl import RLMethods
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.processors import Processors
+from pagedserve.frontend.prompt_lists import as_prompt_list, per_prompt
 from pagedserve.ipc.messages import EngineCoreRequest
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ class LLM(RLMethods):
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """lora_request: one adapter for every prompt, or one (or None: the base model) per prompt."""
-        items = _as_prompt_list(prompts)
+        items = as_prompt_list(prompts)
         parsed = [self.input_processor.parse_prompt(p) for p in items]
         return self._run(parsed, sampling_params, use_tqdm, priority, lora_request)
 
@@ -115,7 +116,7 @@ class LLM(RLMethods):
             raise ValueError(f"concurrency_limit must be an integer >= 1, got {concurrency_limit!r}")
         eos = self.info.eos_token_ids
         params.validate(len(eos))
-        parsed = [self.input_processor.parse_prompt(p) for p in _as_prompt_list(prompts)]
+        parsed = [self.input_processor.parse_prompt(p) for p in as_prompt_list(prompts)]
         searches = [BeamSearch(p.prompt_token_ids, params, eos, self.info.max_model_len) for p in parsed]
         step_params = step_sampling_params(params, len(eos))
 
@@ -136,9 +137,9 @@ class LLM(RLMethods):
     def _run(self, prompts: list[ProcessedPrompt], sampling_params: Any, use_tqdm: bool,
              priority: Sequence[int] | None, lora_request: Any = None) -> list[RequestOutput]:
         self._refuse_waiting_asleep()
-        params = _per_prompt(sampling_params, len(prompts), "sampling_params", self.get_default_sampling_params())
-        priorities = _per_prompt(list(priority) if priority is not None else None, len(prompts), "priority", 0)
-        loras = _per_prompt(list(lora_request) if isinstance(lora_request, (list, tuple)) else lora_request,
+        params = per_prompt(sampling_params, len(prompts), "sampling_params", self.get_default_sampling_params())
+        priorities = per_prompt(list(priority) if priority is not None else None, len(prompts), "priority", 0)
+        loras = per_prompt(list(lora_request) if isinstance(lora_request, (list, tuple)) else lora_request,
                             len(prompts), "lora_request", None)
         lora_ids = [self._lora_id(lora) for lora in loras]
         batch = []
@@ -160,25 +161,30 @@ class LLM(RLMethods):
               truncate_prompt_tokens: int | None = None) -> list[Any]:
         """One EmbeddingRequestOutput per prompt (.outputs.embedding)."""
         from pagedserve.frontend import llm_pooling
-        return llm_pooling.embed(self, prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+        return llm_pooling.embed(self._pooling_runner(), prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
 
     def encode(self, prompts: Any, pooling_params: Any = None, use_tqdm: bool = True,
                truncate_prompt_tokens: int | None = None) -> list[Any]:
         """One PoolingRequestOutput per prompt (.outputs.data: the pooler's raw vector)."""
         from pagedserve.frontend import llm_pooling
-        return llm_pooling.encode(self, prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+        return llm_pooling.encode(self._pooling_runner(), prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
 
     def classify(self, prompts: Any, pooling_params: Any = None, use_tqdm: bool = True,
                  truncate_prompt_tokens: int | None = None) -> list[Any]:
         """One ClassificationRequestOutput per prompt (.outputs.probs)."""
         from pagedserve.frontend import llm_pooling
-        return llm_pooling.classify(self, prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+        return llm_pooling.classify(self._pooling_runner(), prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
 
     def score(self, data_1: Any, data_2: Any, pooling_params: Any = None, use_tqdm: bool = True,
               truncate_prompt_tokens: int | None = None) -> list[Any]:
         """One ScoringRequestOutput per pair (.outputs.score): a cross-encoder's, or embeddings' cosine."""
         from pagedserve.frontend import llm_pooling
-        return llm_pooling.score(self, data_1, data_2, pooling_params, use_tqdm, truncate_prompt_tokens)
+        return llm_pooling.score(self._pooling_runner(), data_1, data_2, pooling_params, use_tqdm, truncate_prompt_tokens)
+
+    def _pooling_runner(self) -> Any:
+        from pagedserve.frontend.llm_pooling import PoolingRunner
+        return PoolingRunner(self.input_processor, lambda: str(next(self._ids)), self._run_prepared,
+                             self.info.pooling_tasks)
 
     def _lora_id(self, lora: LoRARequest | None) -> int:
         """The adapter's id, registered with the core the first time it is seen here (as vLLM's LLM does)."""
@@ -260,22 +266,3 @@ class LLM(RLMethods):
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-
-def _as_prompt_list(prompts: Any) -> list[PromptType]:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)):
-        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-            return [list(prompts)]            # one prompt given as token ids
-        return list(prompts)
-    raise ValueError(f"prompts must be a string, token ids, or a list of them, got {type(prompts).__name__}")
-
-
-def _per_prompt(value: Any, n: int, name: str, default: Any) -> list[Any]:
-    if value is None:
-        return [default] * n
-    if isinstance(value, (list, tuple)):
-        if len(value) != n:
-            raise ValueError(f"{name}: got {len(value)} values for {n} prompts")
-        return list(value)
-    return [value] * n
