@@ -167,6 +167,7 @@ def add_pooling_routes(app: FastAPI, engine: AsyncEngineClient, model_name: str,
     async def classify(body: ClassificationRequest) -> JSONResponse:
         return await serving.classify(body)
 
-    app.post("/score")(serving.score)
+    for path in ("/score", "/v1/score"):
+        app.post(path)(serving.score)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         app.post(path)(serving.rerank)

@@ -95,8 +95,9 @@ def test_score_rerank_classify(rerank_server):
     from sentence_transformers import CrossEncoder
     server, path = rerank_server
     want = CrossEncoder(path, device="cpu").predict([(QUERY, d) for d in DOCS])
-    score = _post(server, "/score", {"text_1": QUERY, "text_2": DOCS}).json()
-    np.testing.assert_allclose([d["score"] for d in score["data"]], want, rtol=1e-4, atol=1e-5)
+    for route in ("/score", "/v1/score"):
+        score = _post(server, route, {"text_1": QUERY, "text_2": DOCS}).json()
+        np.testing.assert_allclose([d["score"] for d in score["data"]], want, rtol=1e-4, atol=1e-5)
     order = list(np.argsort(-want))
     for route in ("/rerank", "/v1/rerank", "/v2/rerank"):
         r = _post(server, route, {"query": QUERY, "documents": DOCS, "top_n": 2}).json()

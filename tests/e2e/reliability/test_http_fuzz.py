@@ -56,7 +56,7 @@ OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("G
               ("POST", "/v1/responses/{response_id}/cancel"),
               # pooling routes (frontend/serving_pooling.py): on this generating model each answers a 400
               ("POST", "/v1/embeddings"), ("POST", "/pooling"), ("POST", "/classify"), ("POST", "/score"),
-              ("POST", "/rerank"), ("POST", "/v1/rerank"), ("POST", "/v2/rerank")]
+              ("POST", "/v1/score"), ("POST", "/rerank"), ("POST", "/v1/rerank"), ("POST", "/v2/rerank")]
 # POST operations whose input is their path alone.
 _NO_BODY = {("POST", "/v1/responses/{response_id}/cancel")}
 _EXAMPLES = {"POST": 60, "GET": 5}
