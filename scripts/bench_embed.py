@@ -13,12 +13,14 @@ Usage: python scripts/bench_embed.py [--repeats 3] [--lengths 32,128,512] [--dty
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_child import emit  # noqa: E402
 
 
 
@@ -89,10 +91,7 @@ def main() -> None:
                       **{f"{s}_tokens_per_s": tokens / t for s, t in secs.items()},
                       "speedup": secs["sentence_transformers"] / secs["pagedserve"],
                       "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
-            print(json.dumps(result), flush=True)
-            if args.result_file:
-                with open(args.result_file, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(result) + "\n")
+            emit(result, args.result_file)
     llm.shutdown()
 
 

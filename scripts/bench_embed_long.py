@@ -16,6 +16,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_child import emit  # noqa: E402
+
 
 def make_model(folder: str) -> str:
     from pagedserve.tests.helpers.pooling_models import write_sentence_transformers
@@ -78,10 +81,7 @@ def main() -> None:
                   "chunked_vs_whole": secs["whole"] / secs["chunked"],
                   "chunked_vs_sentence_transformers": secs["sentence_transformers"] / secs["chunked"],
                   "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
-        print(json.dumps(result), flush=True)
-        if args.result_file:
-            with open(args.result_file, "a", encoding="utf-8") as f:
-                f.write(json.dumps(result) + "\n")
+        emit(result, args.result_file)
     for e in engines.values():
         e.shutdown()
 
