@@ -16,9 +16,9 @@ import re
 import struct
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -30,7 +30,8 @@ from pagedserve.executor.model.layers.rotary import engine_max_model_len
 from pagedserve.executor.model.models import get_model_class
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 from pagedserve.executor.model.quant.awq_gptq import combine_quantized_tensors
-from pagedserve.executor.model.quant.gguf_blocks import GGUF_QUANT_TYPES, decode_gguf_tensor, reverse_permute_rows
+from pagedserve.executor.model.quant.gguf_blocks import (GGUF_QUANT_TYPES, GGUFBlocks, decode_gguf_tensor,
+                                                        reverse_permute_rows)
 from pagedserve.executor.model.quant.kv_scales import apply_kv_scales, take_kv_scales
 from pagedserve.executor.model.quant.loading import PACKED_METHODS, begin_packed, finish_packed, num_weights, weight_bytes
 
@@ -121,6 +122,17 @@ def open_weights(model_config: ModelConfig,
     if kv_scales is not None:
         weights = take_kv_scales(weights, kv_scales)
     return combine_quantized_tensors(weights, model_config.quantization), count
+
+
+def update_weights_stream(model_config: ModelConfig, weights: Iterable[tuple[str, Any]]) -> Weights:
+    """A weight update's tensors, named and stored as the model's checkpoint holds them, through the mapping
+    open_weights gives that checkpoint: a GGUF model's (GGUF name, GGUFBlocks or float tensor) decoded as
+    its file is, AWQ/GPTQ parts gathered into their quantized weights, fp8 weights with their scales."""
+    if model_config.source.format == "gguf":
+        keep = model_config.quantization is not None and model_config.quantization.method == "gguf"
+        records = (_gguf_update_tensor(name, value) for name, value in weights)
+        return _gguf_iter(records, model_config.hf_config, keep)
+    return combine_quantized_tensors(iter(weights), model_config.quantization)
 
 
 # ---------------------------------------------------------------- HF folders
@@ -248,24 +260,55 @@ def _tensor_reader(path: str) -> Any:
     return TensorReader(path)
 
 
+class _UpdateTensor(NamedTuple):
+    """What _gguf_iter reads of a GGUFReader tensor, for a weight update's tensor."""
+    name: str
+    tensor_type: Any             # gguf.GGMLQuantizationType
+    shape: np.ndarray            # innermost first, as GGUF lists it
+    data: np.ndarray
+
+
+def _gguf_update_tensor(name: str, value: Any) -> _UpdateTensor:
+    from gguf import GGMLQuantizationType
+    if gguf_to_hf_name(name) is None:
+        raise ValueError(f"weight update: {name!r} is not a GGUF tensor name the loader maps (a GGUF model's "
+                         "updates are named as its file names them, e.g. blk.0.attn_q.weight)")
+    if isinstance(value, GGUFBlocks):
+        if value.tensor_type not in GGUF_QUANT_TYPES or len(value.shape) != 2:
+            raise ValueError(f"weight update: {name}: GGUF type {value.tensor_type!r} with shape "
+                             f"{tuple(value.shape)}; a 2-D tensor of {', '.join(GGUF_QUANT_TYPES)} is needed")
+        rows, cols = (int(d) for d in value.shape)
+        return _UpdateTensor(name, GGMLQuantizationType[value.tensor_type], np.array([cols, rows]),
+                             value.data.detach().cpu().contiguous().view(torch.uint8).numpy())
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        data = value.detach().to("cpu", torch.float32).contiguous().numpy()
+        return _UpdateTensor(name, GGMLQuantizationType.F32, np.array(data.shape[::-1]), data)
+    raise ValueError(f"weight update: {name}: a GGUF model's update takes GGUFBlocks (quantized blocks) or a "
+                     f"float tensor, got {type(value).__name__}")
+
+
 def gguf_weights(path: str, hf_config: Any, keep_quantized: bool = False) -> tuple[Weights, int]:
     reader = _tensor_reader(path)        # memory-mapped: nothing is read until a tensor is touched
-    return _gguf_iter(reader, hf_config, keep_quantized), len(reader.tensors)
+    return _gguf_iter(reader.tensors, hf_config, keep_quantized), len(reader.tensors)
 
 
-def _gguf_iter(reader: Any, hf_config: Any, keep_quantized: bool) -> Weights:
+def _gguf_iter(tensors: Iterable[Any], hf_config: Any, keep_quantized: bool) -> Weights:
+    """GGUFReader tensors (or _UpdateTensor records) as (HF name, tensor or GroupQuantWeight)."""
     from gguf.quants import dequantize
     permuted = getattr(hf_config, "model_type", None) in _PERMUTED_ARCHS
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    for tensor in reader.tensors:
+    for tensor in tensors:
         name = gguf_to_hf_name(tensor.name)
         if name is None:
             logger.debug("skipping GGUF tensor %s (no HF counterpart)", tensor.name)
             continue
         if keep_quantized and tensor.tensor_type.name in GGUF_QUANT_TYPES and len(tensor.shape) == 2:
-            qweight = decode_gguf_tensor(tensor.data, tensor.tensor_type,
-                                         (int(tensor.shape[1]), int(tensor.shape[0])))
+            try:
+                qweight = decode_gguf_tensor(tensor.data, tensor.tensor_type,
+                                             (int(tensor.shape[1]), int(tensor.shape[0])))
+            except ValueError as exc:
+                raise ValueError(f"GGUF tensor {tensor.name}: {exc}") from exc
             if permuted and ".self_attn.q_proj." in name:
                 qweight = reverse_permute_rows(qweight, heads)
             elif permuted and ".self_attn.k_proj." in name:

@@ -106,9 +106,20 @@ class ModelRunner:
             self.draft_caches = []
             self.draft_caches = [_zeros(shape, self.kv_dtype, self.device) for _ in draft_layers]
             bind_draft_cache(self.drafter.model, self.draft_caches, self.attn_backend)
+        self._build_decode_step()
+
+    def _build_decode_step(self) -> None:
         make_step = None if self._needs_aux_hidden else getattr(self.model, "make_decode_step", None)
         self.decode_step = make_step() if make_step is not None else None
         logger.debug("whole-decoder decode step: %s", type(self.decode_step).__name__ if self.decode_step else None)
+
+    def rebind_weights(self) -> None:
+        """After a weight update gave some weights new tensors (a quantized layer whose form changed): the C
+        decode step and the CUDA graphs, which hold the old addresses, are built again."""
+        if self.kv_caches:
+            self._build_decode_step()
+        if self.graphs is not None:
+            self.capture_cuda_graphs()
 
     def capture_cuda_graphs(self) -> int:
         """Capture decode graphs (CUDA only); returns the bytes their memory pool took."""

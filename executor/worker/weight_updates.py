@@ -11,22 +11,36 @@ from typing import Any, ClassVar
 
 import torch
 
-from pagedserve.executor.model.weight_update import WeightUpdater
+from pagedserve.executor.model.quant.gguf_blocks import GGUF_QUANT_TYPES, GGUFBlocks, gguf_nbytes
+from pagedserve.executor.model.weight_update import WeightUpdater, nbytes
 from pagedserve.executor.worker.sleep_state import SleepState
 from pagedserve.executor.worker.weight_sync import WeightSyncGroup
 
 logger = logging.getLogger(__name__)
 
+# Floats, and the integer and fp8 tensors of quantized checkpoints (AWQ/GPTQ qweight, qzeros, g_idx; fp8
+# weights).
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                 "float64": torch.float64}
+                 "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "int16": torch.int16,
+                 "int8": torch.int8, "uint8": torch.uint8, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """'bfloat16' or 'torch.bfloat16' -> torch.bfloat16; ValueError naming the choices."""
     key = str(name).removeprefix("torch.")
     if key not in _TORCH_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_TORCH_DTYPES)}, got {name!r}")
+        raise ValueError(f"dtype must be one of {sorted(_TORCH_DTYPES)} or a GGUF block type "
+                         f"({', '.join(GGUF_QUANT_TYPES)}), got {name!r}")
     return _TORCH_DTYPES[key]
+
+
+def receive_buffer(dtype: str, shape: list[int], device: torch.device) -> torch.Tensor:
+    """The tensor a pushed weight is received into: of dtype and shape, or for a GGUF block type ("Q4_0")
+    the raw bytes of a tensor of that (outermost first) shape."""
+    dims = tuple(int(d) for d in shape)
+    if str(dtype) in GGUF_QUANT_TYPES:
+        return torch.empty(gguf_nbytes(str(dtype), dims), dtype=torch.uint8, device=device)
+    return torch.empty(dims, dtype=torch_dtype(dtype), device=device)
 
 
 class WeightUpdateMethods:
@@ -43,16 +57,28 @@ class WeightUpdateMethods:
             self._updater = WeightUpdater(self.runner.model, self.config.model, self.tp, self.pp)
         return self._updater
 
-    def update_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
-        """Apply checkpoint-named tensors (in this process: a worker extension's entry point), all or nothing."""
+    def update_weights(self, weights: list[tuple[str, Any]]) -> int:
+        """Apply checkpoint-named tensors (in this process: a worker extension's entry point), all or nothing.
+        A GGUF model takes its file's names, with GGUFBlocks for quantized tensors (docs/rl_weight_updates.md)."""
         self._check_awake_weights()
-        return self.weight_updater().apply(weights)
+        try:
+            return self.weight_updater().apply(weights)
+        finally:
+            self._rebind_weights()
 
     def reload_weights(self, weights_path: str | None = None) -> str:
         """Every weight again from the model's checkpoint, or from weights_path (same architecture)."""
         if self._sleep is not None:
             self._sleep.weights_reloaded()
-        return self.weight_updater().reload(weights_path)
+        try:
+            return self.weight_updater().reload(weights_path)
+        finally:
+            self._rebind_weights()
+
+    def _rebind_weights(self) -> None:
+        # A quantized weight that changed form got new tensors: what holds the old addresses is built again.
+        if self._updater is not None and self._updater.take_relinked():
+            self.runner.rebind_weights()
 
     def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                  world_size: int) -> int:
@@ -82,13 +108,14 @@ class WeightUpdateMethods:
         start = time.perf_counter()
         received = []
         for name, dtype, shape in zip(names, dtypes, shapes):
-            buffer = torch.empty(tuple(int(d) for d in shape), dtype=torch_dtype(dtype), device=self.device)
-            received.append((str(name), group.broadcast(buffer, src=0)))
+            buffer = group.broadcast(receive_buffer(dtype, shape, self.device), src=0)
+            if str(dtype) in GGUF_QUANT_TYPES:
+                buffer = GGUFBlocks(str(dtype), tuple(int(d) for d in shape), buffer)
+            received.append((str(name), buffer))
         got = time.perf_counter()
         applied = self.update_weights(received)
         logger.info("rank %d: received %d tensors (%.1f MiB) in %.3f s, applied in %.3f s", self.rank, applied,
-                    sum(t.numel() * t.element_size() for _, t in received) / 2**20, got - start,
-                    time.perf_counter() - got)
+                    sum(nbytes(t) for _, t in received) / 2**20, got - start, time.perf_counter() - got)
         return applied
 
     def update_weight(self, name: str, dtype: str, shape: list[int]) -> int:

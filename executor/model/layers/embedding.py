@@ -7,7 +7,7 @@ from torch import nn
 
 from pagedserve.executor.model.layers.linear_method import LinearMethod, dense_linear_method, linear_method_for
 from pagedserve.executor.model.parallel_state import TPGroup
-from pagedserve.executor.model.quant.packing import Packed, Piece, pack_embedding, pack_linear
+from pagedserve.executor.model.quant.packing import Packed, Piece, copy_into_form, pack_embedding, pack_linear
 from pagedserve.kernels.weight_only import Int8Weight, int8_embedding
 
 
@@ -41,26 +41,47 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:rows].copy_(loaded_weight[self.vocab_start:self.vocab_start + rows])
         param.data[rows:].zero_()
 
+    def _loadable(self, weight: torch.Tensor) -> nn.Parameter:
+        param = nn.Parameter(weight, requires_grad=False)
+        param.weight_loader = self.weight_loader
+        return param
+
     def begin_packed_load(self) -> None:
         if self._pieces is not None:
             return
-        placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
-        placeholder.weight_loader = self.weight_loader
-        self.weight, self._pieces = placeholder, []
+        self.weight, self._pieces = self._loadable(torch.empty(0)), []
 
-    def finish_packed_load(self, method: str, device: torch.device, dtype: torch.dtype) -> None:
-        if self._pieces is None:             # packed already (a tied head asked for it first)
-            return
-        packed = pack_embedding(self._pieces or [], self.shard_size, method, device, dtype, type(self).__name__)
-        self._set_packed(packed)
+    def begin_packed_update(self, pieces: list | None = None) -> None:
+        """Collect an update's pieces (into `pieces` when given) while the current table keeps serving."""
+        self._pieces = [] if pieces is None else pieces
+
+    def take_pieces(self) -> list[Piece]:
+        pieces, self._pieces = self._pieces or [], None
+        return pieces
+
+    def piece_rows(self) -> int:
+        """Rows the pieces of a complete table cover (the padding rows past the vocabulary are zero-filled)."""
+        return max(0, min(self.shard_size, self.vocab_size - self.vocab_start))
+
+    def finish_packed_load(self, method: str, device: torch.device, dtype: torch.dtype) -> bool:
+        """Pack the collected pieces; nothing when none came (packed already: a tied head asked for it first).
+        True when the table's tensors were replaced rather than overwritten in place."""
+        pieces = self.take_pieces()
+        if not pieces:
+            return False
         self.out_dtype = dtype
+        return self._set_form(pack_embedding(pieces, self.shard_size, method, device, dtype, type(self).__name__),
+                              device)
 
-    def _set_packed(self, packed: Packed) -> None:
-        self._pieces = None
+    def _set_form(self, packed: Packed, device: torch.device) -> bool:
+        """Copy into the current form where it matches (its storage stays), else replace it (True)."""
+        if copy_into_form(self.weight if self.packed is None else self.packed, packed):
+            return False
         if isinstance(packed, torch.Tensor):
-            self.weight = nn.Parameter(packed, requires_grad=False)
+            self.weight, self.packed = self._loadable(packed), None
         else:
-            self.packed = packed
+            self.weight, self.packed = self._loadable(torch.empty(0, device=device)), packed
+        return True
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.packed, Int8Weight):
@@ -104,15 +125,23 @@ class ParallelLMHead(VocabParallelEmbedding):
             source.begin_packed_load()
         self.weight = source.weight          # still one shared (placeholder) parameter
 
-    def finish_packed_load(self, method: str, device: torch.device, dtype: torch.dtype) -> None:
+    def begin_packed_update(self, pieces: list | None = None) -> None:
+        if getattr(self, "tied_to", None) is None:       # a tied head's table is the embedding's to collect
+            super().begin_packed_update(pieces)
+
+    def finish_packed_load(self, method: str, device: torch.device, dtype: torch.dtype) -> bool:
         source = getattr(self, "tied_to", None)
         if source is None:
-            packed = pack_linear(self._pieces or [], self.shard_size, method, device, dtype, type(self).__name__)
-            self._set_packed(packed)
+            pieces = self.take_pieces()
+            if not pieces:
+                return False
+            replaced = self._set_form(pack_linear(pieces, self.shard_size, method, device, dtype,
+                                                  type(self).__name__), device)
         else:                                # the embedding packs the one shared table
-            source.finish_packed_load(method, device, dtype)
+            replaced = source.finish_packed_load(method, device, dtype)
             self.weight, self.packed = source.weight, source.packed
         self.method = linear_method_for(self.weight if self.packed is None else self.packed, device)
+        return replaced
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size], identical on every rank."""

@@ -21,7 +21,7 @@ from torch import nn
 from pagedserve.executor.model.layers.lora import LoRASlots
 from pagedserve.executor.model.layers.linear_method import LinearMethod, dense_linear_method, linear_method_for
 from pagedserve.executor.model.parallel_state import TPGroup, split_evenly
-from pagedserve.executor.model.quant.packing import Packed, Piece, pack_linear
+from pagedserve.executor.model.quant.packing import Packed, Piece, copy_into_form, pack_linear
 
 
 def copy_weight(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -85,22 +85,49 @@ class LinearBase(nn.Module):
             return
         copy_weight(param.data.narrow(0, row, src.shape[0]), src, what)
 
+    def _loadable(self, weight: torch.Tensor) -> nn.Parameter:
+        param = nn.Parameter(weight, requires_grad=False)
+        param.weight_loader = self.weight_loader
+        return param
+
     def begin_packed_load(self) -> None:
         """Collect the weight's pieces instead of copying them; the dense weight is never filled."""
         if self._pieces is not None:
             return
-        placeholder = _empty_param(0)
-        placeholder.weight_loader = self.weight_loader
-        self.weight, self._pieces = placeholder, []
+        self.weight, self._pieces = self._loadable(torch.empty(0)), []
 
-    def finish_packed_load(self, method: str, device: torch.device, dtype: torch.dtype) -> None:
-        packed = pack_linear(self._pieces or [], self.out_features, method, device, dtype, type(self).__name__)
-        self._pieces = None
+    def begin_packed_update(self, pieces: list | None = None) -> None:
+        """Collect an update's pieces (into `pieces` when given) while the current weight keeps serving."""
+        self._pieces = [] if pieces is None else pieces
+
+    def take_pieces(self) -> list[Piece]:
+        pieces, self._pieces = self._pieces or [], None
+        return pieces
+
+    def piece_rows(self) -> int:
+        """Rows the pieces of a complete weight cover."""
+        return self.out_features
+
+    def finish_packed_load(self, method: str, device: torch.device, dtype: torch.dtype) -> bool:
+        """Pack the collected pieces (a layer that got none keeps its weight). True when the weight's tensors
+        were replaced rather than overwritten in place (see set_weight_form)."""
+        pieces = self.take_pieces()
+        if not pieces:
+            return False
+        return self.set_weight_form(pack_linear(pieces, self.out_features, method, device, dtype,
+                                                type(self).__name__), device)
+
+    def set_weight_form(self, packed: Packed, device: torch.device) -> bool:
+        """Install a packed weight: copied into the current one where it has the same form and shapes (its
+        storage stays, for CUDA graphs and the C decode step), else in its place (returns True)."""
+        if copy_into_form(self.weight if self.packed is None else self.packed, packed):
+            return False
         if isinstance(packed, torch.Tensor):      # dense after all (e.g. an F16 tensor in a GGUF file)
-            self.weight = nn.Parameter(packed, requires_grad=False)
+            self.weight, self.packed = self._loadable(packed), None
         else:
-            self.packed = packed
+            self.weight, self.packed = self._loadable(torch.empty(0, device=device)), packed
         self.method = linear_method_for(packed, device)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._with_lora(x, self.method.apply(self, x, self.bias))

@@ -155,7 +155,10 @@ def combine_quantized_tensors(weights: Weights,
         have = pending.setdefault(prefix, {})
         have[part] = tensor
         if needed <= have.keys():
-            weight = _decode(pending.pop(prefix), spec)
+            try:
+                weight = _decode(pending.pop(prefix), spec)
+            except ValueError as exc:         # the parts' names: the decoder knows only their roles
+                raise ValueError(f"{prefix}.{{{','.join(parts)}}}: {exc}") from exc
             done[prefix] = (weight.shape[1], weight.group_size)
             yield prefix + ".weight", weight
     if pending:

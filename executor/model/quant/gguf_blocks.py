@@ -11,6 +11,7 @@ under a second.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,32 @@ _NAME_BY_ID = {type_id: name for name, (type_id, _, _) in _FORMATS.items()}
 
 # The GGUF tensor types decode_gguf_tensor keeps quantized (compare with GGMLQuantizationType(...).name).
 GGUF_QUANT_TYPES: tuple[str, ...] = tuple(_FORMATS)
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """One quantized GGUF tensor as the file stores it, for a weight update of a GGUF model: its ggml type
+    ("Q4_0"), its shape outermost first (rows, cols: torch's order; the file lists it innermost first) and
+    its raw block bytes (uint8), which the loader decodes as it decodes the file's."""
+    tensor_type: str
+    shape: tuple[int, int]
+    data: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def gguf_nbytes(tensor_type: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a quantized GGUF tensor of `shape` (outermost first); ValueError for an unknown type or a row
+    that is not whole blocks."""
+    if tensor_type not in _FORMATS:
+        raise ValueError(f"GGUF tensor type {tensor_type!r} is not one of {', '.join(GGUF_QUANT_TYPES)}")
+    _, block_weights, block_bytes = _FORMATS[tensor_type]
+    if len(shape) != 2 or shape[1] % block_weights:
+        raise ValueError(f"GGUF {tensor_type} tensor shape {tuple(shape)}: need 2 dimensions, the inner one a "
+                         f"multiple of the {block_weights}-weight block")
+    return int(shape[0]) * int(shape[1]) // block_weights * block_bytes
+
 
 # A decoder maps blocks [n, bytes per block] to codes [n, weights per block], scale and offset [n, groups].
 _Decoded = tuple[np.ndarray, np.ndarray, np.ndarray, int, int]     # q, scale, offset, bits, group size

@@ -1,10 +1,16 @@
-"""Switching a model's layers to packed loading, packing them afterwards, and counting weight bytes."""
+"""Switching a model's layers to packed loading, packing them afterwards, and counting weight bytes.
+
+A weight update of a quantized model (executor/model/weight_update.py) goes through the same two steps: the
+layers collect the update's pieces while their current packed weights keep serving, then the layers that got
+pieces pack them with the same rules (quant/packing.py)."""
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from pagedserve.executor.model.quant.packing import packed_nbytes
+from pagedserve.executor.model.quant.packing import check_all_rows, packed_nbytes
 
 # Methods whose layers load in pieces and pack afterwards; anything else loads dense, as before.
 PACKED_METHODS = ("gguf", "awq", "gptq", "int8", "fp8")
@@ -19,9 +25,38 @@ def begin_packed(model: nn.Module) -> None:
         module.begin_packed_load()
 
 
-def finish_packed(model: nn.Module, method: str, device: torch.device, dtype: torch.dtype) -> None:
+def finish_packed(model: nn.Module, method: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Pack every layer's pieces; True when some layer's weight tensors were replaced (not overwritten in
+    place): whatever bound their addresses must bind them again."""
+    replaced = False
     for module in _packable(model):
-        module.finish_packed_load(method, device, dtype)
+        replaced |= bool(module.finish_packed_load(method, device, dtype))
+    return replaced
+
+
+def _updatable(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if hasattr(m, "begin_packed_update")]
+
+
+def begin_packed_update(model: nn.Module, pieces: Callable[[], list] | None = None) -> None:
+    """Every packable layer collects an update's pieces (each into pieces() when given) and keeps serving."""
+    for _, module in _updatable(model):
+        module.begin_packed_update(None if pieces is None else pieces())
+
+
+def end_packed_update(model: nn.Module) -> None:
+    """Drop whatever pieces the layers collected (a failed update's)."""
+    for _, module in _updatable(model):
+        module.take_pieces()
+
+
+def check_update_pieces(model: nn.Module) -> None:
+    """Drop the pieces the layers collected, after checking them: ValueError naming the first layer that got
+    some of its pieces but not all (see packing.check_all_rows)."""
+    for name, module in _updatable(model):
+        pieces = module.take_pieces()
+        if pieces:
+            check_all_rows(pieces, module.piece_rows(), name)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -15,9 +15,10 @@ checkpoints; where they do not, the pieces take the int8 route in checkpoint ord
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 import torch
 
@@ -53,6 +54,17 @@ def _check_rows(pieces: Sequence[Piece], rows: int, what: str) -> None:
         end = stop
     if end > rows:
         raise ValueError(f"{what}: {end} rows loaded into a weight of {rows}")
+
+
+def check_all_rows(pieces: Sequence[Piece], rows: int, what: str) -> None:
+    """An update's pieces of a packed weight must fill every row: the weight is packed again from them alone
+    (its old values exist only in the packed form, which cannot be unpacked for every format)."""
+    _check_rows(pieces, rows, what)
+    end = max((start + piece.shape[0] for start, piece in pieces), default=0)
+    if end != rows:
+        raise ValueError(f"{what}: this update fills rows 0..{end} of {rows}; a quantized layer is packed again "
+                         "from all of its checkpoint tensors, so an update must carry them together (q, k and v; "
+                         "gate and up; every part of a quantized checkpoint's linear)")
 
 
 def _ordered(pieces: Sequence[Piece]) -> list:
@@ -146,6 +158,34 @@ def pack_embedding(pieces: Sequence[Piece], rows: int, method: str, device: torc
     if exact is None:
         exact = quantize_int8(_dense(parts, rows, torch.float32), chunk=min(groups, default=32))
     return Int8Weight(exact.q.to(device), exact.scale.to(device))
+
+
+def _same_form(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and a.device == b.device)
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and all(_same_form(getattr(a, f.name), getattr(b, f.name))
+                                          for f in dataclasses.fields(a))
+    return a == b
+
+
+def _copy_form(dst: Any, src: Any) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.data.copy_(src)
+    elif dataclasses.is_dataclass(dst):
+        for f in dataclasses.fields(dst):
+            _copy_form(getattr(dst, f.name), getattr(src, f.name))
+
+
+def copy_into_form(dst: Packed | torch.Tensor, src: Packed | torch.Tensor) -> bool:
+    """Copy a newly packed weight into the current one when both are the same kernel form with the same
+    shapes and dtypes (returns True): the current tensors keep their storage, so what holds their addresses
+    (CUDA graphs, the C decode step) reads the new values. False, and nothing copied, otherwise."""
+    if not _same_form(dst, src):
+        return False
+    _copy_form(dst, src)
+    return True
 
 
 def packed_nbytes(packed: Packed) -> int:
