@@ -7,7 +7,9 @@ storages back. Level 1 on CUDA copies the weights to host memory first; on CPU t
 already, so level 1 keeps them and releases only the KV cache. Level 2 discards the weights: after waking
 them, their values are undefined until reload_weights or a full weight update (vLLM's contract).
 
-A storage that grows back has a new address; CUDA graphs captured against the old ones are captured again.
+The weights are the parameters and a quantized model's packed weights (quant/loading.packed_tensors). A
+storage that grows back has a new address: CUDA graphs captured against the old ones are captured again, and
+the C decode step of a quantized CPU model is built again.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import mmap
 from typing import Any
 
 import torch
+
+from pagedserve.executor.model.quant.loading import packed_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +111,7 @@ class SleepState:
         drafter = getattr(self.runner, "drafter", None)
         if drafter is not None:
             models.append(drafter.model)
-        return [p.data for m in models for p in m.parameters()]
+        return [t for m in models for t in [p.data for p in m.parameters()] + packed_tensors(m)]
 
     def sleep(self, level: int) -> dict[str, Any]:
         if level not in (1, 2):
@@ -144,6 +148,8 @@ class SleepState:
         if woke and self.device.type == "cuda" and getattr(self.runner, "graphs", None) is not None \
                 and self.kv is None and self.weights is None:
             self.runner.capture_cuda_graphs()
+        elif "weights" in woke and self.device.type == "cpu":
+            self.runner.rebind_weights()        # the C decode step of a quantized model reads the new addresses
         return {"woke": woke, "weights_need_reload": self.weights_lost}
 
     def weights_usable(self) -> bool:

@@ -108,12 +108,19 @@ def test_awq_gptq_update_from_another_checkpoints_tensors(floats, tmp_path, meth
         assert greedy(llm) + greedy(llm, PROMPTS[:1]) == before
 
 
-def test_int8_at_load_updated_with_float_tensors(floats) -> None:
+def test_int8_at_load_sleeps_and_is_updated_with_float_tensors(floats) -> None:
     a, b = floats
     want_b = fresh(b, quantization="int8")
-    with LLM(a, quantization="int8") as llm:
+    with LLM(a, quantization="int8", enable_sleep_mode=True) as llm:
         assert runner(llm).decode_step is not None
         before = greedy(llm) + greedy(llm, PROMPTS[:1])
+        # Level 2 releases the packed weights too; they come back at new addresses, which the C step reads.
+        qkv = runner(llm).model.model.layers[0].self_attn.qkv_proj.packed.q
+        llm.sleep(level=2)
+        assert qkv.untyped_storage().nbytes() == 0
+        llm.wake_up()
+        llm.reload_weights()
+        assert greedy(llm) + greedy(llm, PROMPTS[:1]) == before
         with Trainer(llm) as trainer:
             tensors_b = checkpoint_tensors(b)                             # float32, quantized on arrival
             assert trainer.push(tensors_b) == [len(tensors_b)]

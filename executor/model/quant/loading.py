@@ -5,7 +5,9 @@ layers collect the update's pieces while their current packed weights keep servi
 pieces pack them with the same rules (quant/packing.py)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,6 +59,22 @@ def check_update_pieces(model: nn.Module) -> None:
         pieces = module.take_pieces()
         if pieces:
             check_all_rows(pieces, module.piece_rows(), name)
+
+
+def _form_tensors(form: Any) -> Iterator[torch.Tensor]:
+    if isinstance(form, torch.Tensor):
+        yield form
+    elif dataclasses.is_dataclass(form):
+        for field in dataclasses.fields(form):
+            yield from _form_tensors(getattr(form, field.name))
+
+
+def packed_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor of the model's packed weights (not parameters: sleep mode releases them too)."""
+    out: list[torch.Tensor] = []
+    for module in _packable(model):
+        out += _form_tensors(getattr(module, "packed", None))
+    return out
 
 
 def weight_bytes(model: nn.Module) -> int:
