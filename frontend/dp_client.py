@@ -31,6 +31,17 @@ MAX_RESTARTS = 3
 RESTART_WINDOW_S = 300.0
 
 
+def _concat(results: list[Any]) -> list[Any]:
+    return [item for result in results for item in result]
+
+
+# Utility calls whose answer is every engine's, not the first one's (vLLM answers with the first engine's for
+# all): collective_rpc gives each engine's ranks' results, engine after engine, so an RL driver sees every
+# worker it reached; the engine is asleep (or its prefix cache reset) only when every engine is.
+_MERGED_ANSWERS: dict[str, Callable[[list[Any]], Any]] = {
+    "collective_rpc": _concat, "reload_weights": _concat, "is_sleeping": all, "reset_prefix_cache": all}
+
+
 class DataParallelClient:
     def __init__(self, clients: list[AsyncMPClient], router: PrefixRouter,
                  restart: dict[int, Callable[[], CoreHandle]] | None = None) -> None:
@@ -90,7 +101,8 @@ class DataParallelClient:
             await self.clients[engine].abort_requests(rids)
 
     async def call_utility(self, method: str, *args: Any, timeout_s: float = 10.0) -> Any:
-        """Every engine in service runs it (a ping, a prefix-cache reset); the first one's answer is returned."""
+        """Every engine in service runs it (a ping, a prefix-cache reset, sleep); the first one's answer is
+        returned, or for the calls of _MERGED_ANSWERS all of theirs merged, in engine order."""
         if (why := self.dead) is not None:
             raise EngineDeadError(why)
         up = [c for i, c in enumerate(self.clients) if i not in self._down]
@@ -102,7 +114,8 @@ class DataParallelClient:
             self._loras[args[1]] = args
         elif method == "remove_lora":       # by id or by name, as the core takes it
             self._loras = {i: a for i, a in self._loras.items() if args[0] not in (i, a[0])}
-        return results[0]
+        merge = _MERGED_ANSWERS.get(method)
+        return results[0] if merge is None else merge(results)
 
     async def get_output(self) -> EngineCoreOutputs:
         if self._merged is None:

@@ -59,3 +59,31 @@ def test_dev_routes_sleep_wake_rpc(server: Server) -> None:
     assert bad.status_code == 400 and "no_such_method" in bad.json()["error"]["message"]
     bad = httpx.post(f"{url}/sleep", params={"level": 3}, headers=auth)
     assert bad.status_code == 400
+
+
+def test_dev_routes_act_on_every_data_parallel_engine(tmp_path) -> None:
+    """With two engines, sleep/wake_up reach both (is_sleeping is true only when both sleep, and no request is
+    served while they do) and collective_rpc answers with every engine's ranks, engine after engine."""
+    model = make_tiny_model(str(tmp_path / "m"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_SERVER_DEV_MODE", "1")
+        server = Server("--enable-sleep-mode", "--data-parallel-size", "2", "--data-parallel-routing", "least-loaded",
+                        "--worker-extension-cls", "pagedserve.tests.helpers.rl_extension.Probe", model=model,
+                        max_model_len=256, token=None)
+    try:
+        url, auth = server.url, server.auth
+        rpc = httpx.post(f"{url}/collective_rpc", headers=auth, timeout=60,
+                         json={"method": "describe_rank", "kwargs": {"tag": "dp"}})
+        assert rpc.json() == {"results": [{"rank": 0, "tp_rank": 0, "rows": 128, "tag": "dp"}] * 2}
+        before = [_complete(server).json()["choices"][0]["text"] for _ in range(2)]     # one on each engine
+        assert httpx.post(f"{url}/sleep", params={"level": 1}, headers=auth, timeout=60).status_code == 200
+        assert httpx.get(f"{url}/is_sleeping", headers=auth).json() == {"is_sleeping": True}
+        assert [_complete(server).status_code for _ in range(2)] == [503, 503]         # least-loaded: both
+        assert httpx.post(f"{url}/wake_up", params={"tags": ["weights"]}, headers=auth, timeout=60).status_code == 200
+        assert httpx.get(f"{url}/is_sleeping", headers=auth).json() == {"is_sleeping": True}   # KV still asleep
+        assert httpx.post(f"{url}/wake_up", headers=auth, timeout=60).status_code == 200
+        assert httpx.get(f"{url}/is_sleeping", headers=auth).json() == {"is_sleeping": False}
+        assert [_complete(server).json()["choices"][0]["text"] for _ in range(2)] == before
+        assert httpx.post(f"{url}/reset_prefix_cache", headers=auth).status_code == 200
+    finally:
+        server.stop()
