@@ -22,9 +22,10 @@ import torch.distributed as dist
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.config_wire import decode_engine_config, encode_engine_config
 from pagedserve.executor.procs.executor import Executor
+from pagedserve.executor.procs.worker_proc import answer_call
 from pagedserve.executor.worker.worker import worker_class
 from pagedserve.ipc.messages import (ExecuteModel, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerInput,
-                                     WorkerShutdown)
+                                     WorkerResponse, WorkerShutdown)
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ class ControlChannel:
         dist.broadcast(buf, 0, group=self.group)
         return data if data is not None else buf.numpy().tobytes()
 
-    def gather_results(self, result: Any) -> list[Any]:
+    def gather_results(self, result: Any, type_: Any = Any) -> list[Any]:
+        """Every rank's result, in rank order, decoded as type_."""
         data = msgspec.msgpack.encode(result)
         world = dist.get_world_size()
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
@@ -65,7 +67,7 @@ class ControlChannel:
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         parts = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
         dist.all_gather(parts, mine, group=self.group)
-        return [msgspec.msgpack.decode(p[:int(s.item())].numpy().tobytes()) for p, s in zip(parts, sizes)]
+        return [msgspec.msgpack.decode(p[:int(s.item())].numpy().tobytes(), type=type_) for p, s in zip(parts, sizes)]
 
 
 class TorchrunExecutor(Executor):
@@ -85,7 +87,13 @@ class TorchrunExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple[Any, ...] = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         call = self.channel.broadcast(WorkerCall(method, list(args), dict(kwargs or {})))
-        return self.channel.gather_results(self.worker.call_remote(call.method, call.args, call.kwargs))
+        # As the multiprocess executor's ranks answer: a refused call (collective_rpc's bad input) is every
+        # rank's answer, gathered, then an error for the caller; the ranks keep serving.
+        answers = self.channel.gather_results(answer_call(self.worker, call, 0), WorkerResponse)
+        refused = [a for a in answers if a.kind == "refused"]
+        if refused:
+            raise ValueError(refused[0].error)
+        return [a.result for a in answers]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.channel.broadcast(ExecuteModel(scheduler_output))
@@ -112,4 +120,4 @@ def serve_torchrun_worker(timeout_s: float) -> None:
         if isinstance(msg, ExecuteModel):
             worker.execute_model(msg.scheduler_output)
         elif isinstance(msg, WorkerCall):
-            channel.gather_results(worker.call_remote(msg.method, msg.args, msg.kwargs))
+            channel.gather_results(answer_call(worker, msg, rank))

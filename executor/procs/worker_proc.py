@@ -136,10 +136,14 @@ def _serve(worker: Worker, reader: BroadcastReader, reply: Callable[[WorkerRespo
         replies.close()
 
 
-def _call(worker: Worker, msg: WorkerCall, rank: int) -> WorkerResponse:
+def answer_call(worker: Worker, msg: WorkerCall, rank: int) -> WorkerResponse:
     """A named call's answer. A user's method (collective_rpc: RL_METHODS, the extension's) that raises
     ValueError or TypeError refused the caller's input and left the rank as it was (a weight update checks
-    everything before it copies), so the rank keeps serving; the engine's own calls fail the rank as before."""
+    everything before it copies), so the rank keeps serving; the engine's own calls fail the rank as before.
+    Also the torchrun executor's ranks' answer (torchrun_executor.py)."""
+    if (why := worker.remote_refusal(msg.method)) is not None:
+        # The caller's mistake, not this rank's failure: answer it and keep serving.
+        return WorkerResponse(rank=rank, kind="refused", error=why)
     try:
         return WorkerResponse(rank=rank, kind="result", result=worker.call_remote(msg.method, msg.args, msg.kwargs))
     except (ValueError, TypeError) as exc:
@@ -167,11 +171,8 @@ def _serve_loop(worker: Worker, reader: BroadcastReader, replies: _Replies, rank
         try:
             if isinstance(msg, ExecuteModel):
                 replies.put(worker.execute_model_async(msg.scheduler_output))
-            elif (why := worker.remote_refusal(msg.method)) is not None:
-                # The caller's mistake, not this rank's failure: answer it and keep serving.
-                replies.put(WorkerResponse(rank=rank, kind="refused", error=why))
             else:
-                replies.put(_call(worker, msg, rank))
+                replies.put(answer_call(worker, msg, rank))
         except BaseException as exc:
             logger.exception("worker %d failed", rank)
             replies.put(WorkerResponse(rank=rank, kind="error", error=describe_exception(exc)))

@@ -184,6 +184,55 @@ def test_torchrun_launcher_two_cpu_ranks(tiny_llama_dir, tp1_tokens):
     assert [r["token_ids"] for r in rows] == expected
 
 
+_TORCHRUN_RPC = """
+import json, sys
+from datetime import timedelta
+import torch.distributed as dist
+dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+if dist.get_rank() == 0:
+    from pagedserve import LLM, SamplingParams
+    llm = LLM(sys.argv[1], dtype="float32", tensor_parallel_size=2, distributed_executor_backend="torchrun",
+              worker_extension_cls="pagedserve.tests.helpers.rl_extension.Probe")
+    print("RPC " + json.dumps(llm.collective_rpc("describe_rank", kwargs={"tag": "torchrun"})), flush=True)
+    for method in ("no_such_method", "weight_tensor"):
+        try:
+            llm.collective_rpc(method)
+        except ValueError as exc:
+            print("REFUSED " + json.dumps(str(exc)), flush=True)
+    llm.reload_weights()
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    print("TOKENS " + json.dumps(out[0].outputs[0].token_ids), flush=True)
+    llm.shutdown()
+else:
+    from pagedserve.executor.procs.torchrun_executor import serve_torchrun_worker
+    serve_torchrun_worker(120.0)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_collective_rpc_takes_kwargs_and_survives_refusals(tiny_llama_dir, tmp_path):
+    """collective_rpc under a torchrun launch: kwargs reach every rank, and a refused call (an unknown
+    method, a result that is not data) is an error for the caller while every rank keeps serving."""
+    import json
+    import subprocess
+    import sys
+
+    from pagedserve.ipc.sockets import free_tcp_port
+    script = tmp_path / "rpc.py"
+    script.write_text(_TORCHRUN_RPC)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_tcp_port()), str(script), tiny_llama_dir]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line]
+    tagged = {tag: [json.loads(rest) for t, rest in lines if t == tag] for tag in ("RPC", "REFUSED", "TOKENS")}
+    assert tagged["RPC"] == [[{"rank": r, "tp_rank": r, "rows": 64, "tag": "torchrun"} for r in (0, 1)]]
+    assert [m in e for m, e in zip(("no_such_method", "weight_tensor"), tagged["REFUSED"])] == [True, True]
+    assert len(tagged["TOKENS"][0]) == 4
+
+
 def test_torchrun_stopped_rank_fails_the_launch(tiny_llama_dir):
     """A SIGSTOPped rank keeps the others waiting in a collective: bounded by --worker-heartbeat-timeout,
     the launch fails with an error instead of hanging."""

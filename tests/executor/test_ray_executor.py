@@ -77,13 +77,19 @@ def test_local_cluster_carries_pipeline_stages(model, hf_want, monkeypatch):
 
 
 def test_tp2_ranks_on_two_nodes_match_hf(two_nodes, model, hf_want, monkeypatch):
-    llm = _llm_on(two_nodes, model, monkeypatch, tensor_parallel_size=2)
+    llm = _llm_on(two_nodes, model, monkeypatch, tensor_parallel_size=2,
+                  worker_extension_cls="pagedserve.tests.helpers.rl_extension.Probe")
     try:
         actors = _engine_actors()
         assert len(actors) == 2
         nodes = ray.get([a.node_id.remote() for a in actors])
         assert len(set(nodes)) == 2                       # the TP group spans both Ray nodes
         assert {n["NodeID"] for n in ray.nodes() if n["Alive"]} == set(nodes)
+        # collective_rpc reaches both actors, kwargs included; a refused call leaves them serving.
+        assert llm.collective_rpc("describe_rank", kwargs={"tag": "ray"}) == [
+            {"rank": r, "tp_rank": r, "rows": 64, "tag": "ray"} for r in (0, 1)]
+        with pytest.raises(ValueError, match="weight_tensor"):
+            llm.collective_rpc("weight_tensor")
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _params(), use_tqdm=False)]
     finally:
         llm.shutdown()
