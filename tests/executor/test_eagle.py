@@ -183,6 +183,33 @@ def test_drafts_equal_the_dense_reference_every_step(tmp_path_factory, target_di
         assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, (spec.num_accepted_tokens, spec.num_draft_tokens)
 
 
+def test_eagle_head_follows_a_weight_update_of_the_model(tmp_path_factory, target_dir):
+    """An EAGLE-1 head without its own embedding reads the model's embedding, LM head and hidden states: after
+    reload_weights to another checkpoint its drafts are the reference's over that checkpoint, every step."""
+    from transformers import AutoModelForCausalLM
+    other = make_tiny_model(str(tmp_path_factory.mktemp("eagle_other")), arch="llama", tokenizer="synthetic",
+                            num_hidden_layers=8, seed=7)
+    head = head_dir(tmp_path_factory, target_dir, "eagle")
+    core = make_core(target_dir, head, "eagle")
+    drafter, model = core.executor.worker.runner.drafter.model, core.executor.worker.runner.model
+    assert drafter.embed_tokens is model.model.embed_tokens and drafter.lm_head is model.lm_head   # shared modules
+    core.call_utility("reload_weights", (other,))
+    ref, stale = (ReferenceHead(head, "eagle", AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval())
+                  for path in (other, target_dir))
+    prompt = random_prompts(6, [21], 512)[0]
+    core.add_request(EngineCoreRequest("r", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                                       arrival_time=0.0))
+    checked = differs = 0
+    while core.has_unfinished_requests():
+        core.step()
+        request = core.scheduler.requests.get("r")
+        if request is not None and request.spec_token_ids:
+            assert request.spec_token_ids == ref.drafts(request.all_token_ids, K), f"after {request.num_output_tokens}"
+            checked += 1
+            differs += request.spec_token_ids != stale.drafts(request.all_token_ids, K)
+    assert checked >= 3 and differs > 0          # a head on the old weights would have drafted otherwise
+
+
 @pytest.mark.parametrize("method,tp", [("eagle", 1), ("eagle3", 1), ("eagle", 2), ("eagle3", 2)])
 def test_greedy_output_unchanged_by_a_head(tmp_path_factory, bigram_dir, target_dir, method, tp):
     """TP = 2: a worker process per rank (the head's config, with its aux layers set at start, crosses to them);
