@@ -52,5 +52,5 @@ class Trainer:
         finally:
             sender.join(60)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.llm.collective_rpc("destroy_weight_update_group")
