@@ -47,24 +47,26 @@ def test_int4_gemv_matches_the_weights(rows, out, cols, group, symmetric):
 
 
 @needs_c_step
-@pytest.mark.parametrize("rows", [1, 3, 4, 8])
-@pytest.mark.parametrize("out,cols,chunk", [(80, 64, 32), (37, 200, None), (1000, 96, 32)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 13, 40])
+@pytest.mark.parametrize("out,cols,chunk", [(80, 64, 32), (37, 200, None), (1000, 96, 32), (96, 128, 16),
+                                            (48, 48, 16)])
 def test_int8_gemv_matches_the_weights(rows, out, cols, chunk):
-    """Chunked (a Q8_0 head) and whole-row int8; channel counts with a tail past the blocks of 16."""
+    """Chunked (a Q8_0 head; Q6_K's 16-column chunks, read in pairs, and an odd count of them) and whole-row
+    int8; channel counts with a tail past the blocks of 16; decode batches past GEMV_MAX_ROWS."""
     w, dense = _int8_case(out, cols, chunk, seed=rows + out)
     x = torch.randn(rows, cols)
     _close(weight_only.int8_linear(x, w), x, dense, int16_inputs=True)
 
 
 @needs_c_step
-@pytest.mark.parametrize("out,cols,chunk", [(80, 64, 32), (1000, 96, 32), (37, 200, None)])
+@pytest.mark.parametrize("out,cols,chunk", [(80, 64, 32), (1000, 96, 32), (37, 200, None), (96, 128, 16)])
 def test_int8_gemv_gives_a_row_the_same_bits_whatever_rows_run_beside_it(out, cols, chunk):
-    """A speculative verify pass's logits: rows 2-8 share each widened code, and each still sums exactly as a
-    one-row call does."""
+    """A speculative verify pass's logits, and a decode batch's: rows share each widened code, and each still
+    sums exactly as a one-row call does."""
     w, _ = _int8_case(out, cols, chunk, seed=out)
-    x = torch.randn(8, cols) * torch.rand(8, 1) * 3
-    alone = torch.cat([weight_only._int8_gemv(x[r:r + 1], w) for r in range(8)])
-    for rows in range(2, 9):
+    x = torch.randn(19, cols) * torch.rand(19, 1) * 3
+    alone = torch.cat([weight_only._int8_gemv(x[r:r + 1], w) for r in range(19)])
+    for rows in (*range(2, 10), 16, 19):
         assert torch.equal(weight_only._int8_gemv(x[:rows], w), alone[:rows]), rows
 
 
@@ -148,9 +150,10 @@ def test_c_step_matches_the_pytorch_path(tiny_model, monkeypatch):
             diffs = [abs(next(iter(a.values())).logprob - next(iter(b.values())).logprob)
                      for a, b in zip(g.logprobs, w.logprobs)]
             # The int8 GEMVs round their inputs to int16 steps (max|x| / 32767): a last-bit difference between
-            # the paths can move an input by a step, ~3e-5 relative, and that carries through the layers.
+            # the paths can move an input by a step, ~3e-5 relative, and that carries through the layers (up to
+            # 2.1e-3 after 24 tokens, measured, now that batches of 9-63 rows round to int16 too).
             # A wrong norm, bias, rotary or cache slot moves logprobs by 0.1 or more.
-            assert max(diffs) < 2e-3, diffs
+            assert max(diffs) < 5e-3, diffs
 
 
 @needs_c_step
