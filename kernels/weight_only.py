@@ -50,10 +50,11 @@ INT4_DENSE_MIN_ROWS_AFTER_GEMM = 224
 INT4_INT8_MIN_ROWS = 224
 INT4_NEVER_DENSE = sys.maxsize
 # Rows from which an int8 call widens for oneDNN. Below, where the C GEMVs are built, the int8 GEMV takes any
-# row count (gemv.c: four rows at a time over each block's codes): the 1.7B model's Q6_K head (16-column
-# chunks) at 16 rows took 20 ms there against 56 ms widened and 440 ms through torch's kernel, one call per
-# chunk, at 9-15 rows (docs/cpu_performance.md); from 64 rows widening breaks even.
-INT8_DENSE_MIN_ROWS = 64
+# row count (gemv.c: four rows at a time over each block's codes): 9-15 rows went through torch's int8 kernel
+# before, one call per chunk of columns (the 1.7B model's Q6_K head at 12 rows: 440 ms, the GEMV's ~26).
+# Crossovers with widening measured on one thread: 24 rows for 16-column chunks (Q6_K), 14 for 32 (Q8_0),
+# 16 for whole rows.
+INT8_DENSE_MIN_ROWS = 16
 # Output rows of an int8 weight widened at a time: 4096 x 576 bfloat16 is 4.7 MB, transient, so a tied
 # 49152-row head never exists in bfloat16 (the 56 MB it would take is more than the quantized model).
 INT8_DENSE_BLOCK_ROWS = 4096

@@ -323,8 +323,7 @@ static void *gemv_job(void *arg) {
 static void gemv_range(void *job, int64_t a, int64_t b) { ((GemvJob *)job)->a = a; ((GemvJob *)job)->b = b; }
 
 /* int4 takes up to GEMV_MAX_ROWS rows (its sums live in registers); int8 any number, four rows at a time over
-   each block's codes (the head of a decode batch of 9-64 sequences, which widening for oneDNN served 2-10x
-   slower for Q8_0 / Q6_K chunks, and torch's int8 kernel, one call per chunk, slower still). */
+   each block's codes: weight_only.INT8_DENSE_MIN_ROWS says up to where that beats widening for oneDNN. */
 static int run_gemv(const GemvInt4 *i4, const GemvInt8 *i8, const float *x, int64_t rows, float *y, int64_t units,
                     int threads) {
     if (rows < 1 || (i4 && rows > GEMV_MAX_ROWS)) return 2;
