@@ -217,3 +217,55 @@ def test_drafts_under_a_grammar_are_checked_and_masked_per_position(smollm2_path
     assert stats.spec_num_accepted_tokens > 5
     assert _json.dumps(runs["on"][0].text).startswith('"{') and '"fruits"' in runs["on"][0].text
     assert runs["on"][1].text.startswith("apples, pears, apples") and runs["on"][1].text.endswith("apples")
+
+
+def _stepped_run(core, prompt: list[int], max_tokens: int) -> tuple[list[int], dict[int, list[int]]]:
+    """Steps one greedy request through the core: its tokens, and the draft's proposals after each step keyed by
+    the request's length then."""
+    from pagedserve.ipc.messages import EngineCoreRequest
+    core.add_request(EngineCoreRequest("r", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                   ignore_eos=True), arrival_time=0.0))
+    tokens, proposals = [], {}
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            tokens += out.new_token_ids
+        request = core.scheduler.requests.get("r")
+        if request is not None and request.spec_token_ids:
+            proposals[request.num_tokens] = list(request.spec_token_ids)
+    return tokens, proposals
+
+
+@pytest.mark.slow
+def test_a_quantized_draft_runs_in_its_own_c_step(smollm2_path):
+    """The embedded Q4 GGUF drafting for itself: its one-token passes and the step's catch-up pass take its own C
+    decode step; its proposals are the ones its PyTorch layers make, and the greedy output is the output
+    without drafts."""
+    from pagedserve.common.config import EngineArgs
+    from pagedserve.core.engine_core import EngineCore
+    from pagedserve.executor.procs.uniproc_executor import UniProcExecutor
+    prompt = _repetitive_prompts(1, seed=2)[0]["prompt_token_ids"]
+    kw = dict(model=smollm2_path, max_model_len=512, enable_prefix_caching=False)
+    plain = EngineCore.from_engine_args(EngineArgs(**kw), UniProcExecutor)
+    want, _ = _stepped_run(plain, prompt, 40)
+    plain.shutdown()
+    core = EngineCore.from_engine_args(EngineArgs(**kw, speculative_config={
+        "method": "draft_model", "model": smollm2_path, "num_speculative_tokens": 3}), UniProcExecutor)
+    drafter = core.executor.worker.runner.drafter
+    c_step, taken = drafter.decode_step, []
+    assert c_step is not None
+
+    def spy(input_ids, positions, meta):
+        hidden = c_step(input_ids, positions, meta)
+        taken.append(len(input_ids) if hidden is not None else 0)
+        return hidden
+    drafter.decode_step = spy
+    with_c, proposals_c = _stepped_run(core, prompt, 40)
+    drafter.decode_step = None                                    # the draft's PyTorch layers for every pass
+    with_layers, proposals_layers = _stepped_run(core, prompt, 40)
+    stats = core.scheduler.make_stats()
+    core.shutdown()
+    assert with_c == with_layers == want
+    assert stats.spec_num_accepted_tokens > 20
+    assert 1 in taken and max(taken) > 1                          # one-token passes, and catch-up passes of a few
+    common = proposals_c.keys() & proposals_layers.keys()
+    assert len(common) >= 5 and all(proposals_c[n] == proposals_layers[n] for n in common)
