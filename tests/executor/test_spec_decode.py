@@ -70,9 +70,11 @@ def test_stops_and_lengths_inside_a_draft(embedded_runs):
 
 @pytest.mark.slow
 def test_seeded_samples_repeat_with_drafts(embedded_runs):
-    _, on, again, _ = embedded_runs
-    for a, b in zip(on["n2_seeded"], again["n2_seeded"]):
-        assert len(a) == 2 and [c.token_ids for c in a] == [c.token_ids for c in b]
+    """The draft lengths follow step timings, which differ run to run: a seeded request's tokens do not (they are
+    the tokens it samples without drafts)."""
+    off, on, again, _ = embedded_runs
+    for a, b, c in zip(on["n2_seeded"], again["n2_seeded"], off["n2_seeded"]):
+        assert len(a) == 2 and [o.token_ids for o in a] == [o.token_ids for o in b] == [o.token_ids for o in c]
 
 
 def _repetitive_prompts(n: int, seed: int) -> list[dict]:
@@ -100,6 +102,27 @@ def test_tiny_model_same_greedy_tokens_with_drafts(tiny_llama_dir, engine_kw):
             if "num_gpu_blocks_override" in engine_kw:
                 assert stats.num_preemptions > 0
     assert runs["on"] == runs["off"]
+
+
+def test_the_step_cost_model_drafts_only_where_drafts_pay(tiny_llama_dir):
+    """The engine times its own steps into the cost model, which then picks each step's drafts; told that verify
+    rows cost seconds, it drafts nothing (nor probes). The greedy tokens are those of no drafts either way."""
+    from pagedserve.core.spec_cost_model import StepCostModel
+    prompts = _repetitive_prompts(3, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    with LLM(tiny_llama_dir, dtype="float32", max_model_len=512) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(tiny_llama_dir, dtype="float32", max_model_len=512, speculative_config=NGRAM) as llm:
+        spec = llm.engine.scheduler.spec
+        timed = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+        assert spec.num_drafts > 0 and spec.cost.num_row_counts > 2      # prompts, one-token steps, verify passes
+        spec.cost = StepCostModel()
+        for rows in range(2, NGRAM["num_speculative_tokens"] + 2):
+            spec.cost.observe(rows, 10.0)
+        drafts = spec.num_drafts
+        costly = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+        assert spec.num_drafts == drafts and spec.cost.cost(1) < 1.0      # its own one-token steps were timed
+    assert timed == want and costly == want
 
 
 def test_a_rejected_draft_is_never_served_from_the_prefix_cache(tiny_llama_dir):
