@@ -106,6 +106,8 @@ class ModelRunner:
             self.draft_caches = []
             self.draft_caches = [_zeros(shape, self.kv_dtype, self.device) for _ in draft_layers]
             bind_draft_cache(self.drafter.model, self.draft_caches, self.attn_backend)
+            if isinstance(self.drafter, DraftModelProposer):     # its passes take its own C step, where it has one
+                self.drafter.build_decode_step()
         make_step = None if self._needs_aux_hidden else getattr(self.model, "make_decode_step", None)
         self.decode_step = make_step() if make_step is not None else None
         logger.debug("whole-decoder decode step: %s", type(self.decode_step).__name__ if self.decode_step else None)
