@@ -21,7 +21,8 @@ _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup
 # vLLM's rule: one of prompt_lookup_min / _max unset takes the other's value, both unset are 5.
 DEFAULT_PROMPT_LOOKUP = 5
 # Running requests beyond which no request gets drafts (vLLM's disable_by_batch_size): with 3 and k = 5 a step
-# is at most 8 tokens, what the CPU's one-call decode step takes (kernels/cpu_decode_step.py MAX_ROWS).
+# is at most 18 tokens, within what the CPU's one-call decode step takes (CpuDecodeStep.max_rows: 32 where the
+# int4 GEMM is built).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 3
 
 

@@ -70,6 +70,7 @@ class EngineCore:
         self.eos_token_ids = config.model.eos_token_ids
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None    # async scheduling's step N
+        self._launched_at = 0.0                                                  # when it was launched
         # Pipeline parallelism: up to one batch per stage in flight, oldest first (vLLM's batch queue).
         self.batch_queue_size = config.scheduler.batch_queue_size
         self._batch_queue: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
@@ -169,7 +170,9 @@ class EngineCore:
         sched = self.scheduler.schedule()
         outputs = self._take_grammar_errors()
         if _has_work(sched):
+            start = time.perf_counter()
             result = self.executor.execute_model(sched)
+            self._time_step(sched, start)
             outputs += self.scheduler.update_from_output(sched, result)
         elif not outputs:
             self.scheduler.grammar_waiters.wait()   # only compiles pending: do not spin
@@ -184,6 +187,7 @@ class EngineCore:
             outputs += self._take_in_flight()
         sched = self.scheduler.schedule()
         outputs += self._take_grammar_errors()
+        self._launched_at = time.perf_counter()
         started = (sched, self.executor.execute_model_async(sched)) if _has_work(sched) else None
         if self._in_flight is not None:
             outputs += self._take_in_flight()
@@ -222,7 +226,16 @@ class EngineCore:
     def _take_in_flight(self) -> list[EngineCoreOutput]:
         sched, future = self._in_flight
         self._in_flight = None
-        return self.scheduler.update_from_output(sched, future.result())
+        result = future.result()
+        self._time_step(sched, self._launched_at)
+        return self.scheduler.update_from_output(sched, result)
+
+    def _time_step(self, sched: SchedulerOutput, start: float) -> None:
+        """Tell the speculative step cost model how long a step of this many tokens took (with drafts, async
+        scheduling takes each step's output before it launches the next: the time from launch to output is
+        the step's)."""
+        if self.scheduler.spec is not None and sched.total_num_scheduled_tokens:
+            self.scheduler.spec.cost.observe(sched.total_num_scheduled_tokens, time.perf_counter() - start)
 
     def _outputs(self, outputs: list[EngineCoreOutput], num_step_tokens: int) -> EngineCoreOutputs:
         stats = self.scheduler.make_stats()

@@ -66,7 +66,8 @@ class Request:
         self.structured: Any = None
         self.num_prompt_logprobs_sent = 0   # prompt positions already reported (a preempted request rescores)
         self.spec_token_ids: list[int] = []  # a draft model's proposals for the next step (method draft_model)
-        self.spec_acceptance = 1.0           # recent share of its draft tokens accepted (core/spec_decode.py)
+        # Its recent draft positions verified and accepted, decayed (core/spec_decode.py SpecDecodeState.acceptance)
+        self.spec_hits = self.spec_trials = 0.0
         self.lora_int_id = lora_int_id          # 0: the base model
         self._lora_digest = lora_digest         # the adapter's identity in the prefix cache
         self._hasher = block_hasher

@@ -119,6 +119,8 @@ class Scheduler:
         preempted_any = False
         if self.grammar_waiters is not None:
             self._admit_compiled()
+        if self.spec is not None:        # each request's drafts for this step, from the step cost model
+            self.spec.plan(self.running, budget)
 
         idx = 0
         while idx < len(self.running) and budget > 0:
@@ -128,8 +130,7 @@ class Scheduler:
                 idx += 1
                 continue
             if num_new == 1 and self.spec is not None:
-                drafted = sum(map(len, drafts.values()))
-                if draft := self.spec.drafts_for(request, len(self.running), budget, drafted):
+                if draft := self.spec.drafts_for(request, budget, sum(map(len, drafts.values()))):
                     drafts[request.request_id] = draft
                     num_new += len(draft)
             while (new_blocks := self.kv.allocate_slots(request, num_new,

@@ -1,33 +1,37 @@
-"""The engine core's side of speculative decoding: which requests get drafts this step, and the counters.
+"""The engine core's side of speculative decoding: which requests get how many drafts this step, and the counters.
 
-A request gets drafts when it decodes (its one new token is its last sampled one), at most
-`disable_by_batch_size` requests run, and its recent drafts were accepted often enough (below); under a
-grammar, the drafts' longest prefix the grammar accepts (the step then carries a mask row per position). One step verifies at
-most `num_speculative_tokens` drafts in all, shared out in running order: a verify pass stops being nearly
-free once its rows make the step compute-bound (on the 2-core CPU a 6-token step of the embedded model cost
-~2.5x a 1-token one), so under load the drafts shrink to nothing rather than slow every request
-(docs/speculative_decoding.md). Drafts never reach past max_tokens or max_model_len, nor past the step's
-token budget.
+Each step (`plan`, at the start of schedule()) the requests that decode (their one new token is their last
+sampled one) are offered drafts: the n-gram lookup's or the draft model's last proposals, cut to what
+max_tokens and max_model_len leave and, under a grammar, to the longest prefix it accepts. How many of them each
+verifies is the step cost model's choice (core/spec_cost_model.py): the draft lengths, 0 included, that make the
+step's expected tokens per second highest, from each request's measured acceptance and the step's time by its
+row count as the engine timed it (EngineCore reports each step's time to `cost`). Two bounds hold whatever it
+says: no drafts while more than `disable_by_batch_size` requests run (vLLM's key), and at most
+`num_speculative_tokens` drafts in one step (with the default bound of 3 requests a step is then at most 8
+tokens, which the CPU's one-call decode step takes, giving a verified token the arithmetic of a one-token
+decode). A request whose drafts stopped paying gets a one-token probe every PROBE_EVERY output tokens where a
+sure draft would pay, so a request that starts copying its input gets its drafts back.
 """
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 from pagedserve.common.speculative import MODEL_METHODS, SpeculativeConfig
 from pagedserve.core.ngram_proposer import propose_ngram
 from pagedserve.core.request import Request
+from pagedserve.core.spec_cost_model import StepCostModel, plan_draft_lengths, sure_draft_pays
 from pagedserve.core.structured_output.request import valid_draft
 
 logger = logging.getLogger(__name__)
 LOG_INTERVAL_S = 10.0     # the acceptance log line, at most this often (vLLM logs its stats every 10 s too)
-# A request's recent acceptance: an average over its last verify passes (each weighs ACCEPTANCE_WEIGHT).
-# Drafts it keeps rejecting are verify rows for nothing, so its drafts shrink with that rate, and below
-# MIN_ACCEPTANCE stop, but for a one-token probe every PROBE_EVERY output tokens (a request that starts
-# copying its input gets its drafts back).
-ACCEPTANCE_WEIGHT = 0.3
-MIN_ACCEPTANCE = 0.15
+# A draft position's acceptance: the share of verified positions accepted (a draft is tried position by
+# position up to its first rejection), a request's own recent ones (each verify pass's counts decay by
+# DECAY at the next) drawn toward the engine's recent rate as if it had been tried PRIOR_TRIALS more times.
+DECAY = 0.7
+ENGINE_DECAY = 0.98
+PRIOR_TRIALS = 2.0
+SEED_ACCEPTANCE = 0.8     # the engine's rate before any verify pass: optimistic, so drafting is tried
 PROBE_EVERY = 8
 
 
@@ -35,25 +39,54 @@ class SpecDecodeState:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.cost = StepCostModel()
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * config.num_speculative_tokens
+        self._hits, self._trials = SEED_ACCEPTANCE * PRIOR_TRIALS, PRIOR_TRIALS    # engine-wide, decayed
+        self._plan: dict[str, list[int]] = {}
         self._logged = (0, 0, 0, [0] * config.num_speculative_tokens)   # totals at the last log line
         self._last_log = time.monotonic()
 
-    def drafts_for(self, request: Request, num_running: int, budget: int, drafted: int) -> list[int]:
-        """The draft tokens to verify with this request's next token ([] for none); drafted: the draft
-        tokens other requests got this step."""
+    def acceptance(self, request: Request) -> float:
+        """The probability that the request's next draft position is accepted (given the ones before it were)."""
+        prior = self._hits / self._trials
+        return (request.spec_hits + PRIOR_TRIALS * prior) / (request.spec_trials + PRIOR_TRIALS)
+
+    def plan(self, running: list[Request], budget: int) -> None:
+        """Choose this step's drafts for the running requests (schedule() then takes them by drafts_for)."""
+        self._plan = {}
+        if len(running) > self.config.disable_by_batch_size:
+            return
+        rows = tokens = 0
+        offers: list[tuple[Request, list[int]]] = []
+        for request in running:          # in the order schedule() takes them, each within the budget left to it
+            num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            take = min(num_new, budget - rows)
+            if take <= 0:
+                continue
+            if num_new == 1 and not request.num_output_placeholders:
+                offers.append((request, self._offer(request)[:budget - rows - 1]))
+            rows, tokens = rows + take, tokens + (take == num_new)
+        caps = [len(draft) for _, draft in offers]
+        room = self.config.num_speculative_tokens
+        lengths = plan_draft_lengths(self.cost.cost, rows, max(tokens, 1),
+                                     [self.acceptance(r) for r, _ in offers], caps, room)
+        drafted = sum(lengths)
+        for (request, draft), n in zip(offers, lengths):
+            if n == 0 and draft and drafted < room and request.num_output_tokens % PROBE_EVERY == 0 \
+                    and sure_draft_pays(self.cost.cost, rows + drafted, max(tokens, 1)):
+                n, drafted = 1, drafted + 1
+            if n:
+                self._plan[request.request_id] = draft[:n]
+
+    def _offer(self, request: Request) -> list[int]:
+        """The drafts a request could verify this step, before the cost model's choice."""
         cfg = self.config
-        if num_running > cfg.disable_by_batch_size or request.num_output_placeholders:
-            return []
-        room = min(cfg.num_speculative_tokens - drafted, budget - 1,
+        room = min(cfg.num_speculative_tokens,
                    request.max_tokens - request.num_output_tokens - 1,    # tokens past max_tokens are dropped
                    self.max_model_len - request.num_tokens)                # a draft's KV slot must exist
-        if request.spec_acceptance < MIN_ACCEPTANCE:
-            room = min(room, 1 if request.num_output_tokens % PROBE_EVERY == 0 else 0)
-        room = min(room, math.ceil(cfg.num_speculative_tokens * request.spec_acceptance))
         if room < 1:
             return []
         if cfg.method in MODEL_METHODS:      # proposed by the workers' draft model / head after the last step
@@ -63,8 +96,18 @@ class SpecDecodeState:
         # Under a grammar, only what it accepts: a draft it forbids has no chance under the masked distribution.
         return draft if request.structured is None or not draft else valid_draft(request.structured, draft)
 
+    def drafts_for(self, request: Request, budget: int, drafted: int) -> list[int]:
+        """The draft tokens to verify with this request's next token this step ([] for none); drafted: the
+        draft tokens other requests got this step."""
+        draft = self._plan.pop(request.request_id, [])
+        return draft[:max(0, min(budget - 1, self.config.num_speculative_tokens - drafted))]
+
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        request.spec_acceptance += ACCEPTANCE_WEIGHT * (num_accepted / num_drafts - request.spec_acceptance)
+        trials = num_accepted + (num_accepted < num_drafts)      # positions verified: up to the first rejection
+        request.spec_hits = DECAY * request.spec_hits + num_accepted
+        request.spec_trials = DECAY * request.spec_trials + trials
+        self._hits = ENGINE_DECAY * self._hits + num_accepted
+        self._trials = ENGINE_DECAY * self._trials + trials
         self.num_drafts += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted

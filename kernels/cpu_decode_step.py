@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels import cpu_native
-from pagedserve.kernels.weight_only import GEMV_MAX_ROWS as MAX_ROWS
 from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
 
 _MAX_HEAD_DIM, _MAX_BLOCK, _MAX_GROUP = 256, 128, 16      # decode_attention.h
@@ -97,6 +96,8 @@ class CpuDecodeStep:
     def __init__(self, lib: ctypes.CDLL, model: _Model, layers: ctypes.Array, keep: DecoderWeights) -> None:
         self._lib, self._model, self._layers, self._keep = lib, model, layers, keep
         self._scratch: dict[int, torch.Tensor] = {}
+        # Tokens one call takes: 32 where the int4 GEMM is built, else the GEMV's 8 (decode_step.c says why).
+        self.max_rows = int(lib.ps_decode_step_max_rows())
 
     @classmethod
     def build(cls, w: DecoderWeights) -> CpuDecodeStep | None:
@@ -139,8 +140,8 @@ class CpuDecodeStep:
         """hidden [T, H] float32 embeddings -> final-normed hidden states [T, H] (computed in place);
         cos/sin [T, head_dim] float32, slots [T] int64 (all valid), tables [T, *] / lens [T] int32."""
         rows = hidden.shape[0]
-        if not 1 <= rows <= MAX_ROWS:
-            raise ValueError(f"CpuDecodeStep: 1..{MAX_ROWS} rows per step, got {rows}")
+        if not 1 <= rows <= self.max_rows:
+            raise ValueError(f"CpuDecodeStep: 1..{self.max_rows} rows per step, got {rows}")
         for t, dtype, name in ((hidden, torch.float32, "hidden"), (cos, torch.float32, "cos"),
                                (sin, torch.float32, "sin"), (slots, torch.int64, "slots"),
                                (tables, torch.int32, "tables"), (lens, torch.int32, "lens")):

@@ -49,6 +49,11 @@ INT4_DENSE_MIN_ROWS_AFTER_GEMM = 224
 # layers: 1.5x at 512 rows, 1.3x at 2048, docs/cpu_performance.md), so no int4 call widens where it runs.
 INT4_INT8_MIN_ROWS = 224
 INT4_NEVER_DENSE = sys.maxsize
+# Rows from which an int8 call widens for oneDNN. Below, where the C GEMVs are built, the int8 GEMV takes any
+# row count (gemv.c: four rows at a time over each block's codes): 9-15 rows went through torch's int8 kernel
+# before, one call per chunk of columns (the 1.7B model's Q6_K head at 12 rows: 440 ms, the GEMV's ~26).
+# Crossovers with widening measured on one thread: 24 rows for 16-column chunks (Q6_K), 14 for 32 (Q8_0),
+# 16 for whole rows.
 INT8_DENSE_MIN_ROWS = 16
 # Output rows of an int8 weight widened at a time: 4096 x 576 bfloat16 is 4.7 MB, transient, so a tied
 # 49152-row head never exists in bfloat16 (the 56 MB it would take is more than the quantized model).
@@ -251,10 +256,12 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None
                 dense_min_rows: int = INT8_DENSE_MIN_ROWS) -> torch.Tensor:
     shape, dtype = x.shape, x.dtype
     chunks, _, chunk = w.q.shape
-    if _gemv_path(x.reshape(-1, shape[-1])) and w.q.is_contiguous() and w.scale.is_contiguous():
-        y = _int8_gemv(x.reshape(-1, shape[-1]), w).to(dtype).reshape(*shape[:-1], w.out_features)
+    x2 = x.reshape(-1, shape[-1])
+    if (x2.device.type == "cpu" and x2.shape[0] < dense_min_rows and _native().gemv and w.q.is_contiguous()
+            and w.scale.is_contiguous()):
+        y = _int8_gemv(x2, w).to(dtype).reshape(*shape[:-1], w.out_features)
         return y if bias is None else y + bias
-    x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+    x2 = x2.to(torch.bfloat16)
     if dense_path(x2, dense_min_rows):
         y = _int8_dense(x2.contiguous(), w)
     elif chunks == 1:

@@ -6,8 +6,15 @@ k lookahead slots per request for the proposals), so preemption, prefix hits and
 their own: every step the draft runs the step's tokens too (prefill chunks, verified drafts), writing its cache
 where the model wrote its own, then k one-token passes from each request's newest token. Greedy drafts are
 one-hot, which is what the rejection sampler takes.
+
+A draft with a whole-decoder step of its own (the C decode step of a weight-only quantized CPU Llama, e.g. a GGUF
+drafting for itself or for a bigger GGUF of its tokenizer) runs its one-token passes and short catch-up passes
+there, as the model runner runs the model's: built once the draft's cache is bound (`build_decode_step`), it
+takes the passes it can and the draft's PyTorch layers run the rest.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -15,6 +22,7 @@ from torch import nn
 
 from pagedserve.executor.worker.request_state import CachedRequestState
 from pagedserve.executor.worker.step_buffers import HostBatch, PreparedBatch, StepBuffers
+from pagedserve.kernels.metadata import AttentionMetadata
 
 
 class DraftModelProposer:
@@ -23,13 +31,27 @@ class DraftModelProposer:
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
         self.block_size = block_size
+        # (input_ids, positions, meta) -> final-normed hidden states, or None for a pass it does not take.
+        self.decode_step: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor | None] | None = None
+
+    def build_decode_step(self) -> None:
+        """The draft's own whole-decoder step over its bound cache (the model's make_decode_step), if it has one."""
+        make_step = getattr(self.model, "make_decode_step", None)
+        self.decode_step = make_step() if make_step is not None else None
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.decode_step is not None:
+            hidden = self.decode_step(input_ids, positions, meta)
+            if hidden is not None:
+                return hidden
+        return self.model(input_ids, positions, meta)
 
     def propose(self, batch: PreparedBatch, hidden: torch.Tensor, states: dict[str, CachedRequestState],
                 rows: list[int], buffers: StepBuffers) -> list[list[int]]:
         """Drafts for `rows` (rows that sampled this step: their states already hold the sampled tokens),
         after running the step's own tokens through the draft (always: its cache must hold every token).
         `hidden` (the model's) is not read: a draft model has its own."""
-        self.model(batch.input_ids, batch.positions, batch.meta)
+        self._forward(batch.input_ids, batch.positions, batch.meta)
         if not rows:
             return []
         rids = [batch.req_ids[r] for r in rows]
@@ -43,7 +65,7 @@ class DraftModelProposer:
             host = one_token_batch([states[rids[i]] for i in live], [tokens[i] for i in live],
                                     [positions[i] for i in live], [rids[i] for i in live], self.block_size)
             step_batch = buffers.commit(host)
-            hidden = self.model(step_batch.input_ids, step_batch.positions, step_batch.meta)
+            hidden = self._forward(step_batch.input_ids, step_batch.positions, step_batch.meta)
             proposed = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
             for i, token in zip(live, proposed):
                 drafts[i].append(token)

@@ -106,6 +106,8 @@ class ModelRunner:
             self.draft_caches = []
             self.draft_caches = [_zeros(shape, self.kv_dtype, self.device) for _ in draft_layers]
             bind_draft_cache(self.drafter.model, self.draft_caches, self.attn_backend)
+            if isinstance(self.drafter, DraftModelProposer):     # its passes take its own C step, where it has one
+                self.drafter.build_decode_step()
         self._build_decode_step()
 
     def _build_decode_step(self) -> None:

@@ -6,9 +6,12 @@ draft is judged by exactly the distribution a one-token step would sample it fro
 
 - Greedy rows accept drafts while they equal the argmax; the token after them is the argmax: token for token
   what decoding without drafts gives.
-- Random rows: rejection sampling (Leviathan et al.) with one-hot drafts (ngram): accept d with probability
-  min(1, p(d) / q(d)) = p(d); on rejection sample from norm(max(0, p - q)), which is p without d; when every
-  draft is accepted, sample one more from the last position. The output distribution is the target's.
+- Random rows: rejection sampling (Leviathan et al.) with one-hot drafts (ngram, and the greedy drafts of a
+  draft model or head): accept d with probability min(1, p(d) / q(d)) = p(d); on rejection sample from
+  norm(max(0, p - q)), which is p without d; when every draft is accepted, sample one more from the last
+  position. The output distribution is the target's. It is done by sampling every position from p as a
+  one-token step would and accepting the drafts while they equal the samples (`_rejection`), so a seeded
+  request's tokens do not depend on how many drafts ran.
 """
 from __future__ import annotations
 
@@ -75,19 +78,18 @@ def _greedy(argmax: list[int], draft: list[int]) -> tuple[list[int], int]:
 
 def _rejection(probs: torch.Tensor, draft: list[int],
                generators: list[torch.Generator | None]) -> tuple[list[int], int]:
-    for j, d in enumerate(draft):
-        gen = generators[j]
-        u = torch.rand(1, generator=gen, device=probs.device) if gen is not None else torch.rand(1, device=probs.device)
-        if u.item() < probs[j, d].item():
-            continue
-        residual = probs[j].clone()
-        residual[d] = 0.0            # norm(max(0, p - q)) for a one-hot q: p without d (the race renormalizes)
-        return draft[:j], _draw(residual, gen)
-    return draft, _draw(probs[len(draft)], generators[len(draft)])
-
-
-def _draw(p: torch.Tensor, gen: torch.Generator | None) -> int:
-    return int(exponential_race(p.unsqueeze(0), {0: gen} if gen is not None else {})[0])
+    """Sample each position as a one-token step would (a seeded request with that output position's generator),
+    then accept the drafts while they equal the samples, and emit the sample where they stop. For a one-hot
+    draft d that is Leviathan et al.'s rule: d is accepted with probability p(d), and on rejection the sample
+    is drawn from p without d, norm(max(0, p - q)). A seeded request thus gets the very tokens it gets without
+    drafts, however many drafts the engine chose to verify (core/spec_cost_model.py times them)."""
+    n = len(draft) + 1
+    seeded = {j: gen for j, gen in enumerate(generators[:n]) if gen is not None}
+    samples = exponential_race(probs[:n], seeded).tolist()
+    m = 0
+    while m < len(draft) and samples[m] == draft[m]:
+        m += 1
+    return draft[:m], samples[m]
 
 
 def _entry(raw: torch.Tensor, token: int, k: int) -> LogprobsEntry:

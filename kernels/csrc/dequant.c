@@ -52,6 +52,21 @@ typedef struct {
     int64_t chunks, rows, chunk, r0, r1, first;
 } Int8Job;
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* Sixteen codes times s, rounded to bfloat16 as f32_to_bf16 rounds (nearest even): a chunk of 16 or 32 codes
+   (Q6_K, Q8_0) left the scalar loop's vector form one short run per row and chunk, 5-9x slower than a whole
+   row's widening. */
+static inline void widen16(const int8_t *src, float s, uint16_t *dst) {
+    const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src))),
+                                   _mm512_set1_ps(s));
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+#endif
+
 static void *int8_job(void *arg) {
     const Int8Job *j = (const Int8Job *)arg;
     int64_t width = j->chunks * j->chunk;
@@ -65,7 +80,11 @@ static void *int8_job(void *arg) {
                 float s = bf16_to_f32(j->scale[c * j->rows + r]);
                 const int8_t *src = j->q + (c * j->rows + r) * j->chunk;
                 uint16_t *dst = j->out + (r - j->first) * width + c * j->chunk;
-                for (int64_t i = 0; i < j->chunk; ++i) dst[i] = f32_to_bf16((float)src[i] * s);
+                int64_t i = 0;
+#ifdef __AVX512F__
+                for (; i + 16 <= j->chunk; i += 16) widen16(src + i, s, dst + i);
+#endif
+                for (; i < j->chunk; ++i) dst[i] = f32_to_bf16((float)src[i] * s);
             }
         }
     }

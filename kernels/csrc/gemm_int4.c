@@ -274,15 +274,25 @@ int ps_gemm_int4_min_rows(void) { return GEMM_INT4_MIN_ROWS; }
 int ps_gemm_int4_part(const GemvInt4 *w, const float *x, int64_t rows, float *y, int64_t nb0, int64_t nb1) {
     enum { STACK_VALUES = 65536, STACK_SUMS = 4096 };     /* 144 KB of the thread's stack at most */
     const int64_t groups = w->group > 0 ? w->k / w->group : 0;
-    if (!GEMM_INT4_BUILT || rows < GEMM_INT4_MIN_ROWS || !takes(w, rows) || rows * w->k > STACK_VALUES
-        || rows * (groups + 1) > STACK_SUMS)
-        return 2;
-    int16_t xq[STACK_VALUES];
-    float sums[STACK_SUMS];
-    GemmJob j = {w, {x, xq, sums, sums + rows}, y, rows, nb0, nb1};
-    round_rows(&j.in, w->k, w->group, 0, rows);
-    blocks(&j);
-    return 0;
+    if (!GEMM_INT4_BUILT || rows < GEMM_INT4_MIN_ROWS || !takes(w, rows)) return 2;
+    /* Past the stack (a decode step of 16-32 rows at a wide down_proj) the rounded rows go to the heap. */
+    const int heap = rows * w->k > STACK_VALUES || rows * (groups + 1) > STACK_SUMS;
+    int16_t on_stack[heap ? 1 : STACK_VALUES];
+    float sums_on_stack[heap ? 1 : STACK_SUMS];
+    int16_t *xq = heap ? malloc(sizeof(int16_t) * rows * w->k) : on_stack;
+    float *sums = heap ? malloc(sizeof(float) * rows * (groups + 1)) : sums_on_stack;
+    int status = 1;
+    if (xq && sums) {
+        GemmJob j = {w, {x, xq, sums, sums + rows}, y, rows, nb0, nb1};
+        round_rows(&j.in, w->k, w->group, 0, rows);
+        blocks(&j);
+        status = 0;
+    }
+    if (heap) {
+        free(xq);
+        free(sums);
+    }
+    return status;
 }
 
 static void *round_job(void *arg) {

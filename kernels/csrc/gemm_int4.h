@@ -20,8 +20,8 @@ enum { GEMM_INT4_MIN_ROWS = 4 };
 int ps_gemm_int4_min_rows(void);
 
 /* One thread's share (64-channel blocks nb0..nb1-1) of y [rows, n] = x [rows, k] @ w^T, x rounded here:
-   for the decode step's few rows (GEMM_INT4_MIN_ROWS..GEMV_MAX_ROWS, on the stack). 0 on success, 2 where it
-   does not apply (fewer rows included: the caller's GEMV serves them). */
+   for the decode step's rows (from GEMM_INT4_MIN_ROWS; on the stack up to 144 KB of rounded rows). 0 on
+   success, 2 where it does not apply (fewer rows included: the caller's GEMV serves them), 1 out of memory. */
 int ps_gemm_int4_part(const GemvInt4 *w, const float *x, int64_t rows, float *y, int64_t nb0, int64_t nb1);
 
 /* The whole product for any number of rows, on `threads` OpenMP threads: 0 on success, 2 where it does not

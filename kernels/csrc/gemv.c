@@ -136,24 +136,54 @@ static float row_to_i16(const float *x, int64_t k, int16_t *out) {
    of 512 bytes at a 1.5 MB stride, more streams than the hardware prefetchers follow. The 360M model's tied
    Q8_0 head (49152 x 960) went from 3.2 to 1.1 ms on 2 threads (7 to 28 GiB/s on one). */
 enum { PF_BLOCKS = 2, INT8_LONG_ROW = 1024 };
+/* Chunks of 16 columns (GGUF Q6_K's sub-blocks) are read two at a time: 32 codes from two planes make one vector,
+   whose low eight pair sums take chunk c's scale and high eight chunk c + 1's. One masked half-vector per chunk
+   did half the work per instruction (1.7B's Q6_K head was compute-bound at one row). */
+static inline int int8_paired(const GemvInt8 *w) { return w->chunk == 16 && w->chunks % 2 == 0; }
+
+/* 32 codes of channel r from column i of chunk c on (m: the columns that exist, for chunks not paired). */
+static inline __m512i int8_codes32(const GemvInt8 *w, int64_t c, int64_t r, int64_t i, __mmask32 m, int paired) {
+    const int8_t *q = w->q + (c * w->n + r) * w->chunk + i;
+    if (paired)
+        return _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)q)),
+            _mm_loadu_si128((const __m128i *)(q + w->n * 16)), 1));
+    return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, q));
+}
+
+/* Channel r's scale over the 16 pair sums of chunk c (and of c + 1 in the high half where paired). */
+static inline __m512 int8_scale16(const GemvInt8 *w, int64_t c, int64_t r, int paired) {
+    const __m512 lo = _mm512_set1_ps(bf16_to_f32(w->scale[c * w->n + r]));
+    return paired ? _mm512_mask_blend_ps(0xFF00, lo, _mm512_set1_ps(bf16_to_f32(w->scale[(c + 1) * w->n + r])))
+                  : lo;
+}
+
+/* Prefetch of the codes PF_BLOCKS blocks ahead of channels r0..r0+15 at column i of chunk c (and c + 1). */
+static inline void int8_prefetch(const GemvInt8 *w, int64_t c, int64_t r0, int64_t i, int64_t ahead, int paired) {
+    const int8_t *q = w->q + (c * w->n + r0) * w->chunk + ahead + i;
+    const int64_t step = paired ? 4 : 1;      /* paired: a 16-code run per channel, four channels a line */
+    for (int r = 0; r < 16; r += step) {
+        _mm_prefetch((const char *)(q + r * w->chunk), _MM_HINT_T0);
+        if (paired) _mm_prefetch((const char *)(q + w->n * 16 + r * w->chunk), _MM_HINT_T0);
+    }
+}
+
 static void int8_block16_i16(const GemvInt8 *w, const int16_t *x, float x_scale, float *y, int64_t r0) {
     const int64_t chunks = w->chunks, n = w->n, chunk = w->chunk;
+    const int paired = int8_paired(w);
     __m512 acc[16];
-    float scales[16];
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
     const int64_t ahead = r0 + 16 * PF_BLOCKS < n ? 16 * PF_BLOCKS * chunk : 0;
-    for (int64_t c = 0; c < chunks; ++c) {
-        const int8_t *q = w->q + (c * n + r0) * chunk;
-        for (int r = 0; r < 16; ++r) scales[r] = bf16_to_f32(w->scale[c * n + r0 + r]);
+    __m512 scale[16];          /* a chunk's, kept in L1: the FMAs read them as memory operands */
+    for (int64_t c = 0; c < chunks; c += 1 + paired) {
+        for (int r = 0; r < 16; ++r) scale[r] = int8_scale16(w, c, r0 + r, paired);
         for (int64_t i = 0; i < chunk; i += 32) {
             const __mmask32 m = chunk - i >= 32 ? 0xFFFFFFFFu : (1u << (chunk - i)) - 1;
-            const __m512i xv = _mm512_maskz_loadu_epi16(m, x + c * chunk + i);
-            if (ahead && !(i & 63))
-                for (int r = 0; r < 16; ++r) _mm_prefetch((const char *)(q + ahead + r * chunk + i), _MM_HINT_T0);
+            const __m512i xv = paired ? _mm512_loadu_si512(x + c * chunk) : _mm512_maskz_loadu_epi16(m, x + c * chunk + i);
+            if (ahead && !(i & 63)) int8_prefetch(w, c, r0, i, ahead, paired);
             for (int r = 0; r < 16; ++r) {
-                __m512i qv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, q + r * chunk + i));
-                __m512 pairs = _mm512_cvtepi32_ps(_mm512_madd_epi16(qv, xv));
-                acc[r] = _mm512_fmadd_ps(pairs, _mm512_set1_ps(scales[r]), acc[r]);
+                __m512 pairs = _mm512_cvtepi32_ps(_mm512_madd_epi16(int8_codes32(w, c, r0 + r, i, m, paired), xv));
+                acc[r] = _mm512_fmadd_ps(pairs, scale[r], acc[r]);
             }
         }
     }
@@ -168,23 +198,23 @@ static inline __attribute__((always_inline)) void int8_block16_rows(const GemvIn
                                                                     const float *x_scale, float *y, int64_t r0,
                                                                     const int R) {
     const int64_t chunks = w->chunks, n = w->n, chunk = w->chunk;
+    const int paired = int8_paired(w);
     const int64_t ahead = r0 + 16 * PF_BLOCKS < n ? 16 * PF_BLOCKS * chunk : 0;
     for (int g = 0; g < 16; g += 4) {
         __m512 acc[4][4];
         for (int t = 0; t < 4; ++t)
             for (int j = 0; j < 4; ++j) acc[t][j] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < chunks; ++c) {
-            const int8_t *q = w->q + (c * n + r0 + g) * chunk;
+        for (int64_t c = 0; c < chunks; c += 1 + paired) {
             __m512 scale[4];
-            for (int j = 0; j < 4; ++j) scale[j] = _mm512_set1_ps(bf16_to_f32(w->scale[c * n + r0 + g + j]));
+            for (int j = 0; j < 4; ++j) scale[j] = int8_scale16(w, c, r0 + g + j, paired);
             for (int64_t i = 0; i < chunk; i += 32) {
                 const __mmask32 m = chunk - i >= 32 ? 0xFFFFFFFFu : (1u << (chunk - i)) - 1;
-                if (ahead && g == 0 && !(i & 63))
-                    for (int r = 0; r < 16; ++r) _mm_prefetch((const char *)(q + ahead + r * chunk + i), _MM_HINT_T0);
+                if (ahead && g == 0 && !(i & 63)) int8_prefetch(w, c, r0, i, ahead, paired);
                 __m512i qv[4];
-                for (int j = 0; j < 4; ++j) qv[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, q + j * chunk + i));
+                for (int j = 0; j < 4; ++j) qv[j] = int8_codes32(w, c, r0 + g + j, i, m, paired);
                 for (int t = 0; t < R; ++t) {
-                    const __m512i xv = _mm512_maskz_loadu_epi16(m, x + t * k + c * chunk + i);
+                    const int16_t *xt = x + t * k + c * chunk + i;
+                    const __m512i xv = paired ? _mm512_loadu_si512(xt) : _mm512_maskz_loadu_epi16(m, xt);
                     for (int j = 0; j < 4; ++j)
                         acc[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(qv[j], xv)), scale[j], acc[t][j]);
                 }
@@ -244,17 +274,19 @@ void ps_gemv_int8_rows(const GemvInt8 *w, const float *x, int64_t rows, float *y
     if (r1 - r0 >= 16) {
         enum { STACK_VALUES = 16384 };
         int16_t on_stack[STACK_VALUES];
+        float scales_on_stack[GEMV_MAX_ROWS];
         int16_t *xq = rows * k <= STACK_VALUES ? on_stack : malloc(sizeof(int16_t) * rows * k);
-        if (xq) {
-            float x_scale[GEMV_MAX_ROWS];
+        float *x_scale = rows <= GEMV_MAX_ROWS ? scales_on_stack : malloc(sizeof(float) * rows);
+        if (xq && x_scale) {
             for (int64_t t = 0; t < rows; ++t) x_scale[t] = row_to_i16(x + t * k, k, xq + t * k);
             if (chunks == 1 && chunk > INT8_LONG_ROW)
                 for (; r < r1; ++r)
                     for (int64_t t = 0; t < rows; ++t)
                         y[t * n + r] = x_scale[t] * bf16_to_f32(w->scale[r]) * int8_dot_i16(w->q + r * k, xq + t * k, k);
             for (; r + 16 <= r1; r += 16) int8_block16_all_rows(w, xq, k, x_scale, rows, y, r);
-            if (xq != on_stack) free(xq);
         }
+        if (xq != on_stack) free(xq);
+        if (x_scale != scales_on_stack) free(x_scale);
     }
 #endif
     for (; r < r1; ++r) {
@@ -290,9 +322,11 @@ static void *gemv_job(void *arg) {
 
 static void gemv_range(void *job, int64_t a, int64_t b) { ((GemvJob *)job)->a = a; ((GemvJob *)job)->b = b; }
 
+/* int4 takes up to GEMV_MAX_ROWS rows (its sums live in registers); int8 any number, four rows at a time over
+   each block's codes: weight_only.INT8_DENSE_MIN_ROWS says up to where that beats widening for oneDNN. */
 static int run_gemv(const GemvInt4 *i4, const GemvInt8 *i8, const float *x, int64_t rows, float *y, int64_t units,
                     int threads) {
-    if (rows < 1 || rows > GEMV_MAX_ROWS) return 2;
+    if (rows < 1 || (i4 && rows > GEMV_MAX_ROWS)) return 2;
     GemvJob jobs[MAX_THREADS];
     for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (GemvJob){i4, i8, x, y, rows, 0, 0};
     return ps_run_split(threads, units, jobs, sizeof(GemvJob), gemv_job, gemv_range);

@@ -20,6 +20,7 @@ from pagedserve.common.config import EngineArgs
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.executor.procs.uniproc_executor import UniProcExecutor
 from pagedserve.ipc.messages import EngineCoreRequest
+from pagedserve.tests.helpers.spec_costs import FixedStepCosts
 from pagedserve.tests.helpers.tiny_models import make_tiny_eagle_head, make_tiny_model, random_prompts
 
 K = 3
@@ -166,6 +167,7 @@ def test_drafts_equal_the_dense_reference_every_step(tmp_path_factory, target_di
     head = head_dir(tmp_path_factory, target, method, predictive)
     ref = ReferenceHead(head, method, AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64).eval())
     core = make_core(target, head, method)
+    core.scheduler.spec.cost = FixedStepCosts()             # verify every draft that may be accepted, however fast
     prompt = random_prompts(4, [37], 512)[0]                # three prefill chunks of 16
     core.add_request(EngineCoreRequest("r", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
                                        arrival_time=0.0))

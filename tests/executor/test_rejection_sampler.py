@@ -9,6 +9,7 @@ from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.executor.worker import rejection_sampler
 from pagedserve.executor.worker.rejection_sampler import verify_drafts
 from pagedserve.executor.worker.request_state import CachedRequestState
+from pagedserve.executor.worker.sampler import exponential_race
 
 V = 8
 
@@ -92,8 +93,8 @@ def test_the_bound_catches_a_biased_sampler(monkeypatch):
         for j, d in enumerate(draft_ids):
             if torch.rand(1).item() < probs_rows[j, d].item():
                 continue
-            return draft_ids[:j], rejection_sampler._draw(probs_rows[j], None)       # p, not p without d
-        return draft_ids, rejection_sampler._draw(probs_rows[len(draft_ids)], None)
+            return draft_ids[:j], int(exponential_race(probs_rows[j:j + 1], {})[0])    # p, not p without d
+        return draft_ids, int(exponential_race(probs_rows[len(draft_ids):], {})[0])
     monkeypatch.setattr(rejection_sampler, "_rejection", biased)
     first, _ = _first_tokens(draft, logits, params)
     assert _total_variation(first, probs[0]) > BOUND
@@ -108,3 +109,22 @@ def test_a_seeded_row_draws_the_same_whatever_the_batch():
     mixed = verify_drafts(torch.cat([torch.randn(2, V), logits]), [_state(other), _state(params)], [[5], [1, 2]],
                           (0,), torch.device("cpu"))[1]
     assert (alone.accepted, alone.token) == (mixed.accepted, mixed.token)
+
+
+def test_a_seeded_row_gets_the_same_tokens_whatever_its_drafts():
+    """The engine picks a step's draft lengths from timings (core/spec_cost_model.py): a seeded request's tokens
+    must not depend on them. Every draft length, accepted or not, emits a prefix of the one sequence that
+    one-token steps sample."""
+    torch.manual_seed(3)
+    logits = torch.randn(5, V)
+    params = SamplingParams(temperature=1.0, seed=77)
+
+    def emitted(draft: list[int]) -> list[int]:
+        row = verify_drafts(logits[:len(draft) + 1], [_state(params)], [draft], (0,), torch.device("cpu"))[0]
+        return row.accepted + [row.token]
+    steps = emitted([])                                   # one-token steps: each sample fed back as a draft
+    while len(steps) < 5:
+        steps = emitted(steps)
+    for draft in ([], [0], [steps[0], 7], steps[:3], [steps[0], steps[1], 0, 0], steps[:4]):
+        got = emitted(draft)
+        assert got == steps[:len(got)], (draft, got, steps)

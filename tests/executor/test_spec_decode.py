@@ -70,9 +70,11 @@ def test_stops_and_lengths_inside_a_draft(embedded_runs):
 
 @pytest.mark.slow
 def test_seeded_samples_repeat_with_drafts(embedded_runs):
-    _, on, again, _ = embedded_runs
-    for a, b in zip(on["n2_seeded"], again["n2_seeded"]):
-        assert len(a) == 2 and [c.token_ids for c in a] == [c.token_ids for c in b]
+    """The draft lengths follow step timings, which differ run to run: a seeded request's tokens do not (they are
+    the tokens it samples without drafts)."""
+    off, on, again, _ = embedded_runs
+    for a, b, c in zip(on["n2_seeded"], again["n2_seeded"], off["n2_seeded"]):
+        assert len(a) == 2 and [o.token_ids for o in a] == [o.token_ids for o in b] == [o.token_ids for o in c]
 
 
 def _repetitive_prompts(n: int, seed: int) -> list[dict]:
@@ -100,6 +102,27 @@ def test_tiny_model_same_greedy_tokens_with_drafts(tiny_llama_dir, engine_kw):
             if "num_gpu_blocks_override" in engine_kw:
                 assert stats.num_preemptions > 0
     assert runs["on"] == runs["off"]
+
+
+def test_the_step_cost_model_drafts_only_where_drafts_pay(tiny_llama_dir):
+    """The engine times its own steps into the cost model, which then picks each step's drafts; told that verify
+    rows cost seconds, it drafts nothing (nor probes). The greedy tokens are those of no drafts either way."""
+    from pagedserve.core.spec_cost_model import StepCostModel
+    prompts = _repetitive_prompts(3, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    with LLM(tiny_llama_dir, dtype="float32", max_model_len=512) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(tiny_llama_dir, dtype="float32", max_model_len=512, speculative_config=NGRAM) as llm:
+        spec = llm.engine.scheduler.spec
+        timed = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+        assert spec.num_drafts > 0 and spec.cost.num_row_counts > 2      # prompts, one-token steps, verify passes
+        spec.cost = StepCostModel()
+        for rows in range(2, NGRAM["num_speculative_tokens"] + 2):
+            spec.cost.observe(rows, 10.0)
+        drafts = spec.num_drafts
+        costly = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+        assert spec.num_drafts == drafts and spec.cost.cost(1) < 1.0      # its own one-token steps were timed
+    assert timed == want and costly == want
 
 
 def test_a_rejected_draft_is_never_served_from_the_prefix_cache(tiny_llama_dir):
@@ -217,3 +240,55 @@ def test_drafts_under_a_grammar_are_checked_and_masked_per_position(smollm2_path
     assert stats.spec_num_accepted_tokens > 5
     assert _json.dumps(runs["on"][0].text).startswith('"{') and '"fruits"' in runs["on"][0].text
     assert runs["on"][1].text.startswith("apples, pears, apples") and runs["on"][1].text.endswith("apples")
+
+
+def _stepped_run(core, prompt: list[int], max_tokens: int) -> tuple[list[int], dict[int, list[int]]]:
+    """Steps one greedy request through the core: its tokens, and the draft's proposals after each step keyed by
+    the request's length then."""
+    from pagedserve.ipc.messages import EngineCoreRequest
+    core.add_request(EngineCoreRequest("r", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                   ignore_eos=True), arrival_time=0.0))
+    tokens, proposals = [], {}
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            tokens += out.new_token_ids
+        request = core.scheduler.requests.get("r")
+        if request is not None and request.spec_token_ids:
+            proposals[request.num_tokens] = list(request.spec_token_ids)
+    return tokens, proposals
+
+
+@pytest.mark.slow
+def test_a_quantized_draft_runs_in_its_own_c_step(smollm2_path):
+    """The embedded Q4 GGUF drafting for itself: its one-token passes and the step's catch-up pass take its own C
+    decode step; its proposals are the ones its PyTorch layers make, and the greedy output is the output
+    without drafts."""
+    from pagedserve.common.config import EngineArgs
+    from pagedserve.core.engine_core import EngineCore
+    from pagedserve.executor.procs.uniproc_executor import UniProcExecutor
+    prompt = _repetitive_prompts(1, seed=2)[0]["prompt_token_ids"]
+    kw = dict(model=smollm2_path, max_model_len=512, enable_prefix_caching=False)
+    plain = EngineCore.from_engine_args(EngineArgs(**kw), UniProcExecutor)
+    want, _ = _stepped_run(plain, prompt, 40)
+    plain.shutdown()
+    core = EngineCore.from_engine_args(EngineArgs(**kw, speculative_config={
+        "method": "draft_model", "model": smollm2_path, "num_speculative_tokens": 3}), UniProcExecutor)
+    drafter = core.executor.worker.runner.drafter
+    c_step, taken = drafter.decode_step, []
+    assert c_step is not None
+
+    def spy(input_ids, positions, meta):
+        hidden = c_step(input_ids, positions, meta)
+        taken.append(len(input_ids) if hidden is not None else 0)
+        return hidden
+    drafter.decode_step = spy
+    with_c, proposals_c = _stepped_run(core, prompt, 40)
+    drafter.decode_step = None                                    # the draft's PyTorch layers for every pass
+    with_layers, proposals_layers = _stepped_run(core, prompt, 40)
+    stats = core.scheduler.make_stats()
+    core.shutdown()
+    assert with_c == with_layers == want
+    assert stats.spec_num_accepted_tokens > 20
+    assert 1 in taken and max(taken) > 1                          # one-token passes, and catch-up passes of a few
+    common = proposals_c.keys() & proposals_layers.keys()
+    assert len(common) >= 5 and all(proposals_c[n] == proposals_layers[n] for n in common)

@@ -47,24 +47,27 @@ def test_int4_gemv_matches_the_weights(rows, out, cols, group, symmetric):
 
 
 @needs_c_step
-@pytest.mark.parametrize("rows", [1, 3, 4, 8])
-@pytest.mark.parametrize("out,cols,chunk", [(80, 64, 32), (37, 200, None), (1000, 96, 32)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 13, 15])
+@pytest.mark.parametrize("out,cols,chunk", [(80, 64, 32), (37, 200, None), (1000, 96, 32), (96, 128, 16),
+                                            (48, 48, 16)])
 def test_int8_gemv_matches_the_weights(rows, out, cols, chunk):
-    """Chunked (a Q8_0 head) and whole-row int8; channel counts with a tail past the blocks of 16."""
+    """Chunked (a Q8_0 head; Q6_K's 16-column chunks, read in pairs, and an odd count of them) and whole-row
+    int8; channel counts with a tail past the blocks of 16; decode batches past GEMV_MAX_ROWS, below
+    weight_only.INT8_DENSE_MIN_ROWS."""
     w, dense = _int8_case(out, cols, chunk, seed=rows + out)
     x = torch.randn(rows, cols)
     _close(weight_only.int8_linear(x, w), x, dense, int16_inputs=True)
 
 
 @needs_c_step
-@pytest.mark.parametrize("out,cols,chunk", [(80, 64, 32), (1000, 96, 32), (37, 200, None)])
+@pytest.mark.parametrize("out,cols,chunk", [(80, 64, 32), (1000, 96, 32), (37, 200, None), (96, 128, 16)])
 def test_int8_gemv_gives_a_row_the_same_bits_whatever_rows_run_beside_it(out, cols, chunk):
-    """A speculative verify pass's logits: rows 2-8 share each widened code, and each still sums exactly as a
-    one-row call does."""
+    """A speculative verify pass's logits, and a decode batch's: rows share each widened code, and each still
+    sums exactly as a one-row call does."""
     w, _ = _int8_case(out, cols, chunk, seed=out)
-    x = torch.randn(8, cols) * torch.rand(8, 1) * 3
-    alone = torch.cat([weight_only._int8_gemv(x[r:r + 1], w) for r in range(8)])
-    for rows in range(2, 9):
+    x = torch.randn(19, cols) * torch.rand(19, 1) * 3
+    alone = torch.cat([weight_only._int8_gemv(x[r:r + 1], w) for r in range(19)])
+    for rows in (*range(2, 10), 16, 19):
         assert torch.equal(weight_only._int8_gemv(x[:rows], w), alone[:rows]), rows
 
 
@@ -130,27 +133,40 @@ def _run(folder: str, prompts: list[list[int]], max_tokens: list[int], c_step: b
 def test_c_step_matches_the_pytorch_path(tiny_model, monkeypatch):
     """Same int8 weights, same C GEMVs for small-row linears both ways: the C step's norms, rotary, biases,
     cache writes and attention against PyTorch's, up to summation order."""
-    calls = []
-    real_call = cpu_decode_step.CpuDecodeStep.__call__
+    calls, cap = [], []
+    real_call, real_init = cpu_decode_step.CpuDecodeStep.__call__, cpu_decode_step.CpuDecodeStep.__init__
     monkeypatch.setattr(cpu_decode_step.CpuDecodeStep, "__call__",
                         lambda self, hidden, *a: calls.append(hidden.shape[0]) or real_call(self, hidden, *a))
+
+    def capped_init(self, *args):
+        real_init(self, *args)
+        self.max_rows = min([self.max_rows, *cap])
+    monkeypatch.setattr(cpu_decode_step.CpuDecodeStep, "__init__", capped_init)
+    max_rows = cpu_native.library().ps_decode_step_max_rows()
     prompts = random_prompts(3, [5, 17, 33, 9, 12, 40, 3, 21, 28, 7, 15], vocab=512)
-    cases = [(prompts[:1], [24]), (prompts[:3], [20, 14, 24]), (prompts, [4 + 2 * i for i in range(11)])]
-    for batch, max_tokens in cases:
+    # The last case caps the step at 8 rows: its batch moves from the layers to the step as requests finish.
+    cases = [(prompts[:1], [24], None), (prompts[:3], [20, 14, 24], None),
+             (prompts, [4 + 2 * i for i in range(11)], None), (prompts, [4 + 2 * i for i in range(11)], 8)]
+    wants = {}
+    for batch, max_tokens, limit in cases:
         calls.clear()
+        cap[:] = [] if limit is None else [limit]
         got = _run(tiny_model, batch, max_tokens, True, monkeypatch)
-        # The C step ran (a decode step of every sequence where they fit), and no step of more than 8 tokens did:
-        # it also takes a short prompt's prefill, each token a row attending up to its own position.
-        assert calls and max(calls) <= 8 and (len(batch) > 8 or len(batch) in calls)
-        want = _run(tiny_model, batch, max_tokens, False, monkeypatch)
+        # The C step ran (a decode step of every sequence where they fit), and no step of more rows than it takes
+        # did: it also takes a short prompt's prefill, each token a row attending up to its own position.
+        limit = limit or max_rows
+        assert calls and max(calls) <= limit and (len(batch) > limit or len(batch) in calls)
+        key = (len(batch), tuple(max_tokens))
+        want = wants[key] = wants.get(key) or _run(tiny_model, batch, max_tokens, False, monkeypatch)
         for g, w in zip(got, want):
             assert g.token_ids == w.token_ids
             diffs = [abs(next(iter(a.values())).logprob - next(iter(b.values())).logprob)
                      for a, b in zip(g.logprobs, w.logprobs)]
             # The int8 GEMVs round their inputs to int16 steps (max|x| / 32767): a last-bit difference between
-            # the paths can move an input by a step, ~3e-5 relative, and that carries through the layers.
+            # the paths can move an input by a step, ~3e-5 relative, and that carries through the layers (up to
+            # 2.1e-3 after 24 tokens, measured, once batches of 9-15 rows rounded to int16 too).
             # A wrong norm, bias, rotary or cache slot moves logprobs by 0.1 or more.
-            assert max(diffs) < 2e-3, diffs
+            assert max(diffs) < 5e-3, diffs
 
 
 @needs_c_step
@@ -165,4 +181,35 @@ def test_c_step_refuses_bad_inputs_by_name(tiny_model):
     with pytest.raises(ValueError, match="slots"):
         step(hidden, cos, cos, **{**ok, "slots": torch.zeros(1, dtype=torch.int32)})
     with pytest.raises(ValueError, match="rows"):
-        step(torch.zeros(9, 64), cos, cos, **ok)
+        step(torch.zeros(step.max_rows + 1, 64), cos, cos, **ok)
+
+
+@needs_c_step
+@pytest.mark.skipif(LIB is None or LIB.ps_decode_step_max_rows() < 24, reason="needs the int4 GEMM (AVX512-VNNI)")
+def test_c_step_takes_int4_batches_past_the_gemv(tmp_path, monkeypatch):
+    """A GPTQ model kept in int4: a decode batch of 24 sequences is one C call (the int4 GEMM past the GEMV's 8
+    rows; the 4352-wide down_proj rounds its rows on the heap), against the PyTorch layers on the same weights."""
+    from pagedserve.tests.helpers.quant_checkpoints import write_quantized_checkpoint
+    float_dir = make_tiny_model(str(tmp_path / "float"), "llama", intermediate_size=4352)
+    write_quantized_checkpoint(float_dir, str(tmp_path / "gptq"), str(tmp_path / "dequant"), "gptq", group_size=32)
+    calls = []
+    real_call = cpu_decode_step.CpuDecodeStep.__call__
+    monkeypatch.setattr(cpu_decode_step.CpuDecodeStep, "__call__",
+                        lambda self, hidden, *a: calls.append(hidden.shape[0]) or real_call(self, hidden, *a))
+    prompts = random_prompts(5, [6 + (i * 7) % 23 for i in range(24)], vocab=512)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    runs = []
+    for c_step in (True, False):
+        monkeypatch.setenv("PAGEDSERVE_CPU_DECODE_STEP", "1" if c_step else "0")
+        with LLM(str(tmp_path / "gptq"), dtype="float32", max_model_len=256) as llm:
+            assert isinstance(llm.engine.executor.worker.runner.model.model.layers[0].mlp.down_proj.packed,
+                              weight_only.Int4Weight)
+            runs.append([o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                            use_tqdm=False)])
+        if c_step:
+            assert 24 in calls
+    for got, want in zip(*runs):
+        assert got.token_ids == want.token_ids
+        diffs = [abs(next(iter(a.values())).logprob - next(iter(b.values())).logprob)
+                 for a, b in zip(got.logprobs, want.logprobs)]
+        assert max(diffs) < 5e-3, diffs

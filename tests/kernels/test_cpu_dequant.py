@@ -54,8 +54,11 @@ def test_int4_widening_is_the_packed_kernels_own_weight(out, cols, group, symmet
 
 @needs_kernels
 @pytest.mark.parametrize("first,last", [(0, 300), (17, 250), (299, 300), (5, 5)])
-def test_int8_row_widening_is_codes_times_scales(first, last):
-    w = quantize_int8(torch.randn(300, 96), chunk=32)                          # 3 chunks, one scale each
+@pytest.mark.parametrize("chunk", [32, 16, 24, 96])
+def test_int8_row_widening_is_codes_times_scales(first, last, chunk):
+    """Chunks of Q8_0 (32) and Q6_K (16) columns, one (24) with a tail past the 16-wide vector form, whole rows;
+    rounded to bfloat16 as torch rounds."""
+    w = quantize_int8(torch.randn(300, 96) * torch.rand(1, 96) * 4, chunk=chunk)
     widened = cpu_dequant.int8_rows_to_bf16(w.q, w.scale, first, last)
     rows = (w.q.float() * w.scale.float().unsqueeze(-1)).movedim(0, 1).reshape(300, 96)[first:last]
     assert torch.equal(widened, rows.to(torch.bfloat16))

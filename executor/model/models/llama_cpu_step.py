@@ -2,7 +2,7 @@
 
 The model runner asks the model for this step once, when the KV cache is bound (LlamaForCausalLM
 .make_decode_step), and offers it every step; the step takes the ones it can (`__call__`, the one
-eligibility test: at most MAX_ROWS tokens, decodes or a speculative verify pass) and the model's own layers
+eligibility test: at most c_step.max_rows tokens, decodes or a speculative verify pass) and the model's own layers
 run the rest. Models outside what it takes (other devices and dtypes, tensor parallelism, MoE blocks,
 sliding windows, unquantized or fp8 linears) get no step at all.
 PAGEDSERVE_CPU_DECODE_STEP=0 keeps the layers for every step (for A/B runs against them).
@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedserve.common import envs
 from pagedserve.executor.model.layers.rotary import RotaryEmbedding
-from pagedserve.kernels.cpu_decode_step import MAX_ROWS, CpuDecodeStep, DecoderWeights
+from pagedserve.kernels.cpu_decode_step import CpuDecodeStep, DecoderWeights
 from pagedserve.kernels.metadata import AttentionMetadata
 
 
@@ -49,13 +49,13 @@ class LlamaCpuDecodeStep:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor | None:
-        """The final-normed hidden states of a step of 1..MAX_ROWS tokens, every one with a cache slot; None
+        """The final-normed hidden states of a step of 1..c_step.max_rows tokens, every one with a cache slot; None
         for any other step (the layers run it). Each token is a row of the C step that attends to its
         sequence's context up to its own position: a one-token decode, or several tokens of one sequence (a
         speculative verify pass, a short chunk), whose K/V every layer writes before any row attends. A
         token's arithmetic is the same in either (docs/speculative_decoding.md)."""
         rows = input_ids.shape[0]
-        if not 1 <= rows <= MAX_ROWS or int(meta.slot_mapping.min()) < 0:
+        if not 1 <= rows <= self.c_step.max_rows or int(meta.slot_mapping.min()) < 0:
             return None
         if meta.num_seqs == rows:
             tables = meta.block_tables[:rows]
