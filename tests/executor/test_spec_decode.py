@@ -9,6 +9,7 @@ import random
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.tests.helpers.spec_costs import FixedStepCosts
 
 PASSAGE = ("def merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
            "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
@@ -273,6 +274,7 @@ def test_a_quantized_draft_runs_in_its_own_c_step(smollm2_path):
     plain.shutdown()
     core = EngineCore.from_engine_args(EngineArgs(**kw, speculative_config={
         "method": "draft_model", "model": smollm2_path, "num_speculative_tokens": 3}), UniProcExecutor)
+    core.scheduler.spec.cost = FixedStepCosts()      # the same drafts in both runs, however fast each step ran
     drafter = core.executor.worker.runner.drafter
     c_step, taken = drafter.decode_step, []
     assert c_step is not None
