@@ -1,51 +1,104 @@
-/* LoRA's delta on CPU for tokens that each use their own adapter slot (decode rows of several adapters,
-   interleaved): per token, xa = A[slot] x (the shrink), then y += B[slot] xa (the expand), in one call.
+/* LoRA's delta on CPU: per token, xa = A[slot] x (the shrink), then y += xa B[slot] (the expand).
 
-   In torch this took a gather, two batched matmuls, an index_select and an index_add per linear layer, each a
-   trip through the dispatcher for a few kilobytes of work. A slot's A [wmax, in] and B [out, wmax] (float32,
-   zeros past its width) stay in cache across its tokens; tokens split over threads. Tokens of slot -1 are
-   left alone (the base model, or tokens the caller handles as a long run). A merged layer's B is block-shaped
-   (piece i: output rows bounds[i]..bounds[i+1], columns i*r..(i+1)*r): the expand reads only those blocks. */
+   Two callers. The layer path (ps_lora_bgmv) takes the decode rows of several adapters, interleaved, in one
+   call per linear layer, where torch took a gather, two batched matmuls, an index_select and an index_add,
+   each a trip through the dispatcher for a few kilobytes of work: the caller hands the tokens sorted by slot,
+   so a slot's A and B are read once for all its tokens, and threads split the sorted list. The one-call decode
+   step (decode_step.c) runs the two phases on its own team, between its base GEMVs and what reads their
+   output (ps_lora_step_shrink, ps_lora_step_expand). Both use the same shrink and expand below.
+
+   B is kept transposed ([wmax, out] a slot, lora.h), so the expand is a sum of rows of B scaled by xa: 16
+   output columns at a time stay in registers across the rank, with no horizontal sums. A merged layer's
+   piece p reads only its own rows of B and its own output columns (the rest of the block layout is zeros). */
+#include "lora.h"
+
 #include "common.h"
 
-enum { LORA_MAX_WIDTH = 1024 };
+enum { LORA_MAX_WIDTH = 1024, LANES = 16, GROUP_TOKENS = 8 };
 
-typedef struct {
-    const float *x, *a, *b;
-    const int32_t *slots;
-    const int64_t *widths, *bounds;
-    float *y;
-    int64_t pieces, in, out, wmax, begin, end;
-} LoraJob;
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-static void *lora_range(void *arg) {
-    const LoraJob *j = arg;
-    float xa[LORA_MAX_WIDTH];
-    for (int64_t t = j->begin; t < j->end; ++t) {
-        const int32_t s = j->slots[t];
-        if (s < 0) continue;
-        const int64_t w = j->widths[s];
-        const float *xt = j->x + t * j->in, *as = j->a + (int64_t)s * j->wmax * j->in;
-        for (int64_t r = 0; r < w; ++r) {
-            const float *row = as + r * j->in;
+/* xa[i * ld + r] = A[slot][r] . x[tokens[i]] for r in r0..r1-1: A's row stays in L1 across the tokens. */
+static void shrink(const LoraDesc *l, int64_t slot, const float *x, int64_t in, const int32_t *tokens,
+                   int64_t count, int64_t r0, int64_t r1, float *xa, int64_t ld) {
+    const float *as = l->a + slot * l->wmax * in;
+    for (int64_t r = r0; r < r1; ++r) {
+        const float *row = as + r * in;
+        for (int64_t i = 0; i < count; ++i) {
+            const float *xt = x + (int64_t)tokens[i] * in;
             float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-            for (int64_t k = 0; k < j->in; ++k) acc += row[k] * xt[k];
-            xa[r] = acc;
+            for (int64_t k = 0; k < in; ++k) acc += row[k] * xt[k];
+            xa[i * ld + r] = acc;
         }
-        const float *bs = j->b + (int64_t)s * j->out * j->wmax;
-        float *yt = j->y + t * j->out;
-        const int64_t rank = w / j->pieces;
-        for (int64_t p = 0; p < j->pieces; ++p) {
-            const float *xp = xa + p * rank;
-            for (int64_t n = j->bounds[p]; n < j->bounds[p + 1]; ++n) {
-                const float *row = bs + n * j->wmax + p * rank;
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t r = 0; r < rank; ++r) acc += row[r] * xp[r];
-                yt[n] += acc;
-            }
+    }
+}
+
+/* yt[0..m) += sum_r xp[r] * bp[r * out + 0..m), r in order: each column's sum is the same for any m. */
+static inline void expand_columns(const float *bp, const float *xp, int64_t rank, int64_t out, float *yt,
+                                  int64_t m) {
+    float acc[LANES];
+    if (m == LANES) {       /* the common case, a constant trip count: acc lives in registers */
+#pragma omp simd
+        for (int c = 0; c < LANES; ++c) acc[c] = yt[c];
+        for (int64_t r = 0; r < rank; ++r) {
+            const float v = xp[r], *row = bp + r * out;
+#pragma omp simd
+            for (int c = 0; c < LANES; ++c) acc[c] += v * row[c];
         }
+#pragma omp simd
+        for (int c = 0; c < LANES; ++c) yt[c] = acc[c];
+        return;
+    }
+    for (int64_t c = 0; c < m; ++c) acc[c] = yt[c];
+    for (int64_t r = 0; r < rank; ++r) {
+        const float v = xp[r], *row = bp + r * out;
+        for (int64_t c = 0; c < m; ++c) acc[c] += v * row[c];
+    }
+    for (int64_t c = 0; c < m; ++c) yt[c] = acc[c];
+}
+
+/* y[tokens[i], n] += xa[i * ld + .] B[slot] for n in n0..n1-1, piece by piece: a block of B's columns is
+   read once for all the tokens. */
+static void expand(const LoraDesc *l, int64_t slot, const float *xa, int64_t ld, const int32_t *tokens,
+                   int64_t count, float *y, int64_t out, int64_t n0, int64_t n1) {
+    const int64_t rank = l->widths[slot] / l->pieces;
+    const float *bs = l->b_t + slot * l->wmax * out;
+    for (int64_t p = 0; p < l->pieces; ++p) {
+        const int64_t lo = max64(l->bounds[p], n0), hi = min64(l->bounds[p + 1], n1);
+        const float *bp = bs + p * rank * out;
+        for (int64_t n = lo; n < hi; n += LANES)
+            for (int64_t i = 0; i < count; ++i)
+                expand_columns(bp + n, xa + i * ld + p * rank, rank, out, y + (int64_t)tokens[i] * out + n,
+                               min64(hi - n, LANES));
+    }
+}
+
+/* ---------------------------------------------------------------- the layer path */
+
+typedef struct {
+    LoraDesc l;
+    const float *x;
+    const int32_t *order, *slots;
+    float *y;
+    int64_t in, out, begin, end;
+} LoraJob;
+
+/* This thread's tokens (a range of `order`), in runs of one slot of at most GROUP_TOKENS. */
+static void *lora_range(void *arg) {
+    const LoraJob *j = arg;
+    float xa[GROUP_TOKENS * LORA_MAX_WIDTH];
+    for (int64_t i = j->begin; i < j->end;) {
+        const int64_t slot = j->slots[j->order[i]];
+        int64_t count = 1;
+        while (i + count < j->end && count < GROUP_TOKENS && j->slots[j->order[i + count]] == slot) ++count;
+        const int64_t width = j->l.widths[slot];
+        if (width) {
+            shrink(&j->l, slot, j->x, j->in, j->order + i, count, 0, width, xa, j->l.wmax);
+            expand(&j->l, slot, xa, j->l.wmax, j->order + i, count, j->y, j->out, 0, j->out);
+        }
+        i += count;
     }
     return NULL;
 }
@@ -55,12 +108,44 @@ static void lora_set_range(void *arg, int64_t begin, int64_t end) {
     ((LoraJob *)arg)->end = end;
 }
 
-int ps_lora_bgmv(const float *x, const float *a, const float *b, const int32_t *slots, const int64_t *widths,
-                 const int64_t *bounds, int64_t pieces, float *y, int64_t tokens, int64_t in, int64_t out,
-                 int64_t wmax, int threads) {
+/* y[t] += (x[t] A[s]^T) B[s] for the `count` tokens t of `order` (sorted by slot), s = slots[t] >= 0. */
+int ps_lora_bgmv(const float *x, const float *a, const float *b_t, const int32_t *order, int64_t count,
+                 const int32_t *slots, const int64_t *widths, const int64_t *bounds, int64_t pieces, float *y,
+                 int64_t in, int64_t out, int64_t wmax, int threads) {
     if (wmax > LORA_MAX_WIDTH || pieces < 1) return 1;
     LoraJob jobs[MAX_THREADS];
     for (int i = 0; i < MAX_THREADS; ++i)
-        jobs[i] = (LoraJob){x, a, b, slots, widths, bounds, y, pieces, in, out, wmax, 0, 0};
-    return ps_run_split(threads, tokens, jobs, sizeof(LoraJob), lora_range, lora_set_range);
+        jobs[i] = (LoraJob){{a, b_t, widths, bounds, pieces, wmax}, x, order, slots, y, in, out, 0, 0};
+    return ps_run_split(threads, count, jobs, sizeof(LoraJob), lora_range, lora_set_range);
+}
+
+/* ---------------------------------------------------------------- the decode step's phases */
+
+static void split(int64_t total, int tid, int threads, int64_t *a, int64_t *b) {
+    const int64_t step = (total + threads - 1) / threads;
+    *a = min64(tid * step, total);
+    *b = min64(*a + step, total);
+}
+
+void ps_lora_step_shrink(const LoraDesc *l, const float *x, int64_t in, const int32_t *slots, int64_t rows,
+                         float *xa, int tid, int threads) {
+    for (int64_t t = 0; t < rows; ++t) {
+        const int32_t slot = slots[t], token = (int32_t)t;
+        if (slot < 0) continue;
+        int64_t r0, r1;
+        split(l->widths[slot], tid, threads, &r0, &r1);
+        shrink(l, slot, x, in, &token, 1, r0, r1, xa + t * l->wmax, 0);
+    }
+}
+
+void ps_lora_step_expand(const LoraDesc *l, const float *xa, const int32_t *slots, int64_t rows, float *y,
+                         int64_t out, int tid, int threads) {
+    int64_t n0, n1;
+    split((out + LANES - 1) / LANES, tid, threads, &n0, &n1);     /* whole 16-column blocks a thread */
+    n0 = min64(n0 * LANES, out);
+    n1 = min64(n1 * LANES, out);
+    for (int64_t t = 0; t < rows; ++t) {
+        const int32_t slot = slots[t], token = (int32_t)t;
+        if (slot >= 0 && l->widths[slot] && n0 < n1) expand(l, slot, xa + t * l->wmax, 0, &token, 1, y, out, n0, n1);
+    }
 }

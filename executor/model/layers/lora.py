@@ -3,8 +3,10 @@
 Each slot holds one adapter's pieces for this layer, packed so that one shrink and one expand serve every
 piece of a merged layer (q, k and v; gate and up): A is [pieces * r, in], the pieces' A stacked; B is
 [out, pieces * r], block-structured (piece i's B in its own output rows and its own r columns, zeros elsewhere),
-with the adapter's scaling folded in. A token's delta is then (x A^T) B^T. The pool's shape never changes with
-the adapters in it (what CUDA graphs need); a slot with a smaller rank uses its first pieces * r rows.
+with the adapter's scaling folded in, and kept transposed (`b_t`, [pieces * r, out]: the CPU kernels' expand
+then sums rows of it, 16 output columns at a time). A token's delta is (x A^T) B^T. The pool's shape never
+changes with the adapters in it (what CUDA graphs need, and the C decode step, which keeps pointers into it:
+`c_pool`); a slot with a smaller rank uses its first pieces * r rows.
 
 Tensor parallelism follows the base layer's own `shard`: a column-parallel layer keeps A whole and B's rows of
 this rank's output slice; a row-parallel layer keeps the columns of A of this rank's input slice and B whole, and
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.kernels.cpu_decode_step import LoraPool
 from pagedserve.kernels.cpu_lora import lora_bgmv
 
 
@@ -30,12 +33,16 @@ class LoRAContext:
     groups: list[tuple[int, tuple[int, int]]] = field(default_factory=list)
     padded: PaddedRows | None = None
     short_slots: torch.Tensor | None = None     # CPU: each token's slot for the C kernel, -1 outside `padded`
+    short_order: torch.Tensor | None = None     # CPU: `padded`'s tokens sorted by slot, int32 (the C kernel's)
+    row_slots: torch.Tensor | None = None       # CPU: every token's slot, int32 (the C decode step's)
     # CUDA: each token's slot (-1: none) on the device, for the Triton kernels (kernels/triton_lora.py).
     token_slots: torch.Tensor | None = None
 
     def set_rows(self, token_slots: list[int], device: torch.device) -> None:
         if device.type == "cuda":
             self.token_slots = torch.tensor(token_slots, dtype=torch.int32).to(device, non_blocking=True)
+        else:
+            self.row_slots = torch.tensor(token_slots, dtype=torch.int32)
         self.groups, short = [], {}
         start = 0
         for end in range(1, len(token_slots) + 1):
@@ -51,17 +58,18 @@ class LoRAContext:
             self.groups = [(slot, (rows[0], rows[-1] + 1)) for slot, rows in short.items()]
             short = {}
         self.padded = PaddedRows.of(short, len(token_slots), device) if short else None
-        self.short_slots = None
+        self.short_slots = self.short_order = None
         if short and device.type == "cpu":
             marks = [-1] * len(token_slots)
             for slot, rows in short.items():
                 for row in rows:
                     marks[row] = slot
             self.short_slots = torch.tensor(marks, dtype=torch.int32)
+            self.short_order = torch.tensor([row for slot in sorted(short) for row in short[slot]], dtype=torch.int32)
 
     def clear(self) -> None:
         self.groups, self.padded = [], None
-        self.token_slots = self.short_slots = None
+        self.token_slots = self.short_slots = self.short_order = self.row_slots = None
 
 
 LONG_RUN = 8
@@ -108,24 +116,33 @@ class LoRASlots:
         self.bounds_t = torch.tensor(self.bounds, dtype=torch.int64)
         self.context = context
         self.a = torch.zeros(max_loras, pieces * max_rank, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, out_features, pieces * max_rank, dtype=dtype, device=device)
+        self.b_t = torch.zeros(max_loras, pieces * max_rank, out_features, dtype=dtype, device=device)
         self.width = [0] * max_loras       # pieces * rank of the adapter in each slot (0: empty)
         self.widths = torch.zeros(max_loras, dtype=torch.int64)     # the same, for the C kernel
+
+    @property
+    def b(self) -> torch.Tensor:
+        """B as [slots, out, pieces * r] (a view of b_t), the Triton kernels' contract."""
+        return self.b_t.transpose(1, 2)
+
+    def c_pool(self) -> LoraPool:
+        """The slots as the C decode step reads them, in place (filled by set_slot / clear_slot)."""
+        return LoraPool(self.a, self.b_t, self.widths, self.bounds_t)
 
     def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """a: [pieces * r, in], b: [out, pieces * r] (scaled), as LoRAManager packs them."""
         width = a.shape[0]
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.b_t[slot].zero_()
         self.a[slot, :width].copy_(a)
-        self.b[slot, :, :width].copy_(b)
+        self.b_t[slot, :width].copy_(b.T)
         self.width[slot] = width
         self.widths[slot] = width
 
     def clear_slot(self, slot: int) -> None:
         # Zeros, not just width 0: the CUDA kernels sum the slot's whole width.
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.b_t[slot].zero_()
         self.width[slot] = 0
         self.widths[slot] = 0
 
@@ -143,10 +160,10 @@ class LoRASlots:
             rank = width // self.pieces
             for i in range(self.pieces):
                 lo, hi, cols = self.bounds[i], self.bounds[i + 1], slice(i * rank, (i + 1) * rank)
-                y[start:end, lo:hi] += xa[:, cols] @ self.b[slot, lo:hi, cols].T
-        padded = self.context.padded
-        if padded is not None and not (self.context.short_slots is not None and lora_bgmv(
-                x, self.a, self.b, self.context.short_slots, self.widths, self.bounds_t, y)):
+                y[start:end, lo:hi] += xa[:, cols] @ self.b_t[slot, cols, lo:hi]
+        padded, ctx = self.context.padded, self.context
+        if padded is not None and not (ctx.short_slots is not None and lora_bgmv(
+                x, self.a, self.b_t, ctx.short_slots, ctx.short_order, self.widths, self.bounds_t, y)):
             self._apply_padded(x, y, padded)
         return y
 
@@ -156,12 +173,12 @@ class LoRASlots:
             return y
         first, count = rows.slots[0], len(rows.slots)
         if rows.slots == list(range(first, first + count)):      # slots filled in order: views, no copy
-            a, b = self.a[first:first + count, :width], self.b[first:first + count, :, :width]
+            a, b_t = self.a[first:first + count, :width], self.b_t[first:first + count, :width]
         else:
             picked = torch.tensor(rows.slots, device=x.device)
-            a, b = self.a[picked, :width], self.b[picked, :, :width]
+            a, b_t = self.a[picked, :width], self.b_t[picked, :width]
         gathered = torch.cat([x, x.new_zeros(1, x.shape[-1])])[rows.index]          # [slots, most, in]
-        delta = torch.bmm(torch.bmm(gathered, a.transpose(1, 2)), b.transpose(1, 2))   # [slots, most, out]
+        delta = torch.bmm(torch.bmm(gathered, a.transpose(1, 2)), b_t)               # [slots, most, out]
         return y.index_add_(0, rows.rows, delta.reshape(-1, delta.shape[-1]).index_select(0, rows.positions))
 
 
