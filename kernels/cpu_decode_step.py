@@ -31,7 +31,8 @@ class _Linear(ctypes.Structure):
 
 class _Lora(ctypes.Structure):
     _fields_ = [("a", ctypes.c_void_p), ("b_t", ctypes.c_void_p), ("widths", ctypes.c_void_p),
-                ("bounds", ctypes.c_void_p), ("pieces", ctypes.c_int64), ("wmax", ctypes.c_int64)]
+                ("bounds", ctypes.c_void_p), ("pieces", ctypes.c_int64), ("wmax", ctypes.c_int64),
+                ("bf16", ctypes.c_int64)]
 
 
 class _Layer(ctypes.Structure):
@@ -55,7 +56,8 @@ Weight = Int4Weight | Int8Weight
 @dataclass(frozen=True)
 class LoraPool:
     """A linear's adapter slots, filled in place between steps (never reallocated: the step keeps pointers).
-    Per slot: A [wmax, in] and B transposed [wmax, out], float32, the adapter's scaling folded into B; piece p
+    Per slot: A [wmax, in] and B transposed [wmax, out], float32 or bfloat16 (both the same), the adapter's
+    scaling folded into B; piece p
     of a merged linear is rows p*r..(p+1)*r, in output columns bounds[p]..bounds[p + 1]; widths[s] = pieces * r
     of slot s's adapter (0: empty)."""
     a: torch.Tensor          # [slots, wmax, in]
@@ -121,12 +123,14 @@ def _lora(pool: LoraPool | None, n: int, k: int) -> _Lora | None:
         return _Lora()
     a, b_t, widths, bounds = pool.a, pool.b_t, pool.widths, pool.bounds
     if (a.dim() != 3 or a.shape[2] != k or b_t.shape != (a.shape[0], a.shape[1], n)
-            or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in (a, b_t))
+            or a.dtype not in (torch.float32, torch.bfloat16) or b_t.dtype != a.dtype
+            or any(t.device.type != "cpu" or not t.is_contiguous() for t in (a, b_t))
             or any(t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous() for t in (widths, bounds))
             or widths.shape != (a.shape[0],) or bounds.dim() != 1 or bounds.numel() < 2
             or a.shape[1] % (bounds.numel() - 1) or int(bounds[0]) != 0 or int(bounds[-1]) != n):
         return None
-    return _Lora(a.data_ptr(), b_t.data_ptr(), widths.data_ptr(), bounds.data_ptr(), bounds.numel() - 1, a.shape[1])
+    return _Lora(a.data_ptr(), b_t.data_ptr(), widths.data_ptr(), bounds.data_ptr(), bounds.numel() - 1, a.shape[1],
+                 int(a.dtype == torch.bfloat16))
 
 
 class CpuDecodeStep:

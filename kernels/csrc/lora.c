@@ -7,72 +7,116 @@
    step (decode_step.c) runs the two phases on its own team, between its base GEMVs and what reads their
    output (ps_lora_step_shrink, ps_lora_step_expand). Both use the same shrink and expand below.
 
-   B is kept transposed ([wmax, out] a slot, lora.h), so the expand is a sum of rows of B scaled by xa: 16
-   output columns at a time stay in registers across the rank, with no horizontal sums. A merged layer's
-   piece p reads only its own rows of B and its own output columns (the rest of the block layout is zeros). */
+   B is kept transposed ([wmax, out] a slot, lora.h), so the expand is a sum of rows of B scaled by xa, 64
+   output columns at a time in registers across the rank, with no horizontal sums; a merged layer's piece p
+   reads only its own rows of B and its own output columns (the rest of the block layout is zeros). The shrink
+   runs four rows of A side by side. With few tokens a step these kernels stream every adapter's A and B from
+   memory: weights kept in bfloat16 (lora.h) halve those bytes, widened to float32 as they are read (x, xa and
+   the sums stay float32). */
 #include "lora.h"
 
 #include "common.h"
 
-enum { LORA_MAX_WIDTH = 1024, LANES = 16, GROUP_TOKENS = 8 };
+enum { LORA_MAX_WIDTH = 1024, LANES = 16, BLOCK = 4, GROUP_TOKENS = 8 };
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-/* xa[i * ld + r] = A[slot][r] . x[tokens[i]] for r in r0..r1-1: A's row stays in L1 across the tokens. */
-static void shrink(const LoraDesc *l, int64_t slot, const float *x, int64_t in, const int32_t *tokens,
-                   int64_t count, int64_t r0, int64_t r1, float *xa, int64_t ld) {
-    const float *as = l->a + slot * l->wmax * in;
-    for (int64_t r = r0; r < r1; ++r) {
-        const float *row = as + r * in;
+/* Element i of a float32 (BF16 = 0) or bfloat16 (BF16 = 1) weight; BF16 is a constant at every call. */
+static inline __attribute__((always_inline)) float weight(const void *w, int64_t i, const int BF16) {
+    return BF16 ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+/* out[j] = a[j * in ..] . x for j < R: BLOCK rows' sums side by side (one sum's chain of FMAs ran at a quarter
+   of the FMA units' rate, bound by their latency), x read once for them. R is a constant at each call. */
+static inline __attribute__((always_inline)) void dot_rows(const void *a, int64_t in, const float *x, float *out,
+                                                           const int R, const int BF16) {
+    float acc[BLOCK][LANES] = {{0}};
+    int64_t k = 0;
+    for (; k + LANES <= in; k += LANES)
+        for (int j = 0; j < R; ++j)
+#pragma omp simd
+            for (int c = 0; c < LANES; ++c) acc[j][c] += weight(a, j * in + k + c, BF16) * x[k + c];
+    for (int j = 0; j < R; ++j) {
+        for (int64_t c = 0; k + c < in; ++c) acc[j][c] += weight(a, j * in + k + c, BF16) * x[k + c];
+        float sum = 0.0f;
+        for (int c = 0; c < LANES; ++c) sum += acc[j][c];
+        out[j] = sum;
+    }
+}
+
+/* xa[i * ld + r] = A[slot][r] . x[tokens[i]] for r in r0..r1-1, BLOCK rows of A at a time for every token
+   (those rows stay in L1 across the tokens). */
+static inline __attribute__((always_inline)) void shrink_t(const LoraDesc *l, int64_t slot, const float *x,
+                                                           int64_t in, const int32_t *tokens, int64_t count,
+                                                           int64_t r0, int64_t r1, float *xa, int64_t ld,
+                                                           const int BF16) {
+    const char *as = (const char *)l->a + (slot * l->wmax + r0) * in * (BF16 ? 2 : 4);
+    for (int64_t r = r0; r < r1; r += BLOCK, as += BLOCK * in * (BF16 ? 2 : 4)) {
         for (int64_t i = 0; i < count; ++i) {
             const float *xt = x + (int64_t)tokens[i] * in;
-            float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t k = 0; k < in; ++k) acc += row[k] * xt[k];
-            xa[i * ld + r] = acc;
+            float *out = xa + i * ld + r;
+            switch (min64(r1 - r, BLOCK)) {
+                case 1: dot_rows(as, in, xt, out, 1, BF16); break;
+                case 2: dot_rows(as, in, xt, out, 2, BF16); break;
+                case 3: dot_rows(as, in, xt, out, 3, BF16); break;
+                default: dot_rows(as, in, xt, out, BLOCK, BF16); break;
+            }
         }
     }
 }
 
-/* yt[0..m) += sum_r xp[r] * bp[r * out + 0..m), r in order: each column's sum is the same for any m. */
-static inline void expand_columns(const float *bp, const float *xp, int64_t rank, int64_t out, float *yt,
-                                  int64_t m) {
-    float acc[LANES];
-    if (m == LANES) {       /* the common case, a constant trip count: acc lives in registers */
+static void shrink(const LoraDesc *l, int64_t slot, const float *x, int64_t in, const int32_t *tokens,
+                   int64_t count, int64_t r0, int64_t r1, float *xa, int64_t ld) {
+    if (l->bf16) shrink_t(l, slot, x, in, tokens, count, r0, r1, xa, ld, 1);
+    else shrink_t(l, slot, x, in, tokens, count, r0, r1, xa, ld, 0);
+}
+
+/* yt[0..m) += sum_r xp[r] * B[r * out + 0..m) (B: the columns' first element), r in order, for m <= BLOCK *
+   LANES columns: BLOCK vectors of sums side by side. Each column's sum is the same whatever m is. */
+static inline __attribute__((always_inline)) void expand_columns(const void *b, const float *xp, int64_t rank,
+                                                                 int64_t out, float *yt, int64_t m,
+                                                                 const int BF16) {
+    float acc[BLOCK * LANES];
+    if (m == BLOCK * LANES) {       /* the common case, a constant trip count: acc lives in registers */
 #pragma omp simd
-        for (int c = 0; c < LANES; ++c) acc[c] = yt[c];
+        for (int c = 0; c < BLOCK * LANES; ++c) acc[c] = yt[c];
         for (int64_t r = 0; r < rank; ++r) {
-            const float v = xp[r], *row = bp + r * out;
+            const float v = xp[r];
 #pragma omp simd
-            for (int c = 0; c < LANES; ++c) acc[c] += v * row[c];
+            for (int c = 0; c < BLOCK * LANES; ++c) acc[c] += v * weight(b, r * out + c, BF16);
         }
 #pragma omp simd
-        for (int c = 0; c < LANES; ++c) yt[c] = acc[c];
+        for (int c = 0; c < BLOCK * LANES; ++c) yt[c] = acc[c];
         return;
     }
     for (int64_t c = 0; c < m; ++c) acc[c] = yt[c];
-    for (int64_t r = 0; r < rank; ++r) {
-        const float v = xp[r], *row = bp + r * out;
-        for (int64_t c = 0; c < m; ++c) acc[c] += v * row[c];
-    }
+    for (int64_t r = 0; r < rank; ++r)
+        for (int64_t c = 0; c < m; ++c) acc[c] += xp[r] * weight(b, r * out + c, BF16);
     for (int64_t c = 0; c < m; ++c) yt[c] = acc[c];
 }
 
 /* y[tokens[i], n] += xa[i * ld + .] B[slot] for n in n0..n1-1, piece by piece: a block of B's columns is
    read once for all the tokens. */
-static void expand(const LoraDesc *l, int64_t slot, const float *xa, int64_t ld, const int32_t *tokens,
-                   int64_t count, float *y, int64_t out, int64_t n0, int64_t n1) {
-    const int64_t rank = l->widths[slot] / l->pieces;
-    const float *bs = l->b_t + slot * l->wmax * out;
+static inline __attribute__((always_inline)) void expand_t(const LoraDesc *l, int64_t slot, const float *xa,
+                                                           int64_t ld, const int32_t *tokens, int64_t count,
+                                                           float *y, int64_t out, int64_t n0, int64_t n1,
+                                                           const int BF16) {
+    const int64_t rank = l->widths[slot] / l->pieces, size = BF16 ? 2 : 4;
     for (int64_t p = 0; p < l->pieces; ++p) {
         const int64_t lo = max64(l->bounds[p], n0), hi = min64(l->bounds[p + 1], n1);
-        const float *bp = bs + p * rank * out;
-        for (int64_t n = lo; n < hi; n += LANES)
+        const char *bp = (const char *)l->b_t + (slot * l->wmax + p * rank) * out * size;
+        for (int64_t n = lo; n < hi; n += BLOCK * LANES)
             for (int64_t i = 0; i < count; ++i)
-                expand_columns(bp + n, xa + i * ld + p * rank, rank, out, y + (int64_t)tokens[i] * out + n,
-                               min64(hi - n, LANES));
+                expand_columns(bp + n * size, xa + i * ld + p * rank, rank, out, y + (int64_t)tokens[i] * out + n,
+                               min64(hi - n, BLOCK * LANES), BF16);
     }
+}
+
+static void expand(const LoraDesc *l, int64_t slot, const float *xa, int64_t ld, const int32_t *tokens,
+                   int64_t count, float *y, int64_t out, int64_t n0, int64_t n1) {
+    if (l->bf16) expand_t(l, slot, xa, ld, tokens, count, y, out, n0, n1, 1);
+    else expand_t(l, slot, xa, ld, tokens, count, y, out, n0, n1, 0);
 }
 
 /* ---------------------------------------------------------------- the layer path */
@@ -108,14 +152,15 @@ static void lora_set_range(void *arg, int64_t begin, int64_t end) {
     ((LoraJob *)arg)->end = end;
 }
 
-/* y[t] += (x[t] A[s]^T) B[s] for the `count` tokens t of `order` (sorted by slot), s = slots[t] >= 0. */
-int ps_lora_bgmv(const float *x, const float *a, const float *b_t, const int32_t *order, int64_t count,
-                 const int32_t *slots, const int64_t *widths, const int64_t *bounds, int64_t pieces, float *y,
-                 int64_t in, int64_t out, int64_t wmax, int threads) {
+/* y[t] += (x[t] A[s]^T) B[s] for the `count` tokens t of `order` (sorted by slot), s = slots[t] >= 0; a and
+   b_t float32, or bfloat16 where bf16. */
+int ps_lora_bgmv(const float *x, const void *a, const void *b_t, int64_t bf16, const int32_t *order,
+                 int64_t count, const int32_t *slots, const int64_t *widths, const int64_t *bounds, int64_t pieces,
+                 float *y, int64_t in, int64_t out, int64_t wmax, int threads) {
     if (wmax > LORA_MAX_WIDTH || pieces < 1) return 1;
     LoraJob jobs[MAX_THREADS];
     for (int i = 0; i < MAX_THREADS; ++i)
-        jobs[i] = (LoraJob){{a, b_t, widths, bounds, pieces, wmax}, x, order, slots, y, in, out, 0, 0};
+        jobs[i] = (LoraJob){{a, b_t, widths, bounds, pieces, wmax, bf16}, x, order, slots, y, in, out, 0, 0};
     return ps_run_split(threads, count, jobs, sizeof(LoraJob), lora_range, lora_set_range);
 }
 

@@ -4,14 +4,14 @@
 
 #include <stdint.h>
 
-/* One linear layer's adapter slots, as executor/model/layers/lora.py keeps them (float32, scaling folded into
-   B): per slot, A [wmax, in] (the pieces' A stacked) and B transposed [wmax, out], piece p's rows
-   p*r..(p+1)*r nonzero only in its output columns bounds[p]..bounds[p+1]. widths[s] is pieces * r of the
-   adapter in slot s (0: empty), r <= wmax / pieces. a == NULL: the layer has no slots. */
+/* One linear layer's adapter slots, as executor/model/layers/lora.py keeps them (float32, or bfloat16 where
+   bf16; scaling folded into B): per slot, A [wmax, in] (the pieces' A stacked) and B transposed [wmax, out],
+   piece p's rows p*r..(p+1)*r nonzero only in its output columns bounds[p]..bounds[p+1]. widths[s] is
+   pieces * r of the adapter in slot s (0: empty), r <= wmax / pieces. a == NULL: the layer has no slots. */
 typedef struct {
-    const float *a, *b_t;
+    const void *a, *b_t;
     const int64_t *widths, *bounds;
-    int64_t pieces, wmax;
+    int64_t pieces, wmax, bf16;
 } LoraDesc;
 
 /* The decode step's LoRA of one linear (decode_step.c), in two phases its team of threads runs with a barrier

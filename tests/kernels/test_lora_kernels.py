@@ -84,3 +84,28 @@ def test_c_kernel_matches_per_token_on_interleaved_decode_rows():
     ctx.set_rows(slots, torch.device("cpu"))
     assert ctx.short_slots is not None and ctx.groups == [(1, (6, 18))]
     assert torch.allclose(pool.apply(x, y0.clone()), _reference(x, slots, packed, y0), atol=1e-4)
+
+
+def test_bfloat16_slots_match_per_token_on_their_rounded_weights():
+    """bfloat16 slots (LoRAManager's pool_dtype over a quantized CPU base): the C kernel widens the weights and
+    keeps x and the sums in float32, so it matches the float32 reference on the rounded weights as closely as
+    float32 slots do; a long run's torch matmuls also round x and x A^T to bfloat16 (2^-9 of the delta)."""
+    from pagedserve.kernels.cpu_native import library
+    if library() is None:
+        pytest.skip("no C compiler here")
+    slots = [0, 2, 1, -1, 0, 2] + [1] * 12
+    gen = torch.Generator().manual_seed(4)
+    x, y0 = torch.randn(len(slots), IN, generator=gen), torch.randn(len(slots), OUT, generator=gen)
+    _, _, packed = _pool(torch.device("cpu"))
+    ctx = LoRAContext()
+    pool = LoRASlots([14, 10], IN, OUT, SLOTS, MAX_RANK, ctx, torch.bfloat16, torch.device("cpu"))
+    for slot, (a, b) in enumerate(packed):
+        pool.set_slot(slot, a, b)
+    rounded = [(a.bfloat16().float(), b.bfloat16().float()) for a, b in packed]
+    want = _reference(x, slots, rounded, y0)
+    ctx.set_rows(slots, torch.device("cpu"))
+    got = pool.apply(x, y0.clone())
+    assert torch.allclose(got[:6], want[:6], atol=1e-4)                  # the C kernel's rows
+    delta = (want - y0)[6:]
+    assert ((got - want)[6:].abs() <= 0.02 * delta.abs().amax(1, keepdim=True)).all()     # the long run's
+    assert ((_reference(x, slots, packed, y0) - want)[:6].abs() > 1e-3).any()      # bfloat16 did round them

@@ -54,9 +54,6 @@ class LoRAContext:
             elif slot >= 0:
                 short.setdefault(slot, []).extend(range(start, end))
             start = end
-        if len(short) == 1 and not self.groups and _contiguous(next(iter(short.values()))):
-            self.groups = [(slot, (rows[0], rows[-1] + 1)) for slot, rows in short.items()]
-            short = {}
         self.padded = PaddedRows.of(short, len(token_slots), device) if short else None
         self.short_slots = self.short_order = None
         if short and device.type == "cpu":
@@ -73,10 +70,6 @@ class LoRAContext:
 
 
 LONG_RUN = 8
-
-
-def _contiguous(rows: list[int]) -> bool:
-    return rows[-1] - rows[0] + 1 == len(rows)
 
 
 @dataclass
@@ -156,11 +149,14 @@ class LoRASlots:
             width = self.width[slot]
             if not width:
                 continue
-            xa = x[start:end] @ self.a[slot, :width].T
+            xa = x[start:end].to(self.a.dtype) @ self.a[slot, :width].T
             rank = width // self.pieces
             for i in range(self.pieces):
                 lo, hi, cols = self.bounds[i], self.bounds[i + 1], slice(i * rank, (i + 1) * rank)
-                y[start:end, lo:hi] += xa[:, cols] @ self.b_t[slot, cols, lo:hi]
+                if xa.dtype == y.dtype:     # in place: no [tokens, out] temporary
+                    y[start:end, lo:hi].addmm_(xa[:, cols], self.b_t[slot, cols, lo:hi])
+                else:                       # bfloat16 slots over a float32 model (LoRAManager's pool_dtype)
+                    y[start:end, lo:hi] += xa[:, cols] @ self.b_t[slot, cols, lo:hi]
         padded, ctx = self.context.padded, self.context
         if padded is not None and not (ctx.short_slots is not None and lora_bgmv(
                 x, self.a, self.b_t, ctx.short_slots, ctx.short_order, self.widths, self.bounds_t, y)):
@@ -177,8 +173,8 @@ class LoRASlots:
         else:
             picked = torch.tensor(rows.slots, device=x.device)
             a, b_t = self.a[picked, :width], self.b_t[picked, :width]
-        gathered = torch.cat([x, x.new_zeros(1, x.shape[-1])])[rows.index]          # [slots, most, in]
-        delta = torch.bmm(torch.bmm(gathered, a.transpose(1, 2)), b_t)               # [slots, most, out]
+        gathered = torch.cat([x, x.new_zeros(1, x.shape[-1])])[rows.index].to(a.dtype)   # [slots, most, in]
+        delta = torch.bmm(torch.bmm(gathered, a.transpose(1, 2)), b_t).to(y.dtype)      # [slots, most, out]
         return y.index_add_(0, rows.rows, delta.reshape(-1, delta.shape[-1]).index_select(0, rows.positions))
 
 
