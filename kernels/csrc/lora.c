@@ -17,51 +17,137 @@
 
 #include "common.h"
 
-enum { LORA_MAX_WIDTH = 1024, LANES = 16, BLOCK = 4, GROUP_TOKENS = 8 };
+enum { LORA_MAX_WIDTH = 1024, LANES = 16, BLOCK = 4, TOKENS = 4, GROUP_TOKENS = 8 };
+
+#define INLINE static inline __attribute__((always_inline))
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-/* Element i of a float32 (BF16 = 0) or bfloat16 (BF16 = 1) weight; BF16 is a constant at every call. */
-static inline __attribute__((always_inline)) float weight(const void *w, int64_t i, const int BF16) {
-    return BF16 ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+/* The two blocks every product here is made of. R (rows of A), TK (tokens) and BF16 (the weights' type) are
+   constants at each call; a token's sums do not depend on R, TK or the tokens beside it.
+   dot_block: out[i * ld + j] = A[j] . xs[i] for j < R, i < TK: R * TK sums side by side (one sum's chain of
+   FMAs ran at a quarter of the FMA units' rate, bound by their latency), each weight widened once for the
+   tokens.
+   expand_block: yts[i][0..m) += sum_r xps[i][r] * B[r * out + 0..m) (B: the columns' first weight), r in order,
+   for m <= 64 columns and TK tokens, each row of B widened once for the tokens. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+/* 16 weights from element i on, widened to float32; with MASKED, only the lanes of `mask` (the others 0). */
+INLINE __m512 load16(const void *w, int64_t i, __mmask16 mask, const int BF16, const int MASKED) {
+    if (BF16) {
+        const uint16_t *p = (const uint16_t *)w + i;
+        const __m256i h = MASKED ? _mm256_maskz_loadu_epi16(mask, p) : _mm256_loadu_si256((const __m256i *)p);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return MASKED ? _mm512_maskz_loadu_ps(mask, (const float *)w + i) : _mm512_loadu_ps((const float *)w + i);
 }
 
-/* out[j] = a[j * in ..] . x for j < R: BLOCK rows' sums side by side (one sum's chain of FMAs ran at a quarter
-   of the FMA units' rate, bound by their latency), x read once for them. R is a constant at each call. */
-static inline __attribute__((always_inline)) void dot_rows(const void *a, int64_t in, const float *x, float *out,
-                                                           const int R, const int BF16) {
-    float acc[BLOCK][LANES] = {{0}};
-    int64_t k = 0;
-    for (; k + LANES <= in; k += LANES)
-        for (int j = 0; j < R; ++j)
-#pragma omp simd
-            for (int c = 0; c < LANES; ++c) acc[j][c] += weight(a, j * in + k + c, BF16) * x[k + c];
+static inline __mmask16 lanes(int64_t n) { return n >= LANES ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+/* acc[j][i] += A[j][k..k+16) * xs[i][k..k+16), the lanes of m only where MASKED (the row's last few inputs). */
+INLINE void dot_step(__m512 acc[BLOCK][TOKENS], const void *a, int64_t in, const float *const *xs, int64_t k,
+                     __mmask16 m, const int R, const int TK, const int BF16, const int MASKED) {
+    __m512 xv[TOKENS];
+    for (int i = 0; i < TK; ++i) xv[i] = MASKED ? _mm512_maskz_loadu_ps(m, xs[i] + k) : _mm512_loadu_ps(xs[i] + k);
     for (int j = 0; j < R; ++j) {
-        for (int64_t c = 0; k + c < in; ++c) acc[j][c] += weight(a, j * in + k + c, BF16) * x[k + c];
-        float sum = 0.0f;
-        for (int c = 0; c < LANES; ++c) sum += acc[j][c];
-        out[j] = sum;
+        const __m512 w = load16(a, j * in + k, m, BF16, MASKED);
+        for (int i = 0; i < TK; ++i) acc[j][i] = _mm512_fmadd_ps(w, xv[i], acc[j][i]);
     }
 }
 
-/* xa[i * ld + r] = A[slot][r] . x[tokens[i]] for r in r0..r1-1, BLOCK rows of A at a time for every token
-   (those rows stay in L1 across the tokens). */
-static inline __attribute__((always_inline)) void shrink_t(const LoraDesc *l, int64_t slot, const float *x,
-                                                           int64_t in, const int32_t *tokens, int64_t count,
-                                                           int64_t r0, int64_t r1, float *xa, int64_t ld,
-                                                           const int BF16) {
-    const char *as = (const char *)l->a + (slot * l->wmax + r0) * in * (BF16 ? 2 : 4);
-    for (int64_t r = r0; r < r1; r += BLOCK, as += BLOCK * in * (BF16 ? 2 : 4)) {
-        for (int64_t i = 0; i < count; ++i) {
-            const float *xt = x + (int64_t)tokens[i] * in;
-            float *out = xa + i * ld + r;
-            switch (min64(r1 - r, BLOCK)) {
-                case 1: dot_rows(as, in, xt, out, 1, BF16); break;
-                case 2: dot_rows(as, in, xt, out, 2, BF16); break;
-                case 3: dot_rows(as, in, xt, out, 3, BF16); break;
-                default: dot_rows(as, in, xt, out, BLOCK, BF16); break;
-            }
+INLINE void dot_block(const void *a, int64_t in, const float *const *xs, float *out, int64_t ld, const int R,
+                      const int TK, const int BF16) {
+    __m512 acc[BLOCK][TOKENS];
+    for (int j = 0; j < R; ++j)
+        for (int i = 0; i < TK; ++i) acc[j][i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + LANES <= in; k += LANES) dot_step(acc, a, in, xs, k, 0xFFFF, R, TK, BF16, 0);
+    if (k < in) dot_step(acc, a, in, xs, k, lanes(in - k), R, TK, BF16, 1);
+    for (int j = 0; j < R; ++j)
+        for (int i = 0; i < TK; ++i) out[i * ld + j] = _mm512_reduce_add_ps(acc[j][i]);
+}
+
+INLINE void expand_masked(const void *b, const float *const *xps, int64_t rank, int64_t out, float *const *yts,
+                          int64_t m, const int TK, const int BF16, const int MASKED) {
+    __mmask16 mk[BLOCK];
+    __m512 acc[TOKENS][BLOCK];
+    for (int q = 0; q < BLOCK; ++q) mk[q] = lanes(m - q * LANES);
+    for (int i = 0; i < TK; ++i)
+        for (int q = 0; q < BLOCK; ++q)
+            acc[i][q] = MASKED ? _mm512_maskz_loadu_ps(mk[q], yts[i] + q * LANES) : _mm512_loadu_ps(yts[i] + q * LANES);
+    for (int64_t r = 0; r < rank; ++r) {
+        __m512 w[BLOCK];
+        for (int q = 0; q < BLOCK; ++q) w[q] = load16(b, r * out + q * LANES, mk[q], BF16, MASKED);
+        for (int i = 0; i < TK; ++i) {
+            const __m512 v = _mm512_set1_ps(xps[i][r]);
+            for (int q = 0; q < BLOCK; ++q) acc[i][q] = _mm512_fmadd_ps(v, w[q], acc[i][q]);
+        }
+    }
+    for (int i = 0; i < TK; ++i)
+        for (int q = 0; q < BLOCK; ++q) {
+            if (MASKED) _mm512_mask_storeu_ps(yts[i] + q * LANES, mk[q], acc[i][q]);
+            else _mm512_storeu_ps(yts[i] + q * LANES, acc[i][q]);
+        }
+}
+
+INLINE void expand_block(const void *b, const float *const *xps, int64_t rank, int64_t out, float *const *yts,
+                         int64_t m, const int TK, const int BF16) {
+    if (m == BLOCK * LANES) expand_masked(b, xps, rank, out, yts, m, TK, BF16, 0);
+    else expand_masked(b, xps, rank, out, yts, m, TK, BF16, 1);
+}
+#else
+/* Element i of a float32 (BF16 = 0) or bfloat16 (BF16 = 1) weight. */
+INLINE float weight(const void *w, int64_t i, const int BF16) {
+    return BF16 ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+INLINE void dot_block(const void *a, int64_t in, const float *const *xs, float *out, int64_t ld, const int R,
+                      const int TK, const int BF16) {
+    for (int j = 0; j < R; ++j)
+        for (int i = 0; i < TK; ++i) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < in; ++k) acc += weight(a, j * in + k, BF16) * xs[i][k];
+            out[i * ld + j] = acc;
+        }
+}
+
+INLINE void expand_block(const void *b, const float *const *xps, int64_t rank, int64_t out, float *const *yts,
+                         int64_t m, const int TK, const int BF16) {
+    for (int i = 0; i < TK; ++i)
+        for (int64_t c = 0; c < m; ++c) {
+            float acc = yts[i][c];
+            for (int64_t r = 0; r < rank; ++r) acc += xps[i][r] * weight(b, r * out + c, BF16);
+            yts[i][c] = acc;
+        }
+}
+#endif
+
+#define DOT_CASE(R, TK) case (R) * 8 + (TK): dot_block(a, in, xs, out, ld, R, TK, BF16); break;
+
+INLINE void dot_any(const void *a, int64_t in, const float *const *xs, float *out, int64_t ld, int64_t rows,
+                    int64_t tokens, const int BF16) {
+    switch (rows * 8 + tokens) {
+        DOT_CASE(1, 1) DOT_CASE(1, 2) DOT_CASE(1, 3) DOT_CASE(1, 4)
+        DOT_CASE(2, 1) DOT_CASE(2, 2) DOT_CASE(2, 3) DOT_CASE(2, 4)
+        DOT_CASE(3, 1) DOT_CASE(3, 2) DOT_CASE(3, 3) DOT_CASE(3, 4)
+        DOT_CASE(4, 1) DOT_CASE(4, 2) DOT_CASE(4, 3) DOT_CASE(4, 4)
+        default: break;
+    }
+}
+
+/* xa[i * ld + r] = A[slot][r] . x[tokens[i]] for r in r0..r1-1: BLOCK rows of A by TOKENS tokens at a time. */
+INLINE void shrink_t(const LoraDesc *l, int64_t slot, const float *x, int64_t in, const int32_t *tokens,
+                     int64_t count, int64_t r0, int64_t r1, float *xa, int64_t ld, const int BF16) {
+    const int64_t size = BF16 ? 2 : 4;
+    for (int64_t r = r0; r < r1; r += BLOCK) {
+        const char *rows = (const char *)l->a + (slot * l->wmax + r) * in * size;
+        for (int64_t i = 0; i < count; i += TOKENS) {
+            const float *xs[TOKENS] = {0};
+            const int64_t tk = min64(count - i, TOKENS);
+            for (int64_t q = 0; q < tk; ++q) xs[q] = x + (int64_t)tokens[i + q] * in;
+            dot_any(rows, in, xs, xa + i * ld + r, ld, min64(r1 - r, BLOCK), tk, BF16);
         }
     }
 }
@@ -72,44 +158,30 @@ static void shrink(const LoraDesc *l, int64_t slot, const float *x, int64_t in, 
     else shrink_t(l, slot, x, in, tokens, count, r0, r1, xa, ld, 0);
 }
 
-/* yt[0..m) += sum_r xp[r] * B[r * out + 0..m) (B: the columns' first element), r in order, for m <= BLOCK *
-   LANES columns: BLOCK vectors of sums side by side. Each column's sum is the same whatever m is. */
-static inline __attribute__((always_inline)) void expand_columns(const void *b, const float *xp, int64_t rank,
-                                                                 int64_t out, float *yt, int64_t m,
-                                                                 const int BF16) {
-    float acc[BLOCK * LANES];
-    if (m == BLOCK * LANES) {       /* the common case, a constant trip count: acc lives in registers */
-#pragma omp simd
-        for (int c = 0; c < BLOCK * LANES; ++c) acc[c] = yt[c];
-        for (int64_t r = 0; r < rank; ++r) {
-            const float v = xp[r];
-#pragma omp simd
-            for (int c = 0; c < BLOCK * LANES; ++c) acc[c] += v * weight(b, r * out + c, BF16);
-        }
-#pragma omp simd
-        for (int c = 0; c < BLOCK * LANES; ++c) yt[c] = acc[c];
-        return;
-    }
-    for (int64_t c = 0; c < m; ++c) acc[c] = yt[c];
-    for (int64_t r = 0; r < rank; ++r)
-        for (int64_t c = 0; c < m; ++c) acc[c] += xp[r] * weight(b, r * out + c, BF16);
-    for (int64_t c = 0; c < m; ++c) yt[c] = acc[c];
-}
-
-/* y[tokens[i], n] += xa[i * ld + .] B[slot] for n in n0..n1-1, piece by piece: a block of B's columns is
-   read once for all the tokens. */
-static inline __attribute__((always_inline)) void expand_t(const LoraDesc *l, int64_t slot, const float *xa,
-                                                           int64_t ld, const int32_t *tokens, int64_t count,
-                                                           float *y, int64_t out, int64_t n0, int64_t n1,
-                                                           const int BF16) {
+/* y[tokens[i], n] += xa[i * ld + .] B[slot] for n in n0..n1-1, piece by piece, 64 columns by TOKENS tokens at
+   a time. */
+INLINE void expand_t(const LoraDesc *l, int64_t slot, const float *xa, int64_t ld, const int32_t *tokens,
+                     int64_t count, float *y, int64_t out, int64_t n0, int64_t n1, const int BF16) {
     const int64_t rank = l->widths[slot] / l->pieces, size = BF16 ? 2 : 4;
     for (int64_t p = 0; p < l->pieces; ++p) {
         const int64_t lo = max64(l->bounds[p], n0), hi = min64(l->bounds[p + 1], n1);
         const char *bp = (const char *)l->b_t + (slot * l->wmax + p * rank) * out * size;
         for (int64_t n = lo; n < hi; n += BLOCK * LANES)
-            for (int64_t i = 0; i < count; ++i)
-                expand_columns(bp + n * size, xa + i * ld + p * rank, rank, out, y + (int64_t)tokens[i] * out + n,
-                               min64(hi - n, BLOCK * LANES), BF16);
+            for (int64_t i = 0; i < count; i += TOKENS) {
+                const float *xps[TOKENS] = {0};
+                float *yts[TOKENS] = {0};
+                const int64_t tk = min64(count - i, TOKENS), m = min64(hi - n, BLOCK * LANES);
+                for (int64_t q = 0; q < tk; ++q) {
+                    xps[q] = xa + (i + q) * ld + p * rank;
+                    yts[q] = y + (int64_t)tokens[i + q] * out + n;
+                }
+                switch (tk) {
+                    case 1: expand_block(bp + n * size, xps, rank, out, yts, m, 1, BF16); break;
+                    case 2: expand_block(bp + n * size, xps, rank, out, yts, m, 2, BF16); break;
+                    case 3: expand_block(bp + n * size, xps, rank, out, yts, m, 3, BF16); break;
+                    default: expand_block(bp + n * size, xps, rank, out, yts, m, TOKENS, BF16); break;
+                }
+            }
     }
 }
 

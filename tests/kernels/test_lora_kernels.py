@@ -109,3 +109,39 @@ def test_bfloat16_slots_match_per_token_on_their_rounded_weights():
     delta = (want - y0)[6:]
     assert ((got - want)[6:].abs() <= 0.02 * delta.abs().amax(1, keepdim=True)).all()     # the long run's
     assert ((_reference(x, slots, packed, y0) - want)[:6].abs() > 1e-3).any()      # bfloat16 did round them
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_build_of_the_c_kernel_matches(dtype, tmp_path):
+    """lora.c built without AVX-512 (its plain loops) gives what the reference gives, as the vector build does;
+    a width and feature counts that are not multiples of the vectors' 16 lanes (the masked tails there)."""
+    import ctypes
+    import glob
+    import platform
+    import shutil
+
+    from pagedserve.kernels import cpu_native
+    if cpu_native.library() is None or platform.machine() != "x86_64" or shutil.which("cc") is None:
+        pytest.skip("needs the C compiler on x86-64")
+    sources = [s for s in glob.glob(os.path.join(cpu_native._SOURCES, "*.c")) if os.path.basename(s) in
+               ("lora.c", "parallel.c")]
+    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in cpu_native._COMPILE_FLAGS)
+    cpu_native._build(shutil.which("cc"), sorted(sources), str(tmp_path / "portable.so"), flags)
+    portable = ctypes.CDLL(str(tmp_path / "portable.so"))
+    portable.ps_lora_bgmv.argtypes = cpu_native._SIGNATURES["ps_lora_bgmv"]
+    slots = [0, 2, 1, -1, 0, 2, 2, 1, 0, 0, 0]
+    gen = torch.Generator().manual_seed(5)
+    x, y0 = torch.randn(len(slots), IN, generator=gen), torch.randn(len(slots), OUT, generator=gen)
+    _, _, packed = _pool(torch.device("cpu"))
+    pool = LoRASlots([14, 10], IN, OUT, SLOTS, MAX_RANK, LoRAContext(), dtype, torch.device("cpu"))
+    for slot, (a, b) in enumerate(packed):
+        pool.set_slot(slot, a, b)
+    want = _reference(x, slots, [(a.to(dtype).float(), b.to(dtype).float()) for a, b in packed], y0)
+    token_slots = torch.tensor(slots, dtype=torch.int32)
+    order = torch.tensor(sorted((t for t, s in enumerate(slots) if s >= 0), key=lambda t: slots[t]), dtype=torch.int32)
+    for lib in (cpu_native.library(), portable):
+        y = y0.clone()
+        assert lib.ps_lora_bgmv(x.data_ptr(), pool.a.data_ptr(), pool.b_t.data_ptr(), int(dtype == torch.bfloat16),
+                                order.data_ptr(), order.numel(), token_slots.data_ptr(), pool.widths.data_ptr(),
+                                pool.bounds_t.data_ptr(), 2, y.data_ptr(), IN, OUT, pool.a.shape[1], 2) == 0
+        assert torch.allclose(y, want, atol=1e-4)
