@@ -53,8 +53,9 @@ class LoRAManager:
         self.config = config
         self.device = device
         self.context = LoRAContext()
-        self.linears: dict[tuple[int, str], LinearBase] = {
-            (index, path): attrgetter(path)(layer) for index, layer in enumerate(model.model.layers) for path in _PIECES}
+        self.linears: dict[tuple[int, str], LinearBase] = {(index, path): attrgetter(path)(layer)
+                                                           for index, layer in enumerate(model.model.layers)
+                                                           for path in _PIECES}
         self.dtype = pool_dtype(list(self.linears.values()), dtype, device)
         for (_, path), linear in self.linears.items():
             sizes = list(linear.output_partition_sizes) if _PIECES[path] > 1 else [linear.out_features]

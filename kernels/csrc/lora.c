@@ -44,7 +44,10 @@ INLINE __m512 load16(const void *w, int64_t i, __mmask16 mask, const int BF16, c
     return MASKED ? _mm512_maskz_loadu_ps(mask, (const float *)w + i) : _mm512_loadu_ps((const float *)w + i);
 }
 
-static inline __mmask16 lanes(int64_t n) { return n >= LANES ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+/* The first n of 16 lanes. */
+static inline __mmask16 lanes(int64_t n) {
+    return n >= LANES ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+}
 
 /* acc[j][i] += A[j][k..k+16) * xs[i][k..k+16), the lanes of m only where MASKED (the row's last few inputs). */
 INLINE void dot_step(__m512 acc[BLOCK][TOKENS], const void *a, int64_t in, const float *const *xs, int64_t k,
