@@ -11,6 +11,11 @@ _MAX_WIDTH = 1024           # lora.c's LORA_MAX_WIDTH
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)     # the pool's dtypes lora.c reads (lora.h)
 
 
+def available(width: int) -> bool:
+    """Whether lora_bgmv takes slots of this width (pieces * rank) on this machine."""
+    return library() is not None and width <= _MAX_WIDTH
+
+
 def lora_bgmv(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, token_slots: torch.Tensor, order: torch.Tensor,
               widths: torch.Tensor, bounds: torch.Tensor, y: torch.Tensor) -> bool:
     """y[t] += (x[t] A[s]^T) B[s] for the tokens t of `order` (int32, sorted by slot), s = token_slots[t], in
