@@ -17,7 +17,7 @@
 
 #include "common.h"
 
-enum { LORA_MAX_WIDTH = 1024, LANES = 16, BLOCK = 4, TOKENS = 4, GROUP_TOKENS = 8 };
+enum { LORA_MAX_WIDTH = 1024, LANES = 16, BLOCK = 4, TOKENS = 4, GROUP_TOKENS = 8, PF_BYTES = 512 };
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -55,6 +55,7 @@ INLINE void dot_step(__m512 acc[BLOCK][TOKENS], const void *a, int64_t in, const
     __m512 xv[TOKENS];
     for (int i = 0; i < TK; ++i) xv[i] = MASKED ? _mm512_maskz_loadu_ps(m, xs[i] + k) : _mm512_loadu_ps(xs[i] + k);
     for (int j = 0; j < R; ++j) {
+        if (!MASKED) _mm_prefetch((const char *)a + (j * in + k) * (BF16 ? 2 : 4) + PF_BYTES, _MM_HINT_T0);
         const __m512 w = load16(a, j * in + k, m, BF16, MASKED);
         for (int i = 0; i < TK; ++i) acc[j][i] = _mm512_fmadd_ps(w, xv[i], acc[j][i]);
     }
@@ -82,6 +83,9 @@ INLINE void expand_masked(const void *b, const float *const *xps, int64_t rank, 
             acc[i][q] = MASKED ? _mm512_maskz_loadu_ps(mk[q], yts[i] + q * LANES) : _mm512_loadu_ps(yts[i] + q * LANES);
     for (int64_t r = 0; r < rank; ++r) {
         __m512 w[BLOCK];
+        if (!MASKED)      /* this row's next 64 columns: B's rank rows are as many streams, too many to guess */
+            for (int line = 0; line < (BF16 ? 2 : 4); ++line)
+                _mm_prefetch((const char *)b + (r * out + BLOCK * LANES) * (BF16 ? 2 : 4) + 64 * line, _MM_HINT_T0);
         for (int q = 0; q < BLOCK; ++q) w[q] = load16(b, r * out + q * LANES, mk[q], BF16, MASKED);
         for (int i = 0; i < TK; ++i) {
             const __m512 v = _mm512_set1_ps(xps[i][r]);
