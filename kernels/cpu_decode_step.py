@@ -57,9 +57,8 @@ Weight = Int4Weight | Int8Weight
 class LoraPool:
     """A linear's adapter slots, filled in place between steps (never reallocated: the step keeps pointers).
     Per slot: A [wmax, in] and B transposed [wmax, out], float32 or bfloat16 (both the same), the adapter's
-    scaling folded into B; piece p
-    of a merged linear is rows p*r..(p+1)*r, in output columns bounds[p]..bounds[p + 1]; widths[s] = pieces * r
-    of slot s's adapter (0: empty)."""
+    scaling folded into B; piece p of a merged linear is rows p*r..(p+1)*r, in output columns
+    bounds[p]..bounds[p + 1]; widths[s] = pieces * r of slot s's adapter (0: empty)."""
     a: torch.Tensor          # [slots, wmax, in]
     b_t: torch.Tensor        # [slots, wmax, out]
     widths: torch.Tensor     # int64 [slots]

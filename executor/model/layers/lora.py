@@ -4,7 +4,7 @@ Each slot holds one adapter's pieces for this layer, packed so that one shrink a
 piece of a merged layer (q, k and v; gate and up): A is [pieces * r, in], the pieces' A stacked; B is
 [out, pieces * r], block-structured (piece i's B in its own output rows and its own r columns, zeros elsewhere),
 with the adapter's scaling folded in, and kept transposed (`b_t`, [pieces * r, out]: the CPU kernels' expand
-then sums rows of it, 16 output columns at a time). A token's delta is (x A^T) B^T. The pool's shape never
+then sums rows of it, 64 output columns at a time). A token's delta is (x A^T) B^T. The pool's shape never
 changes with the adapters in it (what CUDA graphs need, and the C decode step, which keeps pointers into it:
 `c_pool`); a slot with a smaller rank uses its first pieces * r rows.
 
