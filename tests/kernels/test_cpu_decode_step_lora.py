@@ -41,14 +41,25 @@ def _spy(monkeypatch) -> list[tuple[int, list[int] | None]]:
     return calls
 
 
-def _run(base: str, jobs: list[tuple[list[int], LoRARequest | None, int]], c_step: bool, monkeypatch) -> list:
+Job = tuple[list[int], LoRARequest | None, int]        # prompt, adapter, max_tokens
+
+
+def _run(base: str, batches: list[list[Job]], c_step: bool, monkeypatch, calls: list | None = None) -> list[list]:
+    """Each batch through one engine, in turn; `calls` gets each batch's C step calls (see _spy)."""
     monkeypatch.setenv("PAGEDSERVE_CPU_DECODE_STEP", "1" if c_step else "0")
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for _, _, n in jobs]
+    outs, seen = [], []
     with LLM(base, dtype="float32", quantization="int8", max_model_len=256, enable_lora=True, max_loras=2,
              max_lora_rank=16) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p, _, _ in jobs], params, use_tqdm=False,
-                            lora_request=[lora for _, lora, _ in jobs])
-    return [o.outputs[0] for o in outs]
+        for jobs in batches:
+            start = len(calls) if calls is not None else 0
+            params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for _, _, n in jobs]
+            got = llm.generate([{"prompt_token_ids": p} for p, _, _ in jobs], params, use_tqdm=False,
+                               lora_request=[lora for _, lora, _ in jobs])
+            outs.append([o.outputs[0] for o in got])
+            seen.append(calls[start:] if calls is not None else [])
+    if calls is not None:
+        calls[:] = seen
+    return outs
 
 
 def _logprobs(out) -> list[float]:
@@ -64,24 +75,23 @@ def test_c_step_with_adapters_matches_the_layers(model, monkeypatch):
              [(prompts[1], None, 16), (prompts[1], lora["a"], 16), (prompts[1], lora["b"], 16)],
              [(p, m, 6 + 2 * i) for i, (p, m) in enumerate(zip(prompts[:8], mix))],
              [(p, m, 4 + 2 * i) for i, (p, m) in enumerate(zip(prompts, mix))]]      # 11: both paths in turn
-    for jobs in cases:
-        calls.clear()
-        got = _run(base, jobs, True, monkeypatch)
-        lora_calls = [(rows, slots) for rows, slots in calls if slots is not None and max(slots) >= 0]
+    got = _run(base, cases, True, monkeypatch, calls)
+    want = _run(base, cases, False, monkeypatch)
+    for jobs, case_calls, got_outs, want_outs in zip(cases, calls, got, want):
+        lora_calls = [(rows, slots) for rows, slots in case_calls if slots is not None and max(slots) >= 0]
         # The C step took steps with adapter rows, of up to 8 rows, as many as the batch where it fits.
         assert lora_calls and max(rows for rows, _ in lora_calls) <= 8
         assert len(jobs) > 8 or len(jobs) in [rows for rows, _ in lora_calls]
         if len(jobs) >= 3:      # base rows and two adapters' rows in one C step
             assert any(-1 in slots and len(set(slots) - {-1}) == 2 for _, slots in lora_calls)
-        want = _run(base, jobs, False, monkeypatch)
-        for g, w in zip(got, want):
+        for g, w in zip(got_outs, want_outs):
             assert g.token_ids == w.token_ids
             diffs = [abs(x - y) for x, y in zip(_logprobs(g), _logprobs(w))]
             # As the base step's test (test_cpu_decode_step.py): the int8 GEMVs' int16 input steps; a delta
             # missed or applied to the wrong row or piece moves logprobs by 0.1 or more.
             assert max(diffs) < 2e-3, diffs
         if len(jobs) == 3:       # the same prompt under the base and each adapter: three answers
-            assert len({tuple(o.token_ids) for o in got}) == 3
+            assert len({tuple(o.token_ids) for o in got_outs}) == 3
 
 
 def test_a_rows_results_do_not_depend_on_the_rows_beside_it(model, monkeypatch):
@@ -91,8 +101,7 @@ def test_a_rows_results_do_not_depend_on_the_rows_beside_it(model, monkeypatch):
     calls = _spy(monkeypatch)
     mix = [lora["a"], None, lora["b"], lora["a"], lora["b"], None, lora["b"], lora["a"]]
     jobs = [([100 + 37 * i], m, 12) for i, m in enumerate(mix)]
-    together = _run(base, jobs, True, monkeypatch)
-    assert calls and all(rows <= 8 for rows, _ in calls) and 8 in [rows for rows, _ in calls]
-    for job, out in zip(jobs[:3], together):
-        alone = _run(base, [job], True, monkeypatch)[0]
-        assert alone.token_ids == out.token_ids and _logprobs(alone) == _logprobs(out)
+    together, *alone = _run(base, [jobs] + [[job] for job in jobs[:3]], True, monkeypatch, calls)
+    assert all(rows <= 8 for rows, _ in calls[0]) and 8 in [rows for rows, _ in calls[0]]
+    for out, (single,) in zip(together, alone):
+        assert single.token_ids == out.token_ids and _logprobs(single) == _logprobs(out)
