@@ -4,6 +4,9 @@ The model describes its weights once (`DecoderWeights`); `CpuDecodeStep.build` c
 code will read raw and returns None where anything is outside what it takes, so the caller keeps its
 PyTorch path. Weight-only int4/int8 linears only: those are where the PyTorch path's casts and per-op costs
 outweighed the GEMVs (docs/cpu_performance.md).
+
+LoRA: a layer's linears may carry their adapter slots (`LoraPool`, the pool executor/model/layers/lora.py
+fills in place): the step binds their pointers once, and a call's `lora_slots` names each row's slot.
 """
 from __future__ import annotations
 
@@ -25,20 +28,40 @@ class _Linear(ctypes.Structure):
                 ("bias", ctypes.c_void_p), ("sz_stride", ctypes.c_int64)]
 
 
+class _Lora(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_void_p), ("b_t", ctypes.c_void_p), ("widths", ctypes.c_void_p),
+                ("bounds", ctypes.c_void_p), ("pieces", ctypes.c_int64), ("wmax", ctypes.c_int64),
+                ("bf16", ctypes.c_int64)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
+                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("qkv_lora", _Lora), ("o_lora", _Lora), ("gate_up_lora", _Lora), ("down_lora", _Lora)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64),
                 ("num_kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64),
                 ("block_size", ctypes.c_int64), ("cache_bf16", ctypes.c_int64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer))]
+                ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer)),
+                ("lora_width", ctypes.c_int64)]
 
 
 Weight = Int4Weight | Int8Weight
+
+
+@dataclass(frozen=True)
+class LoraPool:
+    """A linear's adapter slots, filled in place between steps (never reallocated: the step keeps pointers).
+    Per slot: A [wmax, in] and B transposed [wmax, out], float32 or bfloat16 (both the same), the adapter's
+    scaling folded into B; piece p of a merged linear is rows p*r..(p+1)*r, in output columns
+    bounds[p]..bounds[p + 1]; widths[s] = pieces * r of slot s's adapter (0: empty)."""
+    a: torch.Tensor          # [slots, wmax, in]
+    b_t: torch.Tensor        # [slots, wmax, out]
+    widths: torch.Tensor     # int64 [slots]
+    bounds: torch.Tensor     # int64 [pieces + 1]
 
 
 @dataclass(frozen=True)
@@ -53,6 +76,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     biases: tuple[torch.Tensor | None, ...] = (None, None, None, None)    # qkv, o, gate_up, down
+    loras: tuple[LoraPool | None, ...] = (None, None, None, None)         # the same order
 
 
 @dataclass(frozen=True)
@@ -90,14 +114,33 @@ def _linear(w: Weight, n: int, k: int, bias: torch.Tensor | None) -> _Linear | N
     return None
 
 
+def _lora(pool: LoraPool | None, n: int, k: int) -> _Lora | None:
+    """The C view of a linear's slots; an empty one (a NULL) for none; None where the pool is not as lora.h
+    reads it."""
+    if pool is None:
+        return _Lora()
+    a, b_t, widths, bounds = pool.a, pool.b_t, pool.widths, pool.bounds
+    if (a.dim() != 3 or a.shape[2] != k or b_t.shape != (a.shape[0], a.shape[1], n)
+            or a.dtype not in (torch.float32, torch.bfloat16) or b_t.dtype != a.dtype
+            or any(t.device.type != "cpu" or not t.is_contiguous() for t in (a, b_t))
+            or any(t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous() for t in (widths, bounds))
+            or widths.shape != (a.shape[0],) or bounds.dim() != 1 or bounds.numel() < 2
+            or a.shape[1] % (bounds.numel() - 1) or int(bounds[0]) != 0 or int(bounds[-1]) != n):
+        return None
+    return _Lora(a.data_ptr(), b_t.data_ptr(), widths.data_ptr(), bounds.data_ptr(), bounds.numel() - 1, a.shape[1],
+                 int(a.dtype == torch.bfloat16))
+
+
 class CpuDecodeStep:
     """Holds the C description of a model (and the tensors it points into) for `__call__`."""
 
-    def __init__(self, lib: ctypes.CDLL, model: _Model, layers: ctypes.Array, keep: DecoderWeights) -> None:
+    def __init__(self, lib: ctypes.CDLL, model: _Model, layers: ctypes.Array, keep: DecoderWeights,
+                 lora_slots: int) -> None:
         self._lib, self._model, self._layers, self._keep = lib, model, layers, keep
         self._scratch: dict[int, torch.Tensor] = {}
         # Tokens one call takes: 32 where the int4 GEMM is built, else the GEMV's 8 (decode_step.c says why).
         self.max_rows = int(lib.ps_decode_step_max_rows())
+        self.lora_slots = lora_slots        # adapter slots every linear holds (0: the step takes no LoRA rows)
 
     @classmethod
     def build(cls, w: DecoderWeights) -> CpuDecodeStep | None:
@@ -113,6 +156,9 @@ class CpuDecodeStep:
         inter = w.layers[0].down.in_features if isinstance(w.layers[0].down, Int4Weight) \
             else w.layers[0].down.q.shape[0] * w.layers[0].down.q.shape[2]
         layers = (_Layer * len(w.layers))()
+        pools = [p for lw in w.layers for p in lw.loras]
+        if any(p is None for p in pools) and any(p is not None for p in pools):
+            return None           # some linears without slots: a LoRA row would miss their deltas
         for i, lw in enumerate(w.layers):
             c = lw.kv_cache
             if (c.shape != cache.shape or c.dtype != cache.dtype or c.dtype not in (torch.float32, torch.bfloat16)
@@ -124,21 +170,24 @@ class CpuDecodeStep:
                        _linear(lw.o, hq * d, hq * d, lw.biases[1]) if hq * d == hidden else None,
                        _linear(lw.gate_up, 2 * inter, hidden, lw.biases[2]),
                        _linear(lw.down, hidden, inter, lw.biases[3])]
-            if any(lin is None for lin in linears):
+            loras = [_lora(pool, lin.n, lin.k) if lin is not None else None for pool, lin in zip(lw.loras, linears)]
+            if any(lin is None for lin in linears + loras):
                 return None
             ptr = (lambda t: 0 if t is None else t.data_ptr())
             layers[i] = _Layer(lw.in_norm.data_ptr(), lw.post_norm.data_ptr(), ptr(lw.q_norm), ptr(lw.k_norm),
-                               c[0].data_ptr(), c[1].data_ptr(), *linears)
-        if not _float_vector(w.final_norm, hidden):
+                               c[0].data_ptr(), c[1].data_ptr(), *linears, *loras)
+        if not _float_vector(w.final_norm, hidden) or len({p.a.shape[0] for p in pools if p is not None}) > 1:
             return None
+        lora_width = max((p.a.shape[1] for p in pools if p is not None), default=0)
         model = _Model(len(w.layers), hidden, hq, hkv, d, inter, cache.shape[3], int(cache.dtype == torch.bfloat16),
-                       w.eps, w.scale, w.final_norm.data_ptr(), layers)
-        return cls(lib, model, layers, w)
+                       w.eps, w.scale, w.final_norm.data_ptr(), layers, lora_width)
+        return cls(lib, model, layers, w, pools[0].a.shape[0] if pools and pools[0] is not None else 0)
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                 tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+                 tables: torch.Tensor, lens: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [T, H] float32 embeddings -> final-normed hidden states [T, H] (computed in place);
-        cos/sin [T, head_dim] float32, slots [T] int64 (all valid), tables [T, *] / lens [T] int32."""
+        cos/sin [T, head_dim] float32, slots [T] int64 (all valid), tables [T, *] / lens [T] int32;
+        lora_slots [T] int32, each row's adapter slot (-1: the base model), or None for a step without LoRA."""
         rows = hidden.shape[0]
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"CpuDecodeStep: 1..{self.max_rows} rows per step, got {rows}")
@@ -148,6 +197,9 @@ class CpuDecodeStep:
             if t.dtype != dtype or t.device.type != "cpu" or t.shape[0] != rows:
                 raise ValueError(f"CpuDecodeStep: {name} must be a CPU {dtype} tensor with {rows} rows, got "
                                  f"{t.dtype} {tuple(t.shape)} on {t.device}")
+        if lora_slots is not None:
+            self._check_lora_slots(lora_slots, rows)
+            lora_slots = lora_slots.contiguous()
         hidden = hidden.contiguous()
         cos, sin, slots, lens = (t.contiguous() for t in (cos, sin, slots, lens))
         if tables.stride(-1) != 1:
@@ -158,6 +210,16 @@ class CpuDecodeStep:
                                                                                           rows))
         cpu_native.check(self._lib.ps_decode_step(ctypes.byref(self._model), hidden.data_ptr(), rows, cos.data_ptr(),
                                                   sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-                                                  tables.stride(0), lens.data_ptr(), scratch.data_ptr(),
-                                                  torch.get_num_threads()), "decode step")
+                                                  tables.stride(0), lens.data_ptr(),
+                                                  None if lora_slots is None else lora_slots.data_ptr(),
+                                                  scratch.data_ptr(), torch.get_num_threads()), "decode step")
         return hidden
+
+    def _check_lora_slots(self, lora_slots: torch.Tensor, rows: int) -> None:
+        if lora_slots.dtype != torch.int32 or lora_slots.device.type != "cpu" or lora_slots.shape != (rows,):
+            raise ValueError(f"CpuDecodeStep: lora_slots must be a CPU int32 tensor of {rows} rows, got "
+                             f"{lora_slots.dtype} {tuple(lora_slots.shape)} on {lora_slots.device}")
+        low, high = int(lora_slots.min()), int(lora_slots.max())
+        if low < -1 or high >= self.lora_slots:
+            raise ValueError(f"CpuDecodeStep: lora_slots must lie in -1..{self.lora_slots - 1} (the adapter slots "
+                             f"this step was built with), got {low}..{high}")

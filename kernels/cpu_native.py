@@ -44,8 +44,8 @@ _SIGNATURES = {
     "ps_gemm_int4_s8_built": [],
     "ps_decode_step_max_rows": [],
     "ps_decode_step_scratch": [PTR, I64],
-    "ps_decode_step": [PTR, PTR, I64, PTR, PTR, PTR, PTR, I64, PTR, PTR, ctypes.c_int],
-    "ps_lora_bgmv": [PTR, PTR, PTR, PTR, PTR, PTR, I64, PTR, I64, I64, I64, I64, ctypes.c_int],
+    "ps_decode_step": [PTR, PTR, I64, PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, ctypes.c_int],
+    "ps_lora_bgmv": [PTR, PTR, PTR, I64, PTR, I64, PTR, PTR, PTR, I64, PTR, I64, I64, I64, ctypes.c_int],
     "ps_paged_decode": [PTR, PTR, PTR, ctypes.c_int, PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, ctypes.c_float,
                         ctypes.c_int],
 }

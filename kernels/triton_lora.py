@@ -34,7 +34,7 @@ def _shrink_kernel(x_ptr, a_ptr, slot_ptr, out_ptr, K, W, stride_xt, stride_as, 
 
 
 @triton.jit
-def _expand_kernel(xa_ptr, b_ptr, slot_ptr, y_ptr, N, W, stride_xat, stride_bs, stride_bn, stride_yt,
+def _expand_kernel(xa_ptr, b_ptr, slot_ptr, y_ptr, N, W, stride_xat, stride_bs, stride_bn, stride_bw, stride_yt,
                    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     """y[t, n] += sum_w B[slot[t], n, w] * xa[t, w] (untouched for slot -1)."""
     t, pn = tl.program_id(0), tl.program_id(1)
@@ -48,7 +48,7 @@ def _expand_kernel(xa_ptr, b_ptr, slot_ptr, y_ptr, N, W, stride_xat, stride_bs, 
     for w0 in range(0, W, BLOCK_W):
         w_ok = (w0 + ws) < W
         xa = tl.load(xa_ptr + t * stride_xat + w0 + ws, mask=w_ok, other=0.0)
-        b = tl.load(b_ptr + slot * stride_bs + ns[:, None] * stride_bn + (w0 + ws)[None, :],
+        b = tl.load(b_ptr + slot * stride_bs + ns[:, None] * stride_bn + (w0 + ws)[None, :] * stride_bw,
                     mask=n_ok[:, None] & w_ok[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(b * xa[None, :], axis=1)
     y = tl.load(y_ptr + t * stride_yt + ns, mask=n_ok, other=0.0)
@@ -58,7 +58,7 @@ def _expand_kernel(xa_ptr, b_ptr, slot_ptr, y_ptr, N, W, stride_xat, stride_bs, 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor,
                y: torch.Tensor) -> torch.Tensor:
     """y[t] += (x[t] A[s]^T) B[s]^T with s = token_slots[t], in place. x [T, K], a [S, W, K], b [S, N, W],
-    token_slots int32 [T] (-1: none), y [T, N]."""
+    token_slots int32 [T] (-1: none), y [T, N]; b may be a transposed view (the pool keeps B as [S, W, N])."""
     tokens, k = x.shape
     _, w, _ = a.shape
     n = b.shape[1]
@@ -69,5 +69,5 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: t
     _shrink_kernel[(tokens, triton.cdiv(w, block_w))](x, a, token_slots, xa, k, w, x.stride(0), a.stride(0),
                                                       a.stride(1), xa.stride(0), BLOCK_W=block_w, BLOCK_K=64)
     _expand_kernel[(tokens, triton.cdiv(n, 64))](xa, b, token_slots, y, n, w, xa.stride(0), b.stride(0),
-                                                 b.stride(1), y.stride(0), BLOCK_N=64, BLOCK_W=block_w)
+                                                 b.stride(1), b.stride(2), y.stride(0), BLOCK_N=64, BLOCK_W=block_w)
     return y

@@ -4,8 +4,8 @@ process on all cores:
 - W1 (--num-requests requests) on the base model against the same requests spread round-robin over 8 rank-16
   adapters on every linear layer (q, k, v, o, gate, up, down), and one adapter for all;
 - single stream: ms/token of one 128-token answer, base against one adapter;
-- the CPU kernel: LoRASlots' grouped shrink/expand for a 64-token decode step of 8 adapters (qkv_proj's shape)
-  against a per-request loop of (x A^T) B^T;
+- the CPU kernel: LoRASlots' shrink/expand for a 64-token decode step of 8 adapters (qkv_proj's shape), as
+  served over the embedded model (the C kernel, bfloat16 slots), against a per-request loop of (x A^T) B^T;
 - llama.cpp's llama-server on the same GGUF, without and with `--lora` of adapter 0 converted by llama.cpp's own
   convert_lora_to_gguf.py: single stream and W1 (the adapter on every request, as --lora applies it).
 
@@ -140,8 +140,8 @@ def kernel(adapter_paths: list[str]) -> dict[str, float]:
     from pagedserve.executor.model.layers.lora import LoRAContext, LoRASlots
     torch.manual_seed(0)
     tokens, d_in, d_out, r = 64, 576, 960, 16
-    ctx = LoRAContext()
-    slots = LoRASlots([576, 192, 192], d_in, d_out, NUM_ADAPTERS, r, ctx, torch.float32, torch.device("cpu"))
+    ctx = LoRAContext(cpu_kernel=True)              # as LoRAManager sets it up on CPU, with its pool_dtype there
+    slots = LoRASlots([576, 192, 192], d_in, d_out, NUM_ADAPTERS, r, ctx, torch.bfloat16, torch.device("cpu"))
     a = [torch.randn(3 * r, d_in) * 0.02 for _ in range(NUM_ADAPTERS)]
     b = [torch.randn(d_out, 3 * r) * 0.02 for _ in range(NUM_ADAPTERS)]
     for s in range(NUM_ADAPTERS):
@@ -170,7 +170,7 @@ def kernel(adapter_paths: list[str]) -> dict[str, float]:
     w = torch.randn(d_out, d_in)
     base_us = best_us(lambda: torch.nn.functional.linear(x, w))      # the layer's own (dense) matmul
     return {"config": "kernel", "grouped_us": best_us(grouped), "per_request_us": best_us(per_request),
-            "base_matmul_us": base_us}
+            "base_matmul_us": base_us, "slot_dtype": "bfloat16"}
 
 
 def main() -> None:

@@ -22,6 +22,8 @@ from pagedserve.common.lora import parse_lora_key
 from pagedserve.executor.model.layers.linear import LinearBase, RowParallelLinear
 from pagedserve.executor.model.layers.lora import LoRAContext, LoRASlots, pack_pieces
 from pagedserve.executor.worker.request_state import CachedRequestState
+from pagedserve.kernels import cpu_lora
+from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
 
 logger = logging.getLogger(__name__)
 
@@ -35,19 +37,33 @@ _PIECES = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2
 Packed = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]     # (layer, linear) -> (A, B) for its slot
 
 
+def pool_dtype(linears: list[LinearBase], dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The adapter slots' dtype: the model's, but bfloat16 over a float32 CPU model whose every LoRA linear is
+    weight-only int4/int8. There, with few tokens a step, each adapter's float32 A and B in the batch are read
+    every step and outweigh the base's 4-bit codes (8 rank-16 all-linear adapters on the embedded model: twice
+    its bytes); bfloat16 halves them, and its rounding of the weights (2^-9 relative; the C kernels keep x and
+    the sums in float32) is far below the base's own (4-bit weights, rounded inputs)."""
+    if device.type == "cpu" and dtype == torch.float32 \
+            and all(isinstance(linear.packed, (Int4Weight, Int8Weight)) for linear in linears):
+        return torch.bfloat16
+    return dtype
+
+
 class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.config = config
-        self.dtype, self.device = dtype, device
-        self.context = LoRAContext()
-        self.linears: dict[tuple[int, str], LinearBase] = {}
-        for index, layer in enumerate(model.model.layers):
-            for path, pieces in _PIECES.items():
-                linear = attrgetter(path)(layer)
-                sizes = list(linear.output_partition_sizes) if pieces > 1 else [linear.out_features]
-                linear.lora = LoRASlots(sizes, linear.in_features, linear.out_features, config.max_loras,
-                                        config.max_lora_rank, self.context, dtype, device)
-                self.linears[(index, path)] = linear
+        self.device = device
+        self.linears: dict[tuple[int, str], LinearBase] = {(index, path): attrgetter(path)(layer)
+                                                           for index, layer in enumerate(model.model.layers)
+                                                           for path in _PIECES}
+        self.dtype = pool_dtype(list(self.linears.values()), dtype, device)
+        # The C kernel takes float32 activations (what a CPU model computes in, but for --dtype bfloat16).
+        self.context = LoRAContext(cpu_kernel=device.type == "cpu" and dtype == torch.float32
+                                   and cpu_lora.available(max(_PIECES.values()) * config.max_lora_rank))
+        for (_, path), linear in self.linears.items():
+            sizes = list(linear.output_partition_sizes) if _PIECES[path] > 1 else [linear.out_features]
+            linear.lora = LoRASlots(sizes, linear.in_features, linear.out_features, config.max_loras,
+                                    config.max_lora_rank, self.context, self.dtype, device)
         self.adapters: dict[int, Packed] = {}
         self.slots: OrderedDict[int, int] = OrderedDict()      # adapter id -> slot, least recently used first
 

@@ -5,7 +5,7 @@ import logging
 import math
 import mmap
 import threading
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -33,10 +33,13 @@ from pagedserve.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-# A model's whole-decoder step for the steps it takes (input_ids, positions, meta -> hidden states), None for
-# the rest: built once the KV cache is bound (the model's make_decode_step), e.g. the C step of quantized
-# CPU Llama models.
-DecodeStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], "torch.Tensor | None"]
+class DecodeStep(Protocol):
+    """A model's whole-decoder step: hidden states for the steps it takes, None for the rest. Built once the KV
+    cache is bound (the model's make_decode_step), e.g. the C step of quantized CPU Llama models. lora_slots:
+    each token's adapter slot (int32, -1: none), or None for a step without adapter tokens."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 lora_slots: torch.Tensor | None = None) -> torch.Tensor | None: ...
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -160,7 +163,8 @@ class ModelRunner:
         with self._lock:
             host = prepare_inputs(self.states, sched.num_scheduled_tokens, self.block_size,
                                   sched.scheduled_spec_decode_tokens)
-        # Steps with adapter tokens run the layers, which apply them: no graph replay, no whole-decoder step.
+        # Steps with adapter tokens replay no CUDA graph; the whole-decoder step takes them where it holds the
+        # adapter slots (the C step), else the layers apply them.
         plain = self.lora is None or not self.lora.prepare(host.req_ids, self.states, host.query_start_loc)
         decode_only = host.num_decodes == host.num_seqs
         size = self.graphs.padded_size(host.num_seqs) if self.graphs is not None and decode_only and plain else None
@@ -169,8 +173,9 @@ class ModelRunner:
             self.buffers.apply_pending(batch.input_ids, host.pending_inputs)
         if size is not None:
             return batch, self.graphs.replay(size)
-        if self.decode_step is not None and plain:
-            hidden = self.decode_step(batch.input_ids, batch.positions, batch.meta)
+        lora_slots = None if plain else self.lora.context.row_slots
+        if self.decode_step is not None and (plain or lora_slots is not None):
+            hidden = self.decode_step(batch.input_ids, batch.positions, batch.meta, lora_slots)
             if hidden is not None:
                 return batch, hidden
         if self.pp.size > 1:

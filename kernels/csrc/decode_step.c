@@ -5,7 +5,9 @@ around torch's bfloat16-only weight-only kernels and the Python between them (do
 Here one OpenMP team (torch's threads, see parallel.c) runs the whole step: each GEMV and the attention are
 split between its threads, the small ops run on one, and barriers separate the phases, so the team is
 formed once per step. Math as the PyTorch path does it: float32 activations, RMSNorm in
-float32, neox rotary, the same paged cache (written here, then read in place by decode_attention.c). */
+float32, neox rotary, the same paged cache (written here, then read in place by decode_attention.c).
+LoRA rows (a step's rows each name an adapter slot, or -1) add their adapter's delta after each linear's GEMV
+(lora.c); a step without them passes no slots and runs exactly as before. */
 #include <math.h>
 #include <omp.h>
 #include <sched.h>
@@ -13,6 +15,7 @@ float32, neox rotary, the same paged cache (written here, then read in place by 
 
 #include "decode_attention.h"
 #include "gemm_int4.h"
+#include "lora.h"
 
 enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2 };
 
@@ -28,6 +31,7 @@ typedef struct {
     const float *in_norm, *post_norm, *q_norm, *k_norm;     /* q/k norms: Qwen3, else NULL */
     void *k_cache, *v_cache;                                /* [num_blocks, hkv, block_size, d] */
     LinearDesc qkv, o, gate_up, down;
+    LoraDesc qkv_lora, o_lora, gate_up_lora, down_lora;     /* a == NULL: no adapter slots */
 } LayerDesc;
 
 typedef struct {
@@ -35,6 +39,7 @@ typedef struct {
     float eps, scale;
     const float *final_norm;
     const LayerDesc *layers;
+    int64_t lora_width;           /* the widest LoraDesc's wmax: the step's xa scratch a row (0: no LoRA) */
 } ModelDesc;
 
 typedef struct {
@@ -48,6 +53,7 @@ typedef struct {
     const float *cos, *sin;       /* [rows, head_dim] */
     const int64_t *slots;         /* [rows] cache slots (block * block_size + offset) */
     const int32_t *tables, *lens;
+    const int32_t *lora_slots;    /* [rows] each row's adapter slot (-1: none), or NULL: no LoRA rows */
     float *scratch;
     Barrier *barrier;
     int threads, tid;
@@ -100,6 +106,16 @@ static void linear_part(const LinearDesc *l, const float *x, int64_t rows, float
     if (l->bias)
         for (int64_t t = 0; t < rows; ++t)
             for (int64_t c = a; c < b; ++c) y[t * l->n + c] += l->bias[c];
+}
+
+/* The LoRA rows' deltas on a linear's output y (this thread's share of the GEMV's phase done): the shrink,
+   a barrier, then the expand; the caller's barrier follows. Nothing in a step without LoRA rows. */
+static void lora_part(const StepJob *j, const LoraDesc *l, const float *x, int64_t in, float *y, int64_t out,
+                      float *xa, int *sense) {
+    if (!j->lora_slots || !l->a) return;
+    ps_lora_step_shrink(l, x, in, j->lora_slots, j->rows, xa, j->tid, j->threads);
+    barrier_wait(j->barrier, j->threads, sense);
+    ps_lora_step_expand(l, xa, j->lora_slots, j->rows, y, out, j->tid, j->threads);
 }
 
 static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {
@@ -176,6 +192,7 @@ static void step_job(const StepJob *j) {
     float *residual = j->scratch, *h = residual + rows * hd, *qkv = h + rows * hd, *q = qkv + rows * width;
     float *attn = q + rows * qd, *gate_up = attn + rows * qd, *act = gate_up + rows * 2 * m->inter;
     float *out = act + rows * m->inter;      /* each layer's output (o_proj, then down_proj) */
+    float *xa = out + rows * hd;             /* LoRA rows' shrunk inputs [rows, lora_width] */
     const int tid = j->tid, threads = j->threads;
     int sense = 0;
     if (tid == 0) memset(residual, 0, sizeof(float) * rows * hd);     /* layer 0 adds the embeddings to it */
@@ -184,6 +201,7 @@ static void step_job(const StepJob *j) {
         if (tid == 0) add_norm(m, rows, residual, li == 0 ? j->hidden : out, layer->in_norm, h);
         barrier_wait(j->barrier, threads, &sense);
         linear_part(&layer->qkv, h, rows, qkv, tid, threads);
+        lora_part(j, &layer->qkv_lora, h, hd, qkv, width, xa, &sense);
         barrier_wait(j->barrier, threads, &sense);
         if (tid == 0) {
             rope_and_write(j, layer, qkv);
@@ -193,10 +211,12 @@ static void step_job(const StepJob *j) {
         attention_part(j, layer, q, attn);
         barrier_wait(j->barrier, threads, &sense);
         linear_part(&layer->o, attn, rows, out, tid, threads);
+        lora_part(j, &layer->o_lora, attn, qd, out, hd, xa, &sense);
         barrier_wait(j->barrier, threads, &sense);
         if (tid == 0) add_norm(m, rows, residual, out, layer->post_norm, h);
         barrier_wait(j->barrier, threads, &sense);
         linear_part(&layer->gate_up, h, rows, gate_up, tid, threads);
+        lora_part(j, &layer->gate_up_lora, h, hd, gate_up, 2 * m->inter, xa, &sense);
         barrier_wait(j->barrier, threads, &sense);
         int64_t a, b;
         split(rows * m->inter, tid, threads, &a, &b);
@@ -207,6 +227,7 @@ static void step_job(const StepJob *j) {
         }
         barrier_wait(j->barrier, threads, &sense);
         linear_part(&layer->down, act, rows, out, tid, threads);
+        lora_part(j, &layer->down_lora, act, m->inter, out, hd, xa, &sense);
         barrier_wait(j->barrier, threads, &sense);
     }
     if (tid == 0) add_norm(m, rows, residual, out, m->final_norm, j->hidden);
@@ -215,7 +236,7 @@ static void step_job(const StepJob *j) {
 /* Floats of scratch a step of `rows` sequences needs. */
 int64_t ps_decode_step_scratch(const ModelDesc *m, int64_t rows) {
     const int64_t qd = m->num_heads * m->head_dim, width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
-    return rows * (3 * m->hidden + width + 2 * qd + 3 * m->inter);
+    return rows * (3 * m->hidden + width + 2 * qd + 3 * m->inter + m->lora_width);
 }
 
 /* Rows a step takes: where the int4 GEMM is built (it takes any row count) up to DECODE_STEP_MAX_ROWS, so that
@@ -224,11 +245,12 @@ int64_t ps_decode_step_scratch(const ModelDesc *m, int64_t rows) {
 enum { DECODE_STEP_MAX_ROWS = 32 };
 int ps_decode_step_max_rows(void) { return ps_gemm_int4_vectorized() ? DECODE_STEP_MAX_ROWS : GEMV_MAX_ROWS; }
 
-/* One decode step: hidden [rows, hidden] holds the embeddings and receives the final-normed states.
-   Returns 0 on success, 2 for shapes this path does not take (the caller checks them first). */
+/* One decode step: hidden [rows, hidden] holds the embeddings and receives the final-normed states;
+   lora_slots [rows] each row's adapter slot (-1: none) or NULL. Returns 0 on success, 2 for shapes this path
+   does not take (the caller checks them first). */
 int ps_decode_step(const ModelDesc *m, float *hidden, int64_t rows, const float *cos, const float *sin,
                    const int64_t *slots, const int32_t *tables, int64_t table_stride, const int32_t *lens,
-                   float *scratch, int threads) {
+                   const int32_t *lora_slots, float *scratch, int threads) {
     if (rows < 1 || rows > ps_decode_step_max_rows() || m->head_dim > MAX_HEAD_DIM || m->block_size > MAX_BLOCK
         || m->num_kv_heads <= 0 || m->num_heads % m->num_kv_heads || m->num_heads / m->num_kv_heads > MAX_GROUP)
         return 2;
@@ -237,7 +259,7 @@ int ps_decode_step(const ModelDesc *m, float *hidden, int64_t rows, const float 
 #pragma omp parallel num_threads(threads)
     {
         /* Every thread of the team takes part: they meet at the barriers between phases. */
-        StepJob j = {m, hidden, rows, table_stride, cos, sin, slots, tables, lens, scratch, &barrier,
+        StepJob j = {m, hidden, rows, table_stride, cos, sin, slots, tables, lens, lora_slots, scratch, &barrier,
                      omp_get_num_threads(), omp_get_thread_num()};
         step_job(&j);
     }

@@ -162,7 +162,8 @@ class LlamaModel(nn.Module):
                 *(lin.packed for lin in linears), paged.kv_cache,
                 q_norm=attn.q_norm.weight.data if attn.q_norm else None,
                 k_norm=attn.k_norm.weight.data if attn.k_norm else None,
-                biases=tuple(None if lin.bias is None else lin.bias.data for lin in linears)))
+                biases=tuple(None if lin.bias is None else lin.bias.data for lin in linears),
+                loras=tuple(None if lin.lora is None else lin.lora.c_pool() for lin in linears)))
         first = self.layers[0].self_attn
         return DecoderWeights(tuple(layers), self.norm.weight.data, first.num_heads, first.num_kv_heads,
                               first.head_dim, eps, first.attn.scale)

@@ -4,7 +4,9 @@ The model runner asks the model for this step once, when the KV cache is bound (
 .make_decode_step), and offers it every step; the step takes the ones it can (`__call__`, the one
 eligibility test: at most c_step.max_rows tokens, decodes or a speculative verify pass) and the model's own layers
 run the rest. Models outside what it takes (other devices and dtypes, tensor parallelism, MoE blocks,
-sliding windows, unquantized or fp8 linears) get no step at all.
+sliding windows, unquantized or fp8 linears) get no step at all. With LoRA enabled, the step holds the layers'
+adapter slots (bound once, filled in place by executor/worker/lora_manager.py) and takes steps whose rows use
+adapters too, each row its own.
 PAGEDSERVE_CPU_DECODE_STEP=0 keeps the layers for every step (for A/B runs against them).
 """
 from __future__ import annotations
@@ -47,16 +49,19 @@ class LlamaCpuDecodeStep:
         c_step = CpuDecodeStep.build(weights)
         return None if c_step is None else cls(model, c_step)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor | None:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 lora_slots: torch.Tensor | None = None) -> torch.Tensor | None:
         """The final-normed hidden states of a step of 1..c_step.max_rows tokens, every one with a cache slot; None
         for any other step (the layers run it). Each token is a row of the C step that attends to its
         sequence's context up to its own position: a one-token decode, or several tokens of one sequence (a
         speculative verify pass, a short chunk), whose K/V every layer writes before any row attends. A
-        token's arithmetic is the same in either (docs/speculative_decoding.md)."""
+        token's arithmetic is the same in either (docs/speculative_decoding.md). lora_slots: int32 [T], each
+        token's adapter slot (-1: the base model), None for a step without adapter tokens."""
         rows = input_ids.shape[0]
         if not 1 <= rows <= self.c_step.max_rows or int(meta.slot_mapping.min()) < 0:
             return None
+        if lora_slots is not None and not self.c_step.lora_slots:
+            return None         # built without the layers' adapter slots: the layers apply them
         if meta.num_seqs == rows:
             tables = meta.block_tables[:rows]
         else:
@@ -65,4 +70,4 @@ class LlamaCpuDecodeStep:
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb.cos_sin(positions, torch.float32)
         return self.c_step(h, cos.view(rows, -1), sin.view(rows, -1), meta.slot_mapping, tables,
-                           (positions + 1).to(torch.int32))
+                           (positions + 1).to(torch.int32), lora_slots)
