@@ -50,7 +50,7 @@ INT4_DENSE_MIN_ROWS_AFTER_GEMM = 224
 INT4_INT8_MIN_ROWS = 224
 INT4_NEVER_DENSE = sys.maxsize
 # Rows from which an int8 call widens for oneDNN. Below, where the C GEMVs are built, the int8 GEMV takes any
-# row count (gemv.c: four rows at a time over each block's codes): 9-15 rows went through torch's int8 kernel
+# row count (gemv_int8.c: four rows at a time over each block's codes): 9-15 rows went through torch's int8 kernel
 # before, one call per chunk of columns (the 1.7B model's Q6_K head at 12 rows: 440 ms, the GEMV's ~26).
 # Crossovers with widening measured on one thread: 24 rows for 16-column chunks (Q6_K), 14 for 32 (Q8_0),
 # 16 for whole rows.

@@ -74,14 +74,15 @@ def test_c_step_with_adapters_matches_the_layers(model, monkeypatch):
     cases = [[(prompts[0], lora["a"], 20)],
              [(prompts[1], None, 16), (prompts[1], lora["a"], 16), (prompts[1], lora["b"], 16)],
              [(p, m, 6 + 2 * i) for i, (p, m) in enumerate(zip(prompts[:8], mix))],
-             [(p, m, 4 + 2 * i) for i, (p, m) in enumerate(zip(prompts, mix))]]      # 11: both paths in turn
+             [(p, m, 4 + 2 * i) for i, (p, m) in enumerate(zip(prompts, mix))]]      # 11: past the GEMV's 8
+    max_rows = cpu_native.library().ps_decode_step_max_rows()
     got = _run(base, cases, True, monkeypatch, calls)
     want = _run(base, cases, False, monkeypatch)
     for jobs, case_calls, got_outs, want_outs in zip(cases, calls, got, want):
         lora_calls = [(rows, slots) for rows, slots in case_calls if slots is not None and max(slots) >= 0]
-        # The C step took steps with adapter rows, of up to 8 rows, as many as the batch where it fits.
-        assert lora_calls and max(rows for rows, _ in lora_calls) <= 8
-        assert len(jobs) > 8 or len(jobs) in [rows for rows, _ in lora_calls]
+        # The C step took steps with adapter rows, of up to max_rows rows, as many as the batch where it fits.
+        assert lora_calls and max(rows for rows, _ in lora_calls) <= max_rows
+        assert len(jobs) > max_rows or len(jobs) in [rows for rows, _ in lora_calls]
         if len(jobs) >= 3:      # base rows and two adapters' rows in one C step
             assert any(-1 in slots and len(set(slots) - {-1}) == 2 for _, slots in lora_calls)
         for g, w in zip(got_outs, want_outs):
@@ -89,7 +90,7 @@ def test_c_step_with_adapters_matches_the_layers(model, monkeypatch):
             diffs = [abs(x - y) for x, y in zip(_logprobs(g), _logprobs(w))]
             # As the base step's test (test_cpu_decode_step.py): the int8 GEMVs' int16 input steps; a delta
             # missed or applied to the wrong row or piece moves logprobs by 0.1 or more.
-            assert max(diffs) < 2e-3, diffs
+            assert max(diffs) < 5e-3, diffs
         if len(jobs) == 3:       # the same prompt under the base and each adapter: three answers
             assert len({tuple(o.token_ids) for o in got_outs}) == 3
 

@@ -1,0 +1,205 @@
+/* The int8 GEMV (gemv.h's ps_gemv_int8_rows): int8 weights in chunks of input columns (Q8_0, Q6_K, Q5 layers
+kept as int8, the tied head), float32 in and out, any number of input rows. The entry point that splits it over
+threads is gemv.c's ps_gemv_int8. */
+#include "gemv.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+/* int8 in chunks of input columns, one scale per (chunk, output channel): q [chunks, n, chunk] with each
+   chunk's codes contiguous per channel (a whole row is one chunk for plain int8). */
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define INT8_I16 1
+/* x as int16 with one scale per row (|error| <= max|x| / 65534 per element, far below the int8 weights' own
+   rounding), so that vpmaddwd multiplies 32 codes by 32 inputs and adds pairs in one instruction: a third of
+   the float path's instructions per weight, which made a Q8_0 head compute-bound (measured 5.6 GB/s on one
+   thread where int4 layers stream at 13). Returns the scale. */
+static float row_to_i16(const float *x, int64_t k, int16_t *out) {
+    float top = 0.0f;
+    for (int64_t i = 0; i < k; ++i) top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
+    if (top == 0.0f) {
+        memset(out, 0, sizeof(int16_t) * k);
+        return 0.0f;
+    }
+    const float inv = 32767.0f / top;
+    for (int64_t i = 0; i < k; ++i) out[i] = (int16_t)lrintf(x[i] * inv);
+    return top / 32767.0f;
+}
+
+/* Sixteen output channels r0.. for one input row. Chunk by chunk, the sixteen channels' codes are one
+   contiguous run of the chunk's plane (16 * chunk bytes), which the prefetchers follow; channel by channel,
+   one row would hop between all the planes (measured half the speed on a Q8_0 head). The block's codes stay
+   in L1 for the next input row. Each pair sum is at most 2 * 127 * 32767 < 2^24, exact as a float. */
+/* The int8 codes of the block PF_BLOCKS blocks ahead are prefetched as this one is read. A block is one
+   contiguous run per chunk plane (16 * chunk bytes), and a grouped head has a plane per 32 columns: 30 runs
+   of 512 bytes at a 1.5 MB stride, more streams than the hardware prefetchers follow. The 360M model's tied
+   Q8_0 head (49152 x 960) went from 3.2 to 1.1 ms on 2 threads (7 to 28 GiB/s on one). */
+enum { PF_BLOCKS = 2, INT8_LONG_ROW = 1024 };
+/* Chunks of 16 columns (GGUF Q6_K's sub-blocks) are read two at a time: 32 codes from two planes make one vector,
+   whose low eight pair sums take chunk c's scale and high eight chunk c + 1's. One masked half-vector per chunk
+   did half the work per instruction (1.7B's Q6_K head was compute-bound at one row). */
+static inline int int8_paired(const GemvInt8 *w) { return w->chunk == 16 && w->chunks % 2 == 0; }
+
+/* 32 codes of channel r from column i of chunk c on (m: the columns that exist, for chunks not paired). */
+static inline __m512i int8_codes32(const GemvInt8 *w, int64_t c, int64_t r, int64_t i, __mmask32 m, int paired) {
+    const int8_t *q = w->q + (c * w->n + r) * w->chunk + i;
+    if (paired)
+        return _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)q)),
+            _mm_loadu_si128((const __m128i *)(q + w->n * 16)), 1));
+    return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, q));
+}
+
+/* Channel r's scale over the 16 pair sums of chunk c (and of c + 1 in the high half where paired). */
+static inline __m512 int8_scale16(const GemvInt8 *w, int64_t c, int64_t r, int paired) {
+    const __m512 lo = _mm512_set1_ps(bf16_to_f32(w->scale[c * w->n + r]));
+    return paired ? _mm512_mask_blend_ps(0xFF00, lo, _mm512_set1_ps(bf16_to_f32(w->scale[(c + 1) * w->n + r])))
+                  : lo;
+}
+
+/* Prefetch of the codes PF_BLOCKS blocks ahead of channels r0..r0+15 at column i of chunk c (and c + 1). */
+static inline void int8_prefetch(const GemvInt8 *w, int64_t c, int64_t r0, int64_t i, int64_t ahead, int paired) {
+    const int8_t *q = w->q + (c * w->n + r0) * w->chunk + ahead + i;
+    const int64_t step = paired ? 4 : 1;      /* paired: a 16-code run per channel, four channels a line */
+    for (int r = 0; r < 16; r += step) {
+        _mm_prefetch((const char *)(q + r * w->chunk), _MM_HINT_T0);
+        if (paired) _mm_prefetch((const char *)(q + w->n * 16 + r * w->chunk), _MM_HINT_T0);
+    }
+}
+
+static void int8_block16_i16(const GemvInt8 *w, const int16_t *x, float x_scale, float *y, int64_t r0) {
+    const int64_t chunks = w->chunks, n = w->n, chunk = w->chunk;
+    const int paired = int8_paired(w);
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    const int64_t ahead = r0 + 16 * PF_BLOCKS < n ? 16 * PF_BLOCKS * chunk : 0;
+    __m512 scale[16];          /* a chunk's, kept in L1: the FMAs read them as memory operands */
+    for (int64_t c = 0; c < chunks; c += 1 + paired) {
+        for (int r = 0; r < 16; ++r) scale[r] = int8_scale16(w, c, r0 + r, paired);
+        for (int64_t i = 0; i < chunk; i += 32) {
+            const __mmask32 m = chunk - i >= 32 ? 0xFFFFFFFFu : (1u << (chunk - i)) - 1;
+            const __m512i xv = paired ? _mm512_loadu_si512(x + c * chunk) : _mm512_maskz_loadu_epi16(m, x + c * chunk + i);
+            if (ahead && !(i & 63)) int8_prefetch(w, c, r0, i, ahead, paired);
+            for (int r = 0; r < 16; ++r) {
+                __m512 pairs = _mm512_cvtepi32_ps(_mm512_madd_epi16(int8_codes32(w, c, r0 + r, i, m, paired), xv));
+                acc[r] = _mm512_fmadd_ps(pairs, scale[r], acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < 16; ++r) y[r0 + r] = x_scale * _mm512_reduce_add_ps(acc[r]);
+}
+
+/* The same sixteen channels for R (2..4) input rows at once: each group of four channels' codes is widened once
+   per 32 columns for all R rows, where int8_block16_i16 row by row widens them again for every row (a speculative
+   verify pass's head: 6 rows took 2.2 ms against 0.4 for one). Each row's sums are those int8_block16_i16 makes,
+   in the same order, so a row's logits do not depend on the rows beside it. */
+static inline __attribute__((always_inline)) void int8_block16_rows(const GemvInt8 *w, const int16_t *x, int64_t k,
+                                                                    const float *x_scale, float *y, int64_t r0,
+                                                                    const int R) {
+    const int64_t chunks = w->chunks, n = w->n, chunk = w->chunk;
+    const int paired = int8_paired(w);
+    const int64_t ahead = r0 + 16 * PF_BLOCKS < n ? 16 * PF_BLOCKS * chunk : 0;
+    for (int g = 0; g < 16; g += 4) {
+        __m512 acc[4][4];
+        for (int t = 0; t < 4; ++t)
+            for (int j = 0; j < 4; ++j) acc[t][j] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; c += 1 + paired) {
+            __m512 scale[4];
+            for (int j = 0; j < 4; ++j) scale[j] = int8_scale16(w, c, r0 + g + j, paired);
+            for (int64_t i = 0; i < chunk; i += 32) {
+                const __mmask32 m = chunk - i >= 32 ? 0xFFFFFFFFu : (1u << (chunk - i)) - 1;
+                if (ahead && g == 0 && !(i & 63)) int8_prefetch(w, c, r0, i, ahead, paired);
+                __m512i qv[4];
+                for (int j = 0; j < 4; ++j) qv[j] = int8_codes32(w, c, r0 + g + j, i, m, paired);
+                for (int t = 0; t < R; ++t) {
+                    const int16_t *xt = x + t * k + c * chunk + i;
+                    const __m512i xv = paired ? _mm512_loadu_si512(xt) : _mm512_maskz_loadu_epi16(m, xt);
+                    for (int j = 0; j < 4; ++j)
+                        acc[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(qv[j], xv)), scale[j], acc[t][j]);
+                }
+            }
+        }
+        for (int t = 0; t < R; ++t)
+            for (int j = 0; j < 4; ++j) y[t * n + r0 + g + j] = x_scale[t] * _mm512_reduce_add_ps(acc[t][j]);
+    }
+}
+
+static void int8_block16_all_rows(const GemvInt8 *w, const int16_t *xq, int64_t k, const float *x_scale,
+                                  int64_t rows, float *y, int64_t r0) {
+    if (rows == 1) {
+        int8_block16_i16(w, xq, x_scale[0], y, r0);
+        return;
+    }
+    const int64_t n = w->n;
+    for (int64_t t = 0; t < rows; t += 4) {
+        const int16_t *xt = xq + t * k;
+        float *yt = y + t * n;
+        switch (rows - t < 4 ? rows - t : 4) {
+            case 1: int8_block16_i16(w, xt, x_scale[t], yt, r0); break;
+            case 2: int8_block16_rows(w, xt, k, x_scale + t, yt, r0, 2); break;
+            case 3: int8_block16_rows(w, xt, k, x_scale + t, yt, r0, 3); break;
+            default: int8_block16_rows(w, xt, k, x_scale + t, yt, r0, 4); break;
+        }
+    }
+}
+
+/* One channel of a plain int8 weight whose rows are long (k > INT8_LONG_ROW): its codes read front to back,
+   one sequential stream, where 16 channels side by side were 16 streams a thread (1.7B's 8192-wide
+   down_proj streamed at 32 GiB/s so). Four sums in flight: one FMA chain would cap it at 8 codes a cycle.
+   Returns sum_i q[i] * x[i] (x in int16 steps). */
+static float int8_dot_i16(const int8_t *q, const int16_t *x, int64_t k) {
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 128 <= k; i += 128) {
+        for (int j = 0; j < 4; ++j) {
+            const __m512i qv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + i + 32 * j)));
+            const __m512i xv = _mm512_loadu_si512(x + i + 32 * j);
+            a[j] = _mm512_add_ps(a[j], _mm512_cvtepi32_ps(_mm512_madd_epi16(qv, xv)));
+        }
+    }
+    for (; i < k; i += 32) {
+        const __mmask32 m = k - i >= 32 ? 0xFFFFFFFFu : (1u << (k - i)) - 1;
+        const __m512i qv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, q + i));
+        a[0] = _mm512_add_ps(a[0], _mm512_cvtepi32_ps(_mm512_madd_epi16(qv, _mm512_maskz_loadu_epi16(m, x + i))));
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+}
+#endif
+
+void ps_gemv_int8_rows(const GemvInt8 *w, const float *x, int64_t rows, float *y, int64_t r0, int64_t r1) {
+    const int64_t chunks = w->chunks, n = w->n, chunk = w->chunk, k = chunks * chunk;
+    int64_t r = r0;
+#ifdef INT8_I16
+    if (r1 - r0 >= 16) {
+        enum { STACK_VALUES = 16384 };
+        int16_t on_stack[STACK_VALUES];
+        float scales_on_stack[GEMV_MAX_ROWS];
+        int16_t *xq = rows * k <= STACK_VALUES ? on_stack : malloc(sizeof(int16_t) * rows * k);
+        float *x_scale = rows <= GEMV_MAX_ROWS ? scales_on_stack : malloc(sizeof(float) * rows);
+        if (xq && x_scale) {
+            for (int64_t t = 0; t < rows; ++t) x_scale[t] = row_to_i16(x + t * k, k, xq + t * k);
+            if (chunks == 1 && chunk > INT8_LONG_ROW)
+                for (; r < r1; ++r)
+                    for (int64_t t = 0; t < rows; ++t)
+                        y[t * n + r] = x_scale[t] * bf16_to_f32(w->scale[r]) * int8_dot_i16(w->q + r * k, xq + t * k, k);
+            for (; r + 16 <= r1; r += 16) int8_block16_all_rows(w, xq, k, x_scale, rows, y, r);
+        }
+        if (xq != on_stack) free(xq);
+        if (x_scale != scales_on_stack) free(x_scale);
+    }
+#endif
+    for (; r < r1; ++r) {
+        for (int64_t t = 0; t < rows; ++t) {
+            float total = 0.0f;
+            for (int64_t c = 0; c < chunks; ++c) {
+                const int8_t *q = w->q + (c * n + r) * chunk;
+                const float *xc = x + t * k + c * chunk;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t i = 0; i < chunk; ++i) s += (float)q[i] * xc[i];
+                total += s * bf16_to_f32(w->scale[c * n + r]);
+            }
+            y[t * n + r] = total;
+        }
+    }
+}
