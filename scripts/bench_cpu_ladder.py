@@ -355,10 +355,9 @@ def main(args: argparse.Namespace) -> None:
     from pagedserve.common import envs
     cache = args.cache or os.path.join(envs.PAGEDSERVE_CACHE_DIR, "ladder")
     llama_server = find_llama_server(args.llama_cache)
-    bin_dir = os.path.dirname(llama_server)
-    llama_src = os.path.join(bin_dir, "..", "..", "src")
+    quantize_bin, llama_src = lm.llama_tools(llama_server)
     formats = list(dict.fromkeys(args.formats + ([args.serve_format] if args.serve else [])))
-    files = {size: lm.build(cache, size, formats, os.path.join(bin_dir, "llama-quantize"), llama_src,
+    files = {size: lm.build(cache, size, formats, quantize_bin, llama_src,
                             args.threads) for size in args.sizes}
     if args.build_only:
         print("\n".join(p for by_fmt in files.values() for p in by_fmt.values()))

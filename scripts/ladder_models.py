@@ -62,6 +62,13 @@ def make_hf(folder: str, size: str) -> None:
     os.replace(part, folder)
 
 
+def llama_tools(llama_server: str) -> tuple[str, str]:
+    """(llama-quantize, llama.cpp's source folder) of build_llama_server.sh's build whose llama-server this is:
+    the quantizer lies beside it and the converter in the sources the binaries were built from."""
+    bin_dir = os.path.dirname(llama_server)
+    return os.path.join(bin_dir, "llama-quantize"), os.path.join(bin_dir, "..", "..", "src")
+
+
 def convert_bf16(src: str, hf: str, out: str) -> None:
     """llama.cpp's convert_hf_to_gguf.py from the same sources as the binaries (src: their CACHE/src)."""
     part = out + ".part"
