@@ -71,18 +71,23 @@ def load_gguf_model(gguf: str) -> Any:
     return model.eval()
 
 
-def write_padded_hf(gguf: str, folder: str, extra_layers: int) -> None:
-    """Step 1: the padded bf16 HF folder of `gguf`, with its tokenizer (same vocabulary and chat template)."""
+def save_padded(model: Any, tokenizer: Any, folder: str, extra_layers: int) -> None:
+    """`model` padded with `extra_layers` as a bf16 HF folder (what llama.cpp's converter reads) with
+    `tokenizer`; written under a temporary name and renamed when complete."""
     import torch
-
-    from pagedserve.common.model_files import resolve_model, tokenizer_folder
-    from pagedserve.frontend.tokenizer import load_tokenizer
-    model = pad_layers(load_gguf_model(gguf), extra_layers).to(torch.bfloat16)
+    pad_layers(model, extra_layers).to(torch.bfloat16)
     part = folder + ".part"
     shutil.rmtree(part, ignore_errors=True)
     model.save_pretrained(part)
-    load_tokenizer(tokenizer_folder(resolve_model(gguf))).save_pretrained(part)
+    tokenizer.save_pretrained(part)
     os.replace(part, folder)
+
+
+def write_padded_hf(gguf: str, folder: str, extra_layers: int) -> None:
+    """Step 1: the padded HF folder of `gguf`, with its tokenizer (same vocabulary and chat template)."""
+    from pagedserve.common.model_files import resolve_model, tokenizer_folder
+    from pagedserve.frontend.tokenizer import load_tokenizer
+    save_padded(load_gguf_model(gguf), load_tokenizer(tokenizer_folder(resolve_model(gguf))), folder, extra_layers)
 
 
 def target_name(gguf: str, extra_layers: int) -> str:
