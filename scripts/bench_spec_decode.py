@@ -1,6 +1,6 @@
 """Speculative decoding on CPU (issue 26): single-stream ms/token on input-grounded prompts, pagedserve with
-and without `ngram` against llama.cpp's `llama-server` with and without its n-gram speculation; and W1 with
-speculation on against off.
+and without speculation (`ngram` by default, or any --spec) against llama.cpp's `llama-server` with and without
+its own (n-gram types; with a GGUF draft model, the same draft); and W1 with speculation on against off.
 
 Prompts (`PROMPTS`): four chat turns that ask the model to repeat a passage of 150-300 tokens with a light
 edit: prose, a code function, a list, a record. Every engine gets the same token ids (the chat template
@@ -9,12 +9,20 @@ applied by the model's tokenizer), greedy, stopping at EOS (at most --max-tokens
 
 Engines, each in its own process on THREADS threads, alternated within each repeat:
   pagedserve          no speculation
-  pagedserve-ngram    --speculative-config SPEC (default: ngram, k = 5, lookup 2..4)
+  pagedserve-METHOD   --speculative-config SPEC, labelled by its method (default: ngram, k = 5, lookup 2..4)
   llama.cpp           llama-server, no speculation
-  llama.cpp-<type>    llama-server --spec-type <type> (each of --llama-spec-types; the best is what to beat)
+  llama.cpp-<type>    llama-server --spec-type <type> (each of --llama-spec-types, default the n-gram types
+                      for an ngram SPEC; the best is what to beat)
+  llama.cpp-draft     llama-server with SPEC's draft model and k (only for a draft_model SPEC with a GGUF draft)
 W1 (--w1-requests of bench_cpu_peer's W1, all at once): pagedserve with and without SPEC.
 
+--padded-target N: the draft_model comparison on scripts/make_padded_target.py's target (the embedded 135M with
+N zero-output layers appended: the same function at ~N/30+1 times the layers' bytes, built where missing), with
+the embedded 135M as the draft, k = 3 (or --spec): a best-case draft that agrees nearly always, measuring what
+the draft path's mechanics cost and give, not a real draft's acceptance.
+
     python scripts/bench_spec_decode.py --repeats 2 --result-file benchmarks/results/spec_decode.jsonl
+    python scripts/bench_spec_decode.py --padded-target 90 --result-file benchmarks/results/spec_decode.jsonl
 """
 from __future__ import annotations
 
@@ -26,7 +34,9 @@ import time
 from bench_child import report, run_child
 from bench_cpu_peer import default_gguf, find_llama_server, w1_requests   # scripts/ is on sys.path
 from llama_server_peer import LlamaServer, version as llama_version
+from make_padded_target import padded_target
 
+from pagedserve.common.speculative import parse_speculative_config
 from pagedserve.frontend.bench.results import append_result, run_metadata
 
 RECORD = ", ".join(f'"{k}": "{v}"' for k, v in [
@@ -56,6 +66,30 @@ PROMPTS = {
 }
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 LLAMA_SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
+PADDED_DRAFT_K = 3
+LLAMA_DRAFT = "llama.cpp-draft"
+
+
+def spec_engine(spec: dict) -> str:
+    """pagedserve's speculative engine, labelled by the method it runs (method may be implied by a model)."""
+    return f"pagedserve-{parse_speculative_config(spec).method}"
+
+
+def llama_draft_args(spec: dict) -> tuple[str, ...] | None:
+    """llama-server's flags for SPEC's draft model and k; None unless SPEC is draft_model with a GGUF draft."""
+    cfg = parse_speculative_config(spec)
+    if cfg.method != "draft_model" or not str(cfg.model).endswith(".gguf"):
+        return None
+    return ("--spec-type", "draft-simple", "--spec-draft-model", str(cfg.model),
+            "--spec-draft-n-max", str(cfg.num_speculative_tokens))
+
+
+def engine_names(spec: dict, llama_spec_types: list[str] | None) -> list[str]:
+    """The engines of one repeat; llama_spec_types None: llama.cpp's n-gram types for an ngram SPEC only."""
+    if llama_spec_types is None:
+        llama_spec_types = list(LLAMA_SPEC_TYPES) if parse_speculative_config(spec).method == "ngram" else []
+    return (["pagedserve", spec_engine(spec), "llama.cpp"] + [f"llama.cpp-{t}" for t in llama_spec_types]
+            + ([LLAMA_DRAFT] if llama_draft_args(spec) else []))
 
 
 def prompt_ids(gguf: str) -> dict[str, list[int]]:
@@ -102,14 +136,21 @@ def run_pagedserve(cfg: dict, spec: dict | None) -> dict:
     return out
 
 
-def run_llama(cfg: dict, spec_type: str | None) -> dict:
-    extra = ("--spec-type", spec_type) if spec_type else ()
+def run_llama(cfg: dict, name: str, spec: dict) -> dict:
+    if name == LLAMA_DRAFT:
+        extra: tuple[str, ...] = llama_draft_args(spec) or ()
+    else:
+        extra = ("--spec-type", name.split("-", 1)[1]) if "-" in name else ()
     server = LlamaServer(cfg["llama_server"], cfg["gguf"], cfg["threads"], 1, 4096, extra_args=extra)
+    drafts = {"draft_n": 0, "draft_n_accepted": 0}     # llama-server's own counts, summed over every call
     try:
         def generate(ids: list[int], n: int) -> int:
-            return int(server.generate(ids, n)["tokens_predicted"])
-        return {"single": {name: ms_per_token(generate, ids, cfg["max_tokens"])
-                           for name, ids in cfg["prompts"].items()}}
+            out = server.generate(ids, n)
+            for key in drafts:
+                drafts[key] += int(out["timings"].get(key, 0))
+            return int(out["tokens_predicted"])
+        single = {prompt: ms_per_token(generate, ids, cfg["max_tokens"]) for prompt, ids in cfg["prompts"].items()}
+        return {"single": single, **{f"llama_{k}": v for k, v in drafts.items()}}
     finally:
         server.stop()
 
@@ -121,16 +162,20 @@ def child_main(payload: str) -> None:
 
 def run_engine(name: str, cfg: dict, spec: dict) -> dict:
     if name.startswith("llama.cpp"):
-        return run_llama(cfg, name.split("-", 1)[1] if "-" in name else None)
-    job = {"cfg": cfg, "spec": spec if name.endswith("ngram") else None}
+        return run_llama(cfg, name, spec)
+    job = {"cfg": cfg, "spec": spec if name == spec_engine(spec) else None}
     return run_child(__file__, json.dumps(job), cfg["threads"], name)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", default=None, help="the GGUF file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--spec", default=json.dumps(DEFAULT_SPEC), help="pagedserve-ngram's --speculative-config")
-    p.add_argument("--llama-spec-types", nargs="*", default=list(LLAMA_SPEC_TYPES))
+    p.add_argument("--spec", default=None, help="pagedserve-METHOD's --speculative-config (default: ngram, k 5, "
+                   "lookup 2..4; with --padded-target: draft_model, the embedded 135M, k 3)")
+    p.add_argument("--padded-target", type=int, default=None, metavar="N",
+                   help="target: the embedded 135M with N zero-output layers (scripts/make_padded_target.py)")
+    p.add_argument("--llama-spec-types", nargs="*", default=None,
+                   help=f"llama-server --spec-type runs (default for an ngram spec: {' '.join(LLAMA_SPEC_TYPES)})")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=400)
@@ -139,14 +184,32 @@ def main() -> None:
     p.add_argument("--result-file", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.padded_target is not None and args.gguf:
+        p.error("--padded-target and --gguf both pick the target: give one")
+    if args.padded_target is not None and args.padded_target < 1:
+        p.error(f"--padded-target: {args.padded_target} is not >= 1")
+    return args
+
+
+def target_and_spec(args: argparse.Namespace) -> tuple[str, dict]:
+    """The target GGUF (the padded target built where missing) and the speculative config to run on it."""
+    if args.padded_target is None:
+        gguf, default_spec = args.gguf or default_gguf(), DEFAULT_SPEC
+    else:
+        gguf = padded_target(args.padded_target, llama_cache=args.llama_cache)
+        default_spec = {"method": "draft_model", "model": default_gguf(), "num_speculative_tokens": PADDED_DRAFT_K}
+    return gguf, json.loads(args.spec) if args.spec else default_spec
+
+
+def main() -> None:
+    args = parse_args()
     if args.child:
         return child_main(args.child)
-    gguf = args.gguf or default_gguf()
     binary = find_llama_server(args.llama_cache)
+    gguf, spec = target_and_spec(args)
+    names = engine_names(spec, args.llama_spec_types)
     cfg = {"gguf": gguf, "threads": args.threads, "max_tokens": args.max_tokens, "w1_requests": args.w1_requests,
            "llama_server": binary, "prompts": prompt_ids(gguf)}
-    spec = json.loads(args.spec)
-    names = ["pagedserve", "pagedserve-ngram", "llama.cpp"] + [f"llama.cpp-{t}" for t in args.llama_spec_types]
     info = {"llama_server_version": llama_version(binary), "gguf": gguf, "threads": args.threads, "spec": spec,
             "prompt_tokens": {k: len(v) for k, v in cfg["prompts"].items()}}
     runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -161,22 +224,23 @@ def main() -> None:
                   + (f"  W1 {result['w1_tok_s']:.1f} tok/s" if "w1_tok_s" in result else ""), flush=True)
             if args.result_file:
                 append_result(args.result_file, {**run_metadata("spec_decode", name), **info, **result})
-    print_summary(runs)
+    print_summary(runs, spec_engine(spec))
 
 
-def print_summary(runs: dict[str, list[dict]]) -> None:
+def print_summary(runs: dict[str, list[dict]], spec_name: str) -> None:
     def best_ms(name: str) -> float:
         return min(statistics.mean(v[0] for v in r["single"].values()) for r in runs[name])
-    base, spec = best_ms("pagedserve"), best_ms("pagedserve-ngram")
+    base, spec = best_ms("pagedserve"), best_ms(spec_name)
     llama_spec = {n: best_ms(n) for n in runs if n.startswith("llama.cpp-")}
     best_llama = min(llama_spec.values()) if llama_spec else best_ms("llama.cpp")
-    print(f"\nngram speed-up: {base / spec:.2f}x ({base:.2f} -> {spec:.2f} ms/token); llama.cpp without "
+    method = spec_name.removeprefix("pagedserve-")
+    print(f"\n{method} speed-up: {base / spec:.2f}x ({base:.2f} -> {spec:.2f} ms/token); llama.cpp without "
           f"speculation {best_ms('llama.cpp'):.2f}, its best speculative {best_llama:.2f} "
-          f"({min(llama_spec, key=llama_spec.get) if llama_spec else '-'}): pagedserve-ngram at "
+          f"({min(llama_spec, key=llama_spec.get) if llama_spec else '-'}): {spec_name} at "
           f"{spec / best_llama:.2f}x its ms/token")
-    w1 = {n: max(r.get("w1_tok_s", 0) for r in runs[n]) for n in ("pagedserve", "pagedserve-ngram")}
+    w1 = {n: max(r.get("w1_tok_s", 0) for r in runs[n]) for n in ("pagedserve", spec_name)}
     if w1["pagedserve"]:
-        print(f"W1 with speculation on: {w1['pagedserve-ngram'] / w1['pagedserve']:.2f}x of off")
+        print(f"W1 with speculation on: {w1[spec_name] / w1['pagedserve']:.2f}x of off")
 
 
 if __name__ == "__main__":

@@ -99,8 +99,6 @@ def target_name(gguf: str, extra_layers: int) -> str:
 def build(gguf: str, extra_layers: int, fmt: str, out: str, quantize_bin: str, llama_src: str,
           threads: int) -> str:
     """Makes what is missing of the chain HF folder -> bf16 GGUF -> `out` (FORMAT); returns `out`."""
-    if os.path.isfile(out):
-        return out
     folder = os.path.dirname(os.path.abspath(out))
     os.makedirs(folder, exist_ok=True)
     stem = os.path.basename(out).removesuffix(".gguf").removesuffix(f"-{fmt}")   # NAME-FORMAT.gguf -> NAME
@@ -128,14 +126,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(args: argparse.Namespace) -> None:
+def padded_target(extra_layers: int = 90, fmt: str = "Q4_1", gguf: str | None = None, out: str | None = None,
+                  cache: str | None = None, llama_cache: str | None = None, threads: int = 2) -> str:
+    """The padded target's path, built where missing (scripts/bench_spec_decode.py --padded-target too)."""
     from pagedserve.common import envs
-    gguf = args.gguf or default_gguf()
-    name = target_name(gguf, args.extra_layers)
-    out = args.out or lm.gguf_path(args.cache or os.path.join(envs.PAGEDSERVE_CACHE_DIR, "ladder"), name,
-                                   args.format)
-    quantize_bin, llama_src = lm.llama_tools(find_llama_server(args.llama_cache))
-    print(build(gguf, args.extra_layers, args.format, out, quantize_bin, llama_src, args.threads), flush=True)
+    gguf = gguf or default_gguf()
+    out = out or lm.gguf_path(cache or os.path.join(envs.PAGEDSERVE_CACHE_DIR, "ladder"),
+                              target_name(gguf, extra_layers), fmt)
+    if os.path.isfile(out):
+        return out
+    quantize_bin, llama_src = lm.llama_tools(find_llama_server(llama_cache))
+    return build(gguf, extra_layers, fmt, out, quantize_bin, llama_src, threads)
+
+
+def main(args: argparse.Namespace) -> None:
+    print(padded_target(args.extra_layers, args.format, args.gguf, args.out, args.cache, args.llama_cache,
+                        args.threads), flush=True)
 
 
 if __name__ == "__main__":
