@@ -2,8 +2,10 @@
 
 The inputs are rounded to int16 (one scale per row, |error| <= max|x| / 65534: finer than the bfloat16 that
 torch's int4 kernel and the widen-then-oneDNN path round them to) and the codes are multiplied as integers
-with vpdpwssd: 32 multiply-adds of int16 pairs per instruction, twice a float FMA's 16. Each group of codes
-of a 64-channel block is unpacked once into (k, k+1) int16 pairs in an L1 tile and serves every input row;
+with vpdpwssd: 32 multiply-adds of int16 pairs per instruction, twice a float FMA's 16. With AVX512-VBMI each
+pair of columns of a 64-channel block is unpacked in registers by two byte shuffles and serves four input rows
+at once (block_few_rows, every row count); without it each group of codes is unpacked once into (k, k+1) int16
+pairs in an L1 tile that serves every input row;
 a group's int32 sums are exact (at most group * 15 * 32767 < 2^31) and are scaled into the float32 outputs
 once per group. Measured on the embedded model's 30 layers (docs/cpu_performance.md): from 2 to ~200
 rows it beats the float GEMVs, torch's int4 kernel and widening the weights for oneDNN (1.5x the next best
@@ -20,6 +22,8 @@ enum { TILE_ROWS = 4, MAX_GROUP_PAIRS = 128 };
    On the 1.7B model 2048 ran 27-32 ms a token and 4160 / 8256 19-20 in the same minutes (issue 25, the 2-core
    EPYC VM, whose read bandwidth itself switches between ~43 and ~72 GiB/s phases: compare within one). */
 enum { FEW_ROWS_PREFETCH = 4160 };
+/* Rows block_few_rows takes in one pass over a block (16 int32 sums in registers beside 4 weight vectors). */
+enum { FEW_ROWS = 4 };
 
 /* Inputs rounded to int16: what every thread's blocks read. */
 typedef struct {
@@ -202,17 +206,21 @@ static void block(const GemmJob *j, int64_t nb, __m512i (*tile)[4]) {
 }
 
 #ifdef __AVX512VBMI__
-/* 1-3 rows: each pair of columns unpacked in registers and used at once, no tile (a row or two cannot
-   repay writing it), the codes streamed once with a prefetch ahead. A batch-1 decode's GEMV. */
-static inline __attribute__((always_inline)) void block_few_rows(const GemmJob *j, int64_t nb, const int R) {
+/* Rows r0..r0+R-1 (R <= FEW_ROWS) of one 64-channel block: each pair of columns unpacked in registers by two
+   byte shuffles and used at once by every row, no tile, the codes streamed once with a prefetch ahead. A batch-1 decode's GEMV, and
+   a few rows' (a verify pass, a small decode batch): its sums are the tile path's, exact int32 per group,
+   scaled in the same order, so a row's bits do not depend on which path or which rows ran beside it. */
+static inline __attribute__((always_inline)) void block_few_rows(const GemmJob *j, int64_t nb, int64_t r0,
+                                                                 const int R) {
     const GemvInt4 *w = j->w;
     const int64_t k = w->k, group = w->group, groups = k / group;
     const PairShuffle sh = pair_shuffle();
     const uint8_t *p = w->packed + nb * k * 32;
-    for (int r = 0; r < R; ++r) memset(j->y + r * w->n + nb * 64, 0, 64 * sizeof(float));
+    const int16_t *xq = j->in.xq + r0 * k;
+    for (int r = 0; r < R; ++r) memset(j->y + (r0 + r) * w->n + nb * 64, 0, 64 * sizeof(float));
     for (int64_t g = 0; g < groups; ++g) {
         __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
-                a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+                a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
         for (int64_t i = 0; i < group / 2; ++i, p += 64) {
             _mm_prefetch((const char *)(p + FEW_ROWS_PREFETCH), _MM_HINT_T0);
             __m512i wv[4];
@@ -220,7 +228,7 @@ static inline __attribute__((always_inline)) void block_few_rows(const GemmJob *
             int32_t pair;
 #define ROW(r, v0, v1, v2, v3)                                                                              \
             if (R > r) {                                                                                    \
-                memcpy(&pair, j->in.xq + r * k + g * group + 2 * i, sizeof pair);              \
+                memcpy(&pair, xq + r * k + g * group + 2 * i, sizeof pair);                                 \
                 const __m512i xb = _mm512_set1_epi32(pair);                                                 \
                 v0 = dpwssd(v0, wv[0], xb);                                                                 \
                 v1 = dpwssd(v1, wv[1], xb);                                                                 \
@@ -230,13 +238,15 @@ static inline __attribute__((always_inline)) void block_few_rows(const GemmJob *
             ROW(0, a00, a01, a02, a03)
             ROW(1, a10, a11, a12, a13)
             ROW(2, a20, a21, a22, a23)
+            ROW(3, a30, a31, a32, a33)
 #undef ROW
         }
-        const __m512i acc[3][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}};
+        const __m512i acc[FEW_ROWS][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23},
+                                          {a30, a31, a32, a33}};
         __m512 scale[4], zero[4];
         for (int c = 0; c < 4; ++c) ps_int4_scale_zero16(w, g, nb * 64 + 16 * c, &scale[c], &zero[c]);
         for (int r = 0; r < R; ++r) {
-            const int64_t row = r;
+            const int64_t row = r0 + r;
             const __m512 xs = _mm512_set1_ps(j->in.xscale[row]), sum = _mm512_set1_ps(j->in.xsum[row * groups + g]);
             float *y = j->y + row * w->n + nb * 64;
             for (int c = 0; c < 4; ++c) {
@@ -250,17 +260,23 @@ static inline __attribute__((always_inline)) void block_few_rows(const GemmJob *
 
 static void blocks(const GemmJob *j) {
 #ifdef __AVX512VBMI__
-    if (j->rows <= 3) {
-        for (int64_t nb = j->a; nb < j->b; ++nb) {
-            if (j->rows == 1) block_few_rows(j, nb, 1);
-            else if (j->rows == 2) block_few_rows(j, nb, 2);
-            else block_few_rows(j, nb, 3);
+    /* Every row count, four rows a pass over each block (the passes after the first read its codes from L2):
+       1.1-1.8x the tile's speed from 4 to 200 rows on the 1.7B and 135M models' layer shapes (issue 26,
+       docs/cpu_performance.md 2026-11-28). The tile serves CPUs without VBMI. */
+    for (int64_t nb = j->a; nb < j->b; ++nb) {
+        for (int64_t r0 = 0; r0 < j->rows; r0 += FEW_ROWS) {
+            switch (j->rows - r0 < FEW_ROWS ? j->rows - r0 : FEW_ROWS) {
+                case 1: block_few_rows(j, nb, r0, 1); break;
+                case 2: block_few_rows(j, nb, r0, 2); break;
+                case 3: block_few_rows(j, nb, r0, 3); break;
+                default: block_few_rows(j, nb, r0, 4); break;
+            }
         }
-        return;
     }
-#endif
+#else
     __m512i tile[MAX_GROUP_PAIRS][4];
     for (int64_t nb = j->a; nb < j->b; ++nb) block(j, nb, tile);
+#endif
 }
 #else
 #define GEMM_INT4_BUILT 0
