@@ -6,6 +6,8 @@ narrow face (`info`, `tokenize`, `render_chat`, `detokenize`, `check_health`, `l
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,7 +23,7 @@ from pagedserve.frontend.core_client import EngineDeadError
 from pagedserve.frontend.dev_routes import add_dev_routes
 from pagedserve.frontend.errors import ModelNotFoundError, classify, error_payload
 from pagedserve.frontend.http_guards import ApiKeyMiddleware, BodyLimitMiddleware
-from pagedserve.frontend.lora_serving import LoRAModels, add_lora_routes, parse_lora_modules
+from pagedserve.frontend.lora_serving import LoRAModels, LoRAModule, add_lora_routes, parse_lora_modules
 from pagedserve.frontend.metrics import Metrics
 from pagedserve.frontend.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           ModelCard, ModelList, TokenizeRequest)
@@ -64,20 +66,34 @@ def response_for(exc: BaseException, retry_after_s: int = RETRY_AFTER_S) -> JSON
     return error_response(500, "internal server error", kind)
 
 
+def _lifespan(loras: LoRAModels | None,
+              modules: list[LoRAModule]) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's startup: --lora-modules load before the server takes requests (a refused one stops the
+    start, with the reason). Shutdown is the caller's: the engine outlives the app (cli.serve)."""
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        for module in modules:
+            await loras.load(module)
+        yield
+    return lifespan
+
+
 def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name: str) -> FastAPI:
-    app = FastAPI(title="pagedserve", version=__version__, root_path=settings.root_path or "")
+    loras = LoRAModels(engine, served_model_name) if engine.info.max_loras else None
+    lora_modules = parse_lora_modules(settings.lora_modules) if loras is not None else []
+    app = FastAPI(title="pagedserve", version=__version__, root_path=settings.root_path or "",
+                  lifespan=_lifespan(loras, lora_modules))
     metrics = Metrics(served_model_name, engine.info.max_model_len, engine.num_engines, engine.info.max_loras)
     engine.finished_hooks.append(metrics.observe_finished)
     engine.inter_token_hooks.append(metrics.observe_inter_token)
     engine.step_hooks.append(metrics.observe_step)
     admission = Admission(engine, settings.max_concurrent_requests, metrics)
-    loras = LoRAModels(engine, served_model_name) if engine.info.max_loras else None
     serving = OpenAIServing(engine, served_model_name, admission,
                             settings.tool_call_parser if settings.enable_auto_tool_choice else None, loras)
     app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
     _add_guards_and_handlers(app, settings)
     if loras is not None:
-        add_lora_routes(app, loras, parse_lora_modules(settings.lora_modules), settings.allow_runtime_lora_updating)
+        add_lora_routes(app, loras, settings.allow_runtime_lora_updating)
     add_responses_routes(app, serving, settings)
     add_pooling_routes(app, engine, served_model_name, admission, serving.check_model)
     add_dev_routes(app, engine)

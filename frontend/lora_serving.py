@@ -103,13 +103,9 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None        # vLLM's field; adapters are found by name here
 
 
-def add_lora_routes(app: FastAPI, loras: LoRAModels, modules: list[LoRAModule], allow_runtime: bool) -> None:
-    """--lora-modules load when the server starts (a refused one stops it, with the reason); the runtime
-    routes exist only when allowed, as in vLLM."""
-    async def load_modules() -> None:
-        for module in modules:
-            await loras.load(module)
-    app.router.on_startup.append(load_modules)
+def add_lora_routes(app: FastAPI, loras: LoRAModels, allow_runtime: bool) -> None:
+    """The runtime routes, which exist only when allowed, as in vLLM (--lora-modules load in the app's
+    lifespan: api_server.build_app)."""
     if not (allow_runtime or envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING):
         return
 

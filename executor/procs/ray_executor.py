@@ -47,10 +47,12 @@ class RayWorkerGroup(WorkerGroup):
             return None
         rank = self.runs.index(done[0])
         try:
-            code = self._ray.get(done[0], timeout=1.0)
+            result = self._ray.get(done[0], timeout=1.0)
         except Exception as exc:     # RayActorError and kin: the actor's process is gone
             return f"worker rank {rank} (a Ray actor) died: {type(exc).__name__}: {str(exc).splitlines()[0]}"
-        return f"worker rank {rank} (a Ray actor) exited (exit code {code})"
+        if isinstance(result, str):  # RayWorker.run: the rank could not start (as its error reply says)
+            return f"worker rank {rank} failed to start: {result}"
+        return f"worker rank {rank} (a Ray actor) exited (exit code {result})"
 
     def wait_for_death(self, timeout_s: float) -> None:
         self._ray.wait(self.runs, num_returns=1, timeout=timeout_s)

@@ -3,7 +3,6 @@ class); it imports no torch until run() builds the Worker."""
 from __future__ import annotations
 
 import os
-import time
 
 import msgspec
 
@@ -12,15 +11,16 @@ class RayWorker:
     """run() serves the rank until shutdown and so blocks its thread; the actor is started with a second
     thread (max_concurrency=2), on which node_id() and pid() answer whoever asks (tests, operators)."""
 
-    def run(self, launch: bytes) -> int:
+    def run(self, launch: bytes) -> int | str:
+        """The rank's exit code; or, when it could not start, why (the text of its error reply)."""
         # The launch is our own msgspec JSON: Ray carries the bytes, it never pickles an object of ours.
-        from pagedserve.executor.procs.worker_proc import WorkerLaunch, serve_worker
+        from pagedserve.executor.procs.worker_proc import WorkerLaunch, WorkerStartFailed, serve_worker
         try:
             return serve_worker(msgspec.json.decode(launch, type=WorkerLaunch))
-        except SystemExit as failed:      # the rank could not start: its error reply is on the way
-            # run() ending reads as a death to the executor: let the error reply, which says why, reach it first.
-            time.sleep(2.0)
-            return failed.code if isinstance(failed.code, int) else 1
+        except WorkerStartFailed as failed:
+            # run() ending reads as a death to the executor, which may see it before the error reply: the
+            # result says why as the reply does, whichever comes first (ray_executor.RayWorkerGroup.dead).
+            return failed.error
 
     def node_id(self) -> str:
         import ray

@@ -49,6 +49,14 @@ class WorkerLaunch(msgspec.Struct, frozen=True):
     curve: CurveClientKeys | None = None     # the executor's sockets are on TCP (workers on other nodes)
 
 
+class WorkerStartFailed(SystemExit):
+    """SystemExit(1) of a rank that could not start, carrying what its error reply to the executor says."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__(1)
+        self.error = error
+
+
 def run_worker(launch: WorkerLaunch) -> None:
     """The worker process's whole life: it exits when the executor says so, or dies with its parent."""
     setup_child_process(f"ps-worker-{launch.rank}", launch.parent_pid, signal.SIGKILL)
@@ -57,8 +65,9 @@ def run_worker(launch: WorkerLaunch) -> None:
 
 def serve_worker(launch: WorkerLaunch) -> int:
     """Build the rank's Worker, say ready (or why not), serve until shutdown; the exit code. A Ray actor runs
-    this in its own process, whose life Ray owns. SystemExit(1) when the rank cannot start: the interpreter's
-    teardown then terminates the ZeroMQ context, which is what flushes the error reply to the executor."""
+    this in its own process, whose life Ray owns. WorkerStartFailed (a SystemExit(1)) when the rank cannot
+    start: the interpreter's teardown then terminates the ZeroMQ context, which is what flushes the error reply
+    to the executor."""
     rank = launch.rank
     logging.basicConfig(level=launch.log_level,
                         format=f"%(asctime)s %(levelname)s [worker {rank}] %(name)s: %(message)s")
@@ -80,9 +89,10 @@ def serve_worker(launch: WorkerLaunch) -> int:
         worker.load_model()
         reader = BroadcastReader.connect(launch.broadcast_handle, rank)
     except BaseException as exc:
-        reply(WorkerResponse(rank=rank, kind="error", error=describe_exception(exc)))
+        error = describe_exception(exc)
+        reply(WorkerResponse(rank=rank, kind="error", error=error))
         sock.close(linger=2000)
-        raise SystemExit(1)
+        raise WorkerStartFailed(error)
     reply(WorkerResponse(rank=rank, kind="ready"))
     code = _serve(worker, reader, reply, rank)
     reader.close()

@@ -235,7 +235,9 @@ def test_torchrun_collective_rpc_takes_kwargs_and_survives_refusals(tiny_llama_d
 
 def test_torchrun_stopped_rank_fails_the_launch(tiny_llama_dir):
     """A SIGSTOPped rank keeps the others waiting in a collective: bounded by --worker-heartbeat-timeout,
-    the launch fails with an error instead of hanging."""
+    the launch fails with an error instead of hanging. torchrun then ends the job with SIGTERM, which a
+    stopped rank sees only once resumed: resumed then, it ends at once instead of at torchrun's SIGKILL 30 s
+    later (a grace that torch 2.13's --shutdown-timeout does not shorten when a rank has failed)."""
     import pathlib
     import subprocess
     import sys
@@ -260,7 +262,15 @@ def test_torchrun_stopped_rank_fails_the_launch(tiny_llama_dir):
         rank1 = ranks["1"]
         rank1.suspend()
         stopped_at = time.monotonic()
-        rest, _ = proc.communicate(timeout=timeout_s + 120)
+        hung = threading.Timer(timeout_s + 120, os.killpg, (proc.pid, signal.SIGKILL))   # fails the asserts
+        hung.start()
+        rest = ""
+        for line in proc.stdout:
+            rest += line
+            if "closing signal SIGTERM" in line and rank1.is_running():    # rank 0 has failed the launch
+                rank1.resume()
+        proc.wait()
+        hung.cancel()
         took = time.monotonic() - stopped_at
         assert proc.returncode != 0, "".join(lines) + rest
         assert not any(line.startswith("{") for line in rest.splitlines()), "rank 0 finished its prompts"

@@ -10,29 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.executor.model.quant.gguf_blocks import GGUFBlocks, gguf_nbytes
 from pagedserve.frontend.llm import LLM
 from pagedserve.tests.helpers.gguf_models import gguf_update, write_tiny_gguf
 from pagedserve.tests.helpers.quant_checkpoints import write_quantized_checkpoint
-from pagedserve.tests.helpers.tiny_models import make_tiny_model, random_prompts
 from pagedserve.tests.helpers.weight_push import Trainer
-
-NEW_TOKENS = 6
-# Longer than a KV block (16): a stale prefix cache would serve the old weights' blocks after an update.
-PROMPTS = random_prompts(7, [21, 37], vocab=512)
-
-
-@pytest.fixture(scope="module")
-def floats(tmp_path_factory) -> tuple[str, str]:
-    root = tmp_path_factory.mktemp("quant_updates")
-    return make_tiny_model(str(root / "a"), seed=0), make_tiny_model(str(root / "b"), seed=1)
-
-
-def greedy(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=NEW_TOKENS,
-                        temperature=0.0, ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+from pagedserve.tests.helpers.weight_update_cases import PROMPTS, greedy
 
 
 def fresh(path: str, **kwargs) -> list[list[int]]:
@@ -51,8 +34,8 @@ def runner(llm: LLM):
     return llm.engine.executor.worker.runner
 
 
-def test_gguf_reload_and_push_equal_a_fresh_engine(floats, tmp_path) -> None:
-    a, b = floats
+def test_gguf_reload_and_push_equal_a_fresh_engine(update_checkpoints, tmp_path) -> None:
+    a, b = update_checkpoints
     # b stores its down projections in Q8_0 where a has Q4_0 (int4 -> int8 kernel form) and its v in Q4_1
     # (asymmetric int4: scales and zeros): those layers get new tensors, the others are overwritten in place.
     file_a = write_tiny_gguf(a, str(tmp_path / "a.gguf"), {"token_embd.weight": "Q8_0", "output.weight": "Q8_0"})
@@ -82,9 +65,9 @@ def test_gguf_reload_and_push_equal_a_fresh_engine(floats, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_awq_gptq_update_from_another_checkpoints_tensors(floats, tmp_path, method) -> None:
+def test_awq_gptq_update_from_another_checkpoints_tensors(update_checkpoints, tmp_path, method) -> None:
     folders = []
-    for float_dir, name in zip(floats, "ab"):
+    for float_dir, name in zip(update_checkpoints, "ab"):
         folders.append(str(tmp_path / name))
         write_quantized_checkpoint(float_dir, folders[-1], str(tmp_path / f"{name}_dequant"), method, group_size=32)
     want_b = fresh(folders[1])
@@ -108,8 +91,8 @@ def test_awq_gptq_update_from_another_checkpoints_tensors(floats, tmp_path, meth
         assert greedy(llm) + greedy(llm, PROMPTS[:1]) == before
 
 
-def test_int8_at_load_sleeps_and_is_updated_with_float_tensors(floats) -> None:
-    a, b = floats
+def test_int8_at_load_sleeps_and_is_updated_with_float_tensors(update_checkpoints) -> None:
+    a, b = update_checkpoints
     want_b = fresh(b, quantization="int8")
     with LLM(a, quantization="int8", enable_sleep_mode=True) as llm:
         assert runner(llm).decode_step is not None
@@ -136,10 +119,10 @@ def _fp8_gpu() -> bool:
 
 
 @pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU with fp8 (compute capability 8.9+)")
-def test_cuda_fp8_and_gguf_updates_under_cuda_graphs(floats, tmp_path) -> None:
+def test_cuda_fp8_and_gguf_updates_under_cuda_graphs(update_checkpoints, tmp_path) -> None:
     """On the GPU the decode steps replay CUDA graphs: an update copied in place (fp8 at load, float pushes)
     and one that changes a GGUF layer's form (graphs captured again) both answer as a fresh engine."""
-    a, b = floats
+    a, b = update_checkpoints
     want_b = fresh(b, quantization="fp8", device="cuda")
     with LLM(a, quantization="fp8", device="cuda") as llm:
         assert runner(llm).graphs is not None

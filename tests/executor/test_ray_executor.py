@@ -3,10 +3,11 @@
 Two Ray nodes (ray.cluster_utils.Cluster: a head and a second raylet, one logical CPU each) carry a TP = 2
 model whose ranks land on different nodes, with greedy parity against HF transformers; a local cluster the
 engine starts itself carries two pipeline stages; a killed Ray worker is detected as a killed worker process
-is; a cluster short of room is refused naming the bundle, never a hang."""
+is; a rank that cannot start says why; a cluster short of room is refused naming the bundle, never a hang."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -116,6 +117,21 @@ def test_killed_ray_worker_is_detected(two_nodes, model, monkeypatch):
     while psutil.pid_exists(pid0) and psutil.Process(pid0).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "rank 0's Ray worker outlived the engine"
         time.sleep(0.2)
+
+
+def test_ray_rank_that_cannot_start_says_why(two_nodes, model, tmp_path, monkeypatch):
+    """A rank that fails to start (a broken checkpoint) is reported with its reason, whether its error reply or
+    the end of its actor's run() reaches the executor first; no actor is left."""
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    with pytest.raises(RuntimeError, match=r"worker rank [01] failed to start: .*[Ss]afetensor"):
+        _llm_on(two_nodes, str(broken), monkeypatch, tensor_parallel_size=2)
+    deadline = time.monotonic() + 15
+    while _engine_actors() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _engine_actors() == []
 
 
 def test_cluster_short_of_room_is_refused_naming_the_bundle(two_nodes, model, monkeypatch):

@@ -9,30 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.frontend.llm import LLM
 from pagedserve.tests.helpers.parity import hf_model
 from pagedserve.tests.helpers.rl_trainer import trainer_main
 from pagedserve.tests.helpers.server import free_port
-from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model, random_prompts
+from pagedserve.tests.helpers.tiny_models import hf_greedy
+from pagedserve.tests.helpers.weight_update_cases import NEW_TOKENS, PROMPTS, greedy
 
-NEW_TOKENS = 6
 ROUNDS = 3
-# Longer than a KV block (16): the second round's prompts hit blocks cached under the first round's weights.
-PROMPTS = random_prompts(7, [21, 37], vocab=512)
 EXTENSION = "pagedserve.tests.helpers.rl_extension.Probe"
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> tuple[str, str]:
-    root = tmp_path_factory.mktemp("rl")
-    return make_tiny_model(str(root / "a"), seed=0), make_tiny_model(str(root / "b"), seed=1)
-
-
-def greedy(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=NEW_TOKENS,
-                        temperature=0.0, ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def rl_rounds(llm: LLM, path: str, tp: int) -> list[list[int]]:
@@ -76,13 +61,13 @@ def rl_rounds(llm: LLM, path: str, tp: int) -> list[list[int]]:
     return answers
 
 
-def test_rl_loop_tp1_equals_hf_each_round(checkpoints) -> None:
-    with LLM(checkpoints[0], dtype="float32") as llm:
-        rl_rounds(llm, checkpoints[0], tp=1)
+def test_rl_loop_tp1_equals_hf_each_round(update_checkpoints) -> None:
+    with LLM(update_checkpoints[0], dtype="float32") as llm:
+        rl_rounds(llm, update_checkpoints[0], tp=1)
 
 
-def test_rl_loop_tp2_with_worker_extension(checkpoints) -> None:
-    with LLM(checkpoints[0], dtype="float32", tensor_parallel_size=2, worker_extension_cls=EXTENSION,
+def test_rl_loop_tp2_with_worker_extension(update_checkpoints) -> None:
+    with LLM(update_checkpoints[0], dtype="float32", tensor_parallel_size=2, worker_extension_cls=EXTENSION,
              enable_sleep_mode=True) as llm:
         ranks = llm.collective_rpc("describe_rank", kwargs={"tag": "t"})
         assert ranks == [{"rank": r, "tp_rank": r, "rows": 64, "tag": "t"} for r in (0, 1)]  # (4 + 2*2) * 16 / 2
@@ -90,7 +75,7 @@ def test_rl_loop_tp2_with_worker_extension(checkpoints) -> None:
             llm.collective_rpc("weight_tensor")              # a tensor is not sent back
         with pytest.raises(ValueError, match="no_such_method"):
             llm.collective_rpc("no_such_method")
-        answers = rl_rounds(llm, checkpoints[0], tp=2)      # the ranks still serve after refused calls
+        answers = rl_rounds(llm, update_checkpoints[0], tp=2)      # the ranks still serve after refused calls
         llm.sleep(level=1)                                  # both worker processes release their KV caches
         llm.wake_up()
         assert greedy(llm) == answers
@@ -112,8 +97,8 @@ def _bad_copy(src: str, dst: str, change: str) -> str:
     return dst
 
 
-def test_reload_from_another_checkpoint_and_bad_checkpoints_change_nothing(checkpoints, tmp_path) -> None:
-    a, b = checkpoints
+def test_reload_from_another_checkpoint_and_bad_checkpoints_change_nothing(update_checkpoints, tmp_path) -> None:
+    a, b = update_checkpoints
     with LLM(a, dtype="float32") as llm:
         before = greedy(llm)
         assert before == hf_greedy(hf_model(a), PROMPTS, NEW_TOKENS)

@@ -6,12 +6,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.executor.model.layers.linear_method import LinearMethod, dense_linear_method, linear_method_for
+from pagedserve.executor.model.layers.packed_pieces import PackedPieces
 from pagedserve.executor.model.parallel_state import TPGroup
-from pagedserve.executor.model.quant.packing import Packed, Piece, copy_into_form, pack_embedding, pack_linear
+from pagedserve.executor.model.quant.packing import Packed, Piece, pack_embedding, pack_linear
 from pagedserve.kernels.weight_only import Int8Weight, int8_embedding
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(PackedPieces, nn.Module):
     """Each rank holds a contiguous slice of the vocabulary.
 
     Slices are ceil(vocab_size / tp) rows so every rank has the same shape (all_gather needs it);
@@ -41,24 +42,6 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:rows].copy_(loaded_weight[self.vocab_start:self.vocab_start + rows])
         param.data[rows:].zero_()
 
-    def _loadable(self, weight: torch.Tensor) -> nn.Parameter:
-        param = nn.Parameter(weight, requires_grad=False)
-        param.weight_loader = self.weight_loader
-        return param
-
-    def begin_packed_load(self) -> None:
-        if self._pieces is not None:
-            return
-        self.weight, self._pieces = self._loadable(torch.empty(0)), []
-
-    def begin_packed_update(self, pieces: list | None = None) -> None:
-        """Collect an update's pieces (into `pieces` when given) while the current table keeps serving."""
-        self._pieces = [] if pieces is None else pieces
-
-    def take_pieces(self) -> list[Piece]:
-        pieces, self._pieces = self._pieces or [], None
-        return pieces
-
     def piece_rows(self) -> int:
         """Rows the pieces of a complete table cover (the padding rows past the vocabulary are zero-filled)."""
         return max(0, min(self.shard_size, self.vocab_size - self.vocab_start))
@@ -70,18 +53,8 @@ class VocabParallelEmbedding(nn.Module):
         if not pieces:
             return False
         self.out_dtype = dtype
-        return self._set_form(pack_embedding(pieces, self.shard_size, method, device, dtype, type(self).__name__),
-                              device)
-
-    def _set_form(self, packed: Packed, device: torch.device) -> bool:
-        """Copy into the current form where it matches (its storage stays), else replace it (True)."""
-        if copy_into_form(self.weight if self.packed is None else self.packed, packed):
-            return False
-        if isinstance(packed, torch.Tensor):
-            self.weight, self.packed = self._loadable(packed), None
-        else:
-            self.weight, self.packed = self._loadable(torch.empty(0, device=device)), packed
-        return True
+        return self._install_form(pack_embedding(pieces, self.shard_size, method, device, dtype,
+                                                 type(self).__name__), device)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.packed, Int8Weight):
@@ -135,8 +108,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             pieces = self.take_pieces()
             if not pieces:
                 return False
-            replaced = self._set_form(pack_linear(pieces, self.shard_size, method, device, dtype,
-                                                  type(self).__name__), device)
+            replaced = self._install_form(pack_linear(pieces, self.shard_size, method, device, dtype,
+                                                      type(self).__name__), device)
         else:                                # the embedding packs the one shared table
             replaced = source.finish_packed_load(method, device, dtype)
             self.weight, self.packed = source.weight, source.packed

@@ -21,7 +21,8 @@ from torch import nn
 from pagedserve.executor.model.layers.lora import LoRASlots
 from pagedserve.executor.model.layers.linear_method import LinearMethod, dense_linear_method, linear_method_for
 from pagedserve.executor.model.parallel_state import TPGroup, split_evenly
-from pagedserve.executor.model.quant.packing import Packed, Piece, copy_into_form, pack_linear
+from pagedserve.executor.model.layers.packed_pieces import PackedPieces
+from pagedserve.executor.model.quant.packing import Packed, Piece, pack_linear
 
 
 def copy_weight(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -45,7 +46,7 @@ def _empty_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class LinearBase(nn.Module):
+class LinearBase(PackedPieces, nn.Module):
     """y = x W^T (+ b) over this rank's slice of W; subclasses decide the slice."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
@@ -85,25 +86,6 @@ class LinearBase(nn.Module):
             return
         copy_weight(param.data.narrow(0, row, src.shape[0]), src, what)
 
-    def _loadable(self, weight: torch.Tensor) -> nn.Parameter:
-        param = nn.Parameter(weight, requires_grad=False)
-        param.weight_loader = self.weight_loader
-        return param
-
-    def begin_packed_load(self) -> None:
-        """Collect the weight's pieces instead of copying them; the dense weight is never filled."""
-        if self._pieces is not None:
-            return
-        self.weight, self._pieces = self._loadable(torch.empty(0)), []
-
-    def begin_packed_update(self, pieces: list | None = None) -> None:
-        """Collect an update's pieces (into `pieces` when given) while the current weight keeps serving."""
-        self._pieces = [] if pieces is None else pieces
-
-    def take_pieces(self) -> list[Piece]:
-        pieces, self._pieces = self._pieces or [], None
-        return pieces
-
     def piece_rows(self) -> int:
         """Rows the pieces of a complete weight cover."""
         return self.out_features
@@ -118,16 +100,11 @@ class LinearBase(nn.Module):
                                                 type(self).__name__), device)
 
     def set_weight_form(self, packed: Packed, device: torch.device) -> bool:
-        """Install a packed weight: copied into the current one where it has the same form and shapes (its
-        storage stays, for CUDA graphs and the C decode step), else in its place (returns True)."""
-        if copy_into_form(self.weight if self.packed is None else self.packed, packed):
-            return False
-        if isinstance(packed, torch.Tensor):      # dense after all (e.g. an F16 tensor in a GGUF file)
-            self.weight, self.packed = self._loadable(packed), None
-        else:
-            self.weight, self.packed = self._loadable(torch.empty(0, device=device)), packed
-        self.method = linear_method_for(packed, device)
-        return True
+        """Install a packed weight (PackedPieces._install_form); a replaced weight gets its linear method."""
+        replaced = self._install_form(packed, device)
+        if replaced:
+            self.method = linear_method_for(packed, device)
+        return replaced
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._with_lora(x, self.method.apply(self, x, self.bias))
