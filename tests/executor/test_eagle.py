@@ -171,15 +171,18 @@ def test_drafts_equal_the_dense_reference_every_step(tmp_path_factory, target_di
     prompt = random_prompts(4, [37], 512)[0]                # three prefill chunks of 16
     core.add_request(EngineCoreRequest("r", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
                                        arrival_time=0.0))
-    checked = 0
+    checked = full = 0
     while core.has_unfinished_requests():
         core.step()
         request = core.scheduler.requests.get("r")
         if request is None or not request.spec_token_ids:
             continue
-        assert request.spec_token_ids == ref.drafts(request.all_token_ids, K), f"after {request.num_output_tokens}"
+        # as many as the core asked for (at most K; fewer near max_tokens), each the reference's
+        assert request.spec_token_ids == ref.drafts(request.all_token_ids, K)[:len(request.spec_token_ids)], \
+            f"after {request.num_output_tokens}"
+        full += len(request.spec_token_ids) == K
         checked += 1
-    assert checked >= 8
+    assert checked >= 8 and full >= 5
     spec = core.scheduler.spec
     if predictive:      # drafts accepted in part and in full were part of the check
         assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, (spec.num_accepted_tokens, spec.num_draft_tokens)
@@ -206,9 +209,11 @@ def test_eagle_head_follows_a_weight_update_of_the_model(tmp_path_factory, targe
         core.step()
         request = core.scheduler.requests.get("r")
         if request is not None and request.spec_token_ids:
-            assert request.spec_token_ids == ref.drafts(request.all_token_ids, K), f"after {request.num_output_tokens}"
+            n = len(request.spec_token_ids)             # as many as the core asked for
+            assert request.spec_token_ids == ref.drafts(request.all_token_ids, K)[:n], \
+                f"after {request.num_output_tokens}"
             checked += 1
-            differs += request.spec_token_ids != stale.drafts(request.all_token_ids, K)
+            differs += request.spec_token_ids != stale.drafts(request.all_token_ids, K)[:n]
     assert checked >= 3 and differs > 0          # a head on the old weights would have drafted otherwise
 
 
