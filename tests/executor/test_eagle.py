@@ -220,7 +220,7 @@ def test_eagle_head_follows_a_weight_update_of_the_model(tmp_path_factory, targe
 @pytest.mark.parametrize("method,tp", [("eagle", 1), ("eagle3", 1), ("eagle", 2), ("eagle3", 2)])
 def test_greedy_output_unchanged_by_a_head(tmp_path_factory, bigram_dir, target_dir, method, tp):
     """TP = 2: a worker process per rank (the head's config, with its aux layers set at start, crosses to them);
-    each rank runs the unsharded head with the model's sharded embedding and LM head."""
+    the head is sharded over the ranks like the model (draft_tensor_parallel_size defaults to its TP size)."""
     target = bigram_dir if method == "eagle" else target_dir
     head = head_dir(tmp_path_factory, target, method, predictive=method == "eagle")
     prompts = random_prompts(5, [9, 40, 17, 70, 3], 512)
