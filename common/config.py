@@ -216,7 +216,7 @@ class EngineArgs:
                        self.speculative_config, self.async_scheduling)
         structured = StructuredOutputsConfig(reasoning_parser=self.reasoning_parser,
                                              compile_timeout_s=float(self.structured_outputs_compile_timeout))
-        speculative = parse_speculative_config(self.speculative_config)
+        speculative = parse_speculative_config(self.speculative_config, self.tensor_parallel_size)
         return EngineConfig(model=model, cache=cache, scheduler=self._scheduler_config(model.max_model_len),
                             parallel=parallel, structured_outputs=structured, speculative=speculative,
                             draft_model=self._draft_model_config(speculative, model), lora=self._lora_config(model),
@@ -280,6 +280,13 @@ class EngineArgs:
                              f"from the model's ({target.vocab_size}); a draft must share the tokenizer")
         if spec.is_eagle:
             mark_eagle_head(draft.hf_config, spec.method, target.hf_config)
+        if spec.draft_tensor_parallel_size > 1:
+            try:
+                check_parallel(spec.draft_tensor_parallel_size, draft.num_heads, draft.num_kv_heads,
+                               getattr(draft.hf_config, "intermediate_size", None))
+            except ValueError as exc:
+                raise ValueError(f"speculative_config.draft_tensor_parallel_size: the draft cannot shard: {exc} "
+                                 "(1 runs it whole on each rank)") from None
         return draft
 
     def _scheduler_config(self, max_len: int) -> SchedulerConfig:
@@ -354,7 +361,7 @@ class EngineArgs:
             one_of("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
         if self.reasoning_parser is not None:
             one_of("reasoning_parser", self.reasoning_parser, tuple(REASONING_PARSERS))
-        parse_speculative_config(self.speculative_config)
+        parse_speculative_config(self.speculative_config, self.tensor_parallel_size)
         one_of("runner", self.runner, RUNNERS)
         one_of("convert", self.convert, CONVERTS)
 

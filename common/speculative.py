@@ -34,6 +34,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int           # ngram: longest suffix looked up (tried first)
     disable_by_batch_size: int       # no drafts while more requests than this run
     model: str | None                # MODEL_METHODS: a path or Hub id (resolved into EngineConfig.draft_model)
+    # MODEL_METHODS: the ranks the draft shards over, 1 (whole on each rank) or the model's tensor_parallel_size
+    # (sharded with the model's own group); unset: the model's, as in vLLM.
+    draft_tensor_parallel_size: int = 1
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -45,8 +48,10 @@ class SpeculativeConfig:
         return self.method in ("eagle", "eagle3")
 
 
-def parse_speculative_config(value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
-    """The config a user gave (a dict, or its JSON as the flag takes it); ValueError naming the field."""
+def parse_speculative_config(value: dict[str, Any] | str | None,
+                             tensor_parallel_size: int = 1) -> SpeculativeConfig | None:
+    """The config a user gave (a dict, or its JSON as the flag takes it), for a model on tensor_parallel_size
+    ranks; ValueError naming the field."""
     if value is None or value == "" or value == {}:
         return None
     if isinstance(value, str):
@@ -71,9 +76,6 @@ def parse_speculative_config(value: dict[str, Any] | str | None) -> SpeculativeC
     if method in MODEL_METHODS:
         if not isinstance(model, str) or not model:
             raise ValueError(f"speculative_config.model (a path or Hub id) is required for method {method}")
-        if value.get("draft_tensor_parallel_size", 1) != 1:
-            raise ValueError("speculative_config.draft_tensor_parallel_size: the draft model runs unsharded "
-                             f"(1), got {value['draft_tensor_parallel_size']!r}")
     elif model is not None:
         raise ValueError(f"speculative_config.model is only for methods {', '.join(MODEL_METHODS)}")
     k = _int(value, "num_speculative_tokens", None)
@@ -84,7 +86,20 @@ def parse_speculative_config(value: dict[str, Any] | str | None) -> SpeculativeC
         raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
     disable = _int(value, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
     return SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_min=lo,
-                             prompt_lookup_max=hi, disable_by_batch_size=disable, model=model)
+                             prompt_lookup_max=hi, disable_by_batch_size=disable, model=model,
+                             draft_tensor_parallel_size=_draft_tp(value, tensor_parallel_size))
+
+
+def _draft_tp(value: dict[str, Any], tensor_parallel_size: int) -> int:
+    """vLLM's rule: the draft runs whole on each rank (1) or sharded like the model (its tensor_parallel_size,
+    also the default); nothing between."""
+    if value.get("draft_tensor_parallel_size") is None:
+        return tensor_parallel_size
+    got = _int(value, "draft_tensor_parallel_size", None)
+    if got not in (1, tensor_parallel_size):
+        raise ValueError(f"speculative_config.draft_tensor_parallel_size must be 1 or the model's "
+                         f"tensor_parallel_size ({tensor_parallel_size}), got {got}")
+    return got
 
 
 def _int(value: dict[str, Any], key: str, default: int | None) -> int:

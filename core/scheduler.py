@@ -34,7 +34,7 @@ class Scheduler:
                  structured: StructuredOutputManager | None = None,
                  speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
-        self.spec = SpecDecodeState(speculative, config.max_model_len) if speculative is not None else None
+        self.spec = SpecDecodeState(speculative, config) if speculative is not None else None
         self.lookahead = speculative.num_lookahead_tokens if speculative is not None else 0
         self.kv = kv_cache_manager
         self.structured = structured
@@ -181,12 +181,12 @@ class Scheduler:
             self._emit(request, num_new, new_block_ids, new_reqs, cached)
 
         out = SchedulerOutput(
-            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached, num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=self._finished_ids, scheduled_spec_decode_tokens=drafts)
         self._finished_ids = []
         sampling = self._advance(num_scheduled)
+        out.num_draft_tokens_to_propose = self.spec.to_propose(self.running, sampling, drafts) if self.spec else {}
         if num_scheduled:                # a step with no tokens gets no output to match
             self._scheduled[id(out)] = {rid: self.requests[rid] for rid in num_scheduled}
             if self.config.batch_queue_size > 1:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 
+from pagedserve.common.config import SchedulerConfig
 from pagedserve.common.speculative import MODEL_METHODS, SpeculativeConfig
 from pagedserve.core.ngram_proposer import propose_ngram
 from pagedserve.core.request import Request
@@ -36,9 +37,10 @@ PROBE_EVERY = 8
 
 
 class SpecDecodeState:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, scheduler: SchedulerConfig) -> None:
         self.config = config
-        self.max_model_len = max_model_len
+        self.max_model_len = scheduler.max_model_len
+        self.max_num_batched_tokens = scheduler.max_num_batched_tokens
         self.cost = StepCostModel()
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -48,6 +50,11 @@ class SpecDecodeState:
         self._plan: dict[str, list[int]] = {}
         self._logged = (0, 0, 0, [0] * config.num_speculative_tokens)   # totals at the last log line
         self._last_log = time.monotonic()
+
+    @property
+    def workers_propose(self) -> bool:
+        """The drafts come from the workers' draft model or head (which the core tells how many to propose)."""
+        return self.config.method in MODEL_METHODS
 
     def acceptance(self, request: Request) -> float:
         """The probability that the request's next draft position is accepted (given the ones before it were)."""
@@ -80,6 +87,70 @@ class SpecDecodeState:
                 n, drafted = 1, drafted + 1
             if n:
                 self._plan[request.request_id] = draft[:n]
+
+    def to_propose(self, running: list[Request], sampling: list[Request],
+                   drafts: dict[str, list[int]]) -> dict[str, int]:
+        """How many tokens the workers' draft model or head should propose after this step, by request (absent:
+        none), called once schedule() has counted the step in: `sampling`, the requests this step samples for,
+        decode next step, and the next plan can verify at most what is proposed now, so each is asked for what
+        that plan would give it with a full-length proposal, or its probe. The next step's batch is unknown
+        (arrivals, stops), so this is a bound from what is known: the requests that surely continue, each at its
+        least progress (no draft accepted), its acceptance as if all were. A request asked for 0 that the next
+        plan would have drafted for (e.g. another stopped and brought the batch under disable_by_batch_size)
+        just gets no drafts that step: correct, only not optimal. With async scheduling too the next step is
+        scheduled only after this one's output (needs_each_output_before_scheduling), so its plan sees these."""
+        if not self.workers_propose:
+            return {}
+        k, budget = self.config.num_speculative_tokens, self.max_num_batched_tokens
+        ending = {r.request_id for r in sampling if r.num_output_tokens + 1 >= r.max_tokens
+                  or r.num_tokens + 1 >= self.max_model_len}
+        following = [r for r in running if r.request_id not in ending]
+        if len(following) > self.config.disable_by_batch_size:
+            return {}
+        decoding = {r.request_id for r in sampling}
+        rows = tokens = 0
+        offers: list[tuple[Request, int]] = []
+        for request in following:            # the next step's rows, as plan() will count them
+            num_new = 1 if request.request_id in decoding else \
+                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            take = min(num_new, budget - rows)
+            if take <= 0:
+                continue
+            if request.request_id in decoding:
+                offers.append((request, min(k, request.max_tokens - request.num_output_tokens - 2,
+                                            self.max_model_len - request.num_tokens - 1, budget - rows - 1)))
+            rows, tokens = rows + take, tokens + (take == num_new)
+        alphas = self._acceptance_if_accepted(offers, drafts)
+        lengths = plan_draft_lengths(self.cost.cost, rows, max(tokens, 1), alphas, [c for _, c in offers], k)
+        drafted = sum(lengths)
+        asked: dict[str, int] = {}
+        for (request, cap), n in zip(offers, lengths):
+            # plan()'s probe fires at an output count that is a multiple of PROBE_EVERY: the next step's count is
+            # this one's + 1 + the drafts accepted now, any of which it may be.
+            first = request.num_output_tokens + 1
+            last = first + len(drafts.get(request.request_id, ()))
+            if n == 0 and cap > 0 and drafted < k and last // PROBE_EVERY * PROBE_EVERY >= first \
+                    and sure_draft_pays(self.cost.cost, rows + drafted, max(tokens, 1)):
+                n, drafted = 1, drafted + 1
+            if n:
+                asked[request.request_id] = n
+        return asked
+
+    def _acceptance_if_accepted(self, offers: list[tuple[Request, int]], drafts: dict[str, list[int]]) -> list[float]:
+        """Each request's acceptance as the next plan would see it were all of this step's drafts accepted: the
+        most it can be then (record() raises it most so), so no request is asked for fewer than it would get."""
+        hits, trials = self._hits, self._trials
+        for request, _ in offers:
+            if n := len(drafts.get(request.request_id, ())):
+                hits, trials = ENGINE_DECAY * hits + n, ENGINE_DECAY * trials + n
+        prior = hits / trials
+        out = []
+        for request, _ in offers:
+            n = len(drafts.get(request.request_id, ()))
+            own_hits = DECAY * request.spec_hits + n if n else request.spec_hits
+            own_trials = DECAY * request.spec_trials + n if n else request.spec_trials
+            out.append((own_hits + PRIOR_TRIALS * prior) / (own_trials + PRIOR_TRIALS))
+        return out
 
     def _offer(self, request: Request) -> list[int]:
         """The drafts a request could verify this step, before the cost model's choice."""

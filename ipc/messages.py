@@ -196,6 +196,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # Draft tokens to verify, by request: such a request's num_scheduled_tokens counts them after its one
     # real token, and the workers read their ids from here (they are no token of the request yet).
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # Draft model / EAGLE head (the workers propose): how many tokens to propose after this step, by request,
+    # for the next step's verify pass (the core's plan; an absent request gets no proposal pass).
+    num_draft_tokens_to_propose: dict[str, int] = {}
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True):

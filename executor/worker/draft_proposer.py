@@ -4,8 +4,9 @@ tokens, greedily, in the worker beside the model it drafts for.
 Its KV cache is its own tensors indexed by the same block tables and slots as the model's (the scheduler holds
 k lookahead slots per request for the proposals), so preemption, prefix hits and freed blocks need nothing of
 their own: every step the draft runs the step's tokens too (prefill chunks, verified drafts), writing its cache
-where the model wrote its own, then k one-token passes from each request's newest token. Greedy drafts are
-one-hot, which is what the rejection sampler takes.
+where the model wrote its own, then one-token passes from each request's newest token, as many as the core
+asked for it (SchedulerOutput.num_draft_tokens_to_propose: what its next plan can verify; none asked, no pass).
+Greedy drafts are one-hot, which is what the rejection sampler takes.
 
 A draft with a whole-decoder step of its own (the C decode step of a weight-only quantized CPU Llama, e.g. a GGUF
 drafting for itself or for a bigger GGUF of its tokenizer) runs its one-token passes and short catch-up passes
@@ -47,9 +48,10 @@ class DraftModelProposer:
         return self.model(input_ids, positions, meta)
 
     def propose(self, batch: PreparedBatch, hidden: torch.Tensor, states: dict[str, CachedRequestState],
-                rows: list[int], buffers: StepBuffers) -> list[list[int]]:
-        """Drafts for `rows` (rows that sampled this step: their states already hold the sampled tokens),
-        after running the step's own tokens through the draft (always: its cache must hold every token).
+                rows: list[int], lengths: list[int], buffers: StepBuffers) -> list[list[int]]:
+        """Drafts of lengths[i] tokens for rows[i] (rows that sampled this step: their states already hold the
+        sampled tokens), after running the step's own tokens through the draft (always: its cache must hold
+        every token); max(lengths) one-token passes, each over the rows still short of their length.
         `hidden` (the model's) is not read: a draft model has its own."""
         self._forward(batch.input_ids, batch.positions, batch.meta)
         if not rows:
@@ -58,8 +60,8 @@ class DraftModelProposer:
         tokens = [states[rid].token_ids[-1] for rid in rids]
         positions = [len(states[rid].token_ids) - 1 for rid in rids]
         drafts: list[list[int]] = [[] for _ in rids]
-        for step in range(self.k):
-            live = [i for i, p in enumerate(positions) if p < self.max_model_len]
+        for step in range(max(lengths)):
+            live = [i for i, p in enumerate(positions) if p < self.max_model_len and step < lengths[i]]
             if not live:
                 break
             host = one_token_batch([states[rids[i]] for i in live], [tokens[i] for i in live],

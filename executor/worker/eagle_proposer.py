@@ -5,7 +5,8 @@ The head's position j reads token j+1 and the model's feature at j, so its KV ca
 block tables and slots as the model's, like a draft model's) is written one token ahead. Every step the head
 runs the step's positions with the next token of each (known once the step sampled; 0 past a rejected draft,
 whose slots the next step rewrites), then drafts from the position before each row's newest token: its first
-proposal from that pass, then k - 1 one-token passes that feed the head's own output back as the feature.
+proposal from that pass, then one-token passes that feed the head's own output back as the feature, up to the
+length the core asked for each row (SchedulerOutput.num_draft_tokens_to_propose).
 """
 from __future__ import annotations
 
@@ -38,7 +39,10 @@ class EagleProposer:
         return bool(self.aux_layers)
 
     def propose(self, batch: PreparedBatch, hidden: torch.Tensor, states: dict[str, CachedRequestState],
-                rows: list[int], buffers: StepBuffers) -> list[list[int]]:
+                rows: list[int], lengths: list[int], buffers: StepBuffers) -> list[list[int]]:
+        """Drafts of lengths[i] tokens for rows[i] (rows that sampled this step), after the head ran the step's
+        positions (always: its cache must hold them); the first from that pass, then max(lengths) - 1
+        one-token passes over the rows still short of their length."""
         num_tokens = len(batch.input_ids)
         features = self.target.model.aux_hidden if self.aux_layers else hidden
         next_ids = torch.from_numpy(self._next_ids(batch, states, num_tokens)).to(batch.input_ids.device)
@@ -46,22 +50,23 @@ class EagleProposer:
         if not rows:
             return []
         rids = [batch.req_ids[r] for r in rows]
-        lengths = [len(states[rid].token_ids) for rid in rids]
+        sizes = [len(states[rid].token_ids) for rid in rids]
         starts, seq_lens = batch.meta.query_start_loc_cpu, batch.meta.seq_lens_cpu
         # The row's position before its newest token, as an index into the step's tokens.
-        index = [starts[r] + (n - 2) - (seq_lens[r] - (starts[r + 1] - starts[r])) for r, n in zip(rows, lengths)]
+        index = [starts[r] + (n - 2) - (seq_lens[r] - (starts[r + 1] - starts[r])) for r, n in zip(rows, sizes)]
         index_t = torch.tensor(index, dtype=torch.int64, device=out.device)
         out, carry = out[index_t], carry[index_t]
         drafts: list[list[int]] = [[] for _ in rids]
-        positions = [n - 1 for n in lengths]          # where each next proposal is read into the head
+        positions = [n - 1 for n in sizes]          # where each next proposal is read into the head
         live = list(range(len(rids)))
-        for step in range(self.k):
+        while True:
             proposed = self.model.to_target_ids(self.model.compute_logits(out).argmax(dim=-1))
             tokens = proposed.tolist()
             for i, token in zip(live, tokens):
                 drafts[i].append(token)
-            keep = [j for j, i in enumerate(live) if positions[i] < self.max_model_len]
-            if step == self.k - 1 or not keep:
+            keep = [j for j, i in enumerate(live)
+                    if positions[i] < self.max_model_len and len(drafts[i]) < lengths[i]]
+            if not keep:
                 break
             live = [live[j] for j in keep]
             keep_t = torch.tensor(keep, dtype=torch.int64, device=out.device)

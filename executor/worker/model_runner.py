@@ -225,7 +225,7 @@ class ModelRunner:
         if drafts:
             self._verify(batch, hidden, drafts, result, sched.grammar_bitmask)
         if self.drafter is not None:
-            self._propose(batch, hidden, result)
+            self._propose(batch, hidden, result, sched.num_draft_tokens_to_propose)
         return PendingStep.ready(result)
 
     def _send(self, activations: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -243,12 +243,14 @@ class ModelRunner:
         for step in steps.values():
             step.result()       # outside the lock: result() waits on the device, then takes it
 
-    def _propose(self, batch: PreparedBatch, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
-        """The draft model runs the step's tokens, then drafts for the rows that sampled (none past the
-        batch size that gets drafts: the core would not use them)."""
-        spec = self.config.speculative
-        rows = [] if len(batch.sample_rows) > spec.disable_by_batch_size else batch.sample_rows
-        drafts = self.drafter.propose(batch, hidden, self.states, rows, self.buffers)
+    def _propose(self, batch: PreparedBatch, hidden: torch.Tensor, result: ModelRunnerOutput,
+                 asked: dict[str, int]) -> None:
+        """The draft model or head runs the step's tokens, then drafts for the rows that sampled and that the
+        core asked proposals of, as many as it asked (its next plan would verify no more)."""
+        k = self.config.speculative.num_speculative_tokens
+        rows = [row for row in batch.sample_rows if asked.get(batch.req_ids[row], 0) > 0]
+        lengths = [min(asked[batch.req_ids[row]], k) for row in rows]
+        drafts = self.drafter.propose(batch, hidden, self.states, rows, lengths, self.buffers)
         result.draft_token_ids = [[] for _ in batch.req_ids]
         for row, draft in zip(rows, drafts):
             result.draft_token_ids[row] = draft

@@ -75,9 +75,16 @@ class Worker(WeightUpdateMethods):
         from pagedserve.executor.model.model_loader import load_model
         model = load_model(self.config.model, self.tp, self.pp, pooling=self.config.pooler is not None)
         draft = None
-        if self.config.draft_model is not None:    # unsharded: config refuses it with tensor parallelism
-            draft = load_model(self.config.draft_model, TPGroup(rank=0, size=1))
+        if self.config.draft_model is not None:    # sharded with the model's own group, or whole on each rank
+            tp = self.tp if self._draft_tp_size > 1 else TPGroup(rank=0, size=1)
+            draft = load_model(self.config.draft_model, tp)
         self.runner = ModelRunner(self.config, model, self.device, self.dtype, draft, self.pp)
+
+    @property
+    def _draft_tp_size(self) -> int:
+        """The ranks a speculative draft model or head shards over: 1 or this model's (config checked it)."""
+        spec = self.config.speculative
+        return spec.draft_tensor_parallel_size if spec is not None else 1
 
     def remote_refusal(self, method: str) -> str | None:
         """Why `method` may not be called from another process, or None if it is in REMOTE_METHODS."""
@@ -110,9 +117,9 @@ class Worker(WeightUpdateMethods):
         """A block's bytes in every layer's cache: the model's, and a speculative draft model's beside it."""
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()      # fp8: 1 byte
         total = 0
-        for m, shards in ((self.config.model, self.tp.size), (self.config.draft_model, 1)):
+        for m, shards in ((self.config.model, self.tp.size), (self.config.draft_model, self._draft_tp_size)):
             if m is not None:
-                # this rank's layers: its stage's (a draft runs whole beside the model)
+                # this rank's layers: its stage's (a draft runs beside the model: spec refuses pipeline stages)
                 layers = len(self.pp.layers(m.num_layers)) if m is self.config.model else m.num_layers
                 total += 2 * layers * self.config.cache.block_size * max(1, m.num_kv_heads // shards) \
                     * m.head_dim * elem

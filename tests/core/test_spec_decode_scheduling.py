@@ -79,13 +79,16 @@ def test_ngram_drafts_what_followed_the_latest_match_of_the_longest_suffix():
 # ---------------------------------------------------------------- the scheduler
 
 
-def _scheduler(k: int = 3, disable_by_batch_size: int = 8, budget: int = 64, max_seqs: int = 16):
+def _scheduler(k: int = 3, disable_by_batch_size: int = 8, budget: int = 64, max_seqs: int = 16,
+               method: str = "ngram"):
     kv = KVCacheManager(64, BS, True)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=256, policy="fcfs",
                           enable_chunked_prefill=True, max_waiting_requests=None, async_scheduling=False,
                           batch_queue_size=1, max_loras=0)
-    spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
-                                     "prompt_lookup_max": 3, "disable_by_batch_size": disable_by_batch_size})
+    # draft_model: the workers' draft model proposes (it never loads here: the scheduler only reads the config)
+    extra = {"prompt_lookup_min": 1, "prompt_lookup_max": 3} if method == "ngram" else {"model": "unused"}
+    spec = parse_speculative_config({"method": method, "num_speculative_tokens": k,
+                                     "disable_by_batch_size": disable_by_batch_size, **extra})
     return Scheduler(cfg, kv, speculative=spec)
 
 
@@ -193,3 +196,74 @@ def test_a_request_whose_drafts_keep_failing_gets_fewer_then_only_probes():
     assert sizes[0] == 3 and sizes[2] < 3                  # the lookup's 3, then less as acceptance falls
     assert max(sizes[6:]) <= 1 and sum(sizes[6:]) < 6      # then only one-token probes, now and then
     assert sched.spec.acceptance(req) < 0.15
+
+
+# ---------------------------------------------------------------- what the workers' draft model proposes
+
+
+def _answer_with_proposals(sched: Scheduler, out, sampled: dict[str, int], accepted: dict[str, list[int]]):
+    """The workers' output, their draft model proposing the token 7 as often as the core asked."""
+    rids = list(out.num_scheduled_tokens)
+    result = ModelRunnerOutput(rids, [sampled.get(r, -1) for r in rids],
+                               spec_token_ids=[accepted.get(r, []) for r in rids],
+                               draft_token_ids=[[7] * out.num_draft_tokens_to_propose.get(r, 0) for r in rids])
+    return sched.update_from_output(out, result)
+
+
+def test_the_draft_model_is_asked_for_what_the_next_step_can_verify():
+    from pagedserve.tests.helpers.spec_costs import FixedStepCosts
+    sched = _scheduler(k=3, disable_by_batch_size=2, method="draft_model")
+    sched.spec.cost = FixedStepCosts()                  # a verify row is free: every draft that may be accepted pays
+    a = _request("a", [1, 2, 3, 4], max_tokens=6)
+    sched.add_request(a)
+    out = sched.schedule()                              # the prompt: a samples now, decodes next step
+    assert out.num_draft_tokens_to_propose == {"a": 3}
+    _answer_with_proposals(sched, out, {"a": 5}, {})
+    out = sched.schedule()
+    assert out.scheduled_spec_decode_tokens == {"a": [7, 7, 7]}
+    # after this step a has at least 2 of its 6 tokens and the next may verify 3 drafts; then 5 of 6: none
+    assert out.num_draft_tokens_to_propose == {"a": 3}
+    _answer_with_proposals(sched, out, {"a": 9}, {"a": [7, 7]})
+    assert a.num_output_tokens == 4
+    assert sched.schedule().num_draft_tokens_to_propose == {}
+    # more requests than disable_by_batch_size: no proposals for any
+    sched = _scheduler(k=3, disable_by_batch_size=2, method="draft_model")
+    sched.spec.cost = FixedStepCosts()
+    for rid in "bcd":
+        sched.add_request(_request(rid, [1, 2, 3, 4]))
+    assert sched.schedule().num_draft_tokens_to_propose == {}
+    # drafts that cannot pay (a verify row costs a step): none, nor a probe, at any step
+    sched = _scheduler(k=3, method="draft_model")
+    sched.spec.cost = FixedStepCosts(per_row=1000.0)
+    e = _request("e", [1, 2, 3, 4], max_tokens=30)
+    sched.add_request(e)
+    for _ in range(20):
+        out = sched.schedule()
+        assert out.num_draft_tokens_to_propose == {} and out.scheduled_spec_decode_tokens == {}
+        _answer_with_proposals(sched, out, {"e": 5}, {})
+    assert e.num_output_tokens == 20
+
+
+def test_the_draft_model_is_asked_at_least_what_the_next_plan_takes_probes_included():
+    """Every draft rejected, the step cost model's seed curve: the proposals asked shrink with the acceptance,
+    to none but the probes; before each step, the plan the core would make had the request a full-length
+    proposal takes no more than was asked after the step before."""
+    sched = _scheduler(k=4, method="draft_model")
+    req = _request("a", [5, 6, 7, 5, 6, 7, 5, 6], max_tokens=80)
+    sched.add_request(req)
+    out = sched.schedule()
+    asked, wanted = [], []
+    for step in range(40):
+        _answer_with_proposals(sched, out, {"a": 3}, {"a": []})
+        asked.append(out.num_draft_tokens_to_propose.get("a", 0))
+        proposed = list(req.spec_token_ids)
+        req.spec_token_ids = [7] * 4                     # what a full-length proposal would have let it verify
+        budget = sched.config.max_num_batched_tokens
+        sched.spec.plan(sched.running, budget)
+        wanted.append(len(sched.spec.drafts_for(req, budget, 0)))
+        req.spec_token_ids = proposed
+        out = sched.schedule()
+        assert len(out.scheduled_spec_decode_tokens.get("a", [])) == wanted[-1] <= asked[-1], (step, asked, wanted)
+    assert asked[0] == wanted[0] == 3                    # at the seed acceptance, 3 drafts pay
+    assert asked[10:].count(0) >= 20                     # no proposal pass at most steps once drafts fail
+    assert wanted[10:].count(1) >= 3                     # but the probes still get theirs

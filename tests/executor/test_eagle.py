@@ -171,15 +171,18 @@ def test_drafts_equal_the_dense_reference_every_step(tmp_path_factory, target_di
     prompt = random_prompts(4, [37], 512)[0]                # three prefill chunks of 16
     core.add_request(EngineCoreRequest("r", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
                                        arrival_time=0.0))
-    checked = 0
+    checked = full = 0
     while core.has_unfinished_requests():
         core.step()
         request = core.scheduler.requests.get("r")
         if request is None or not request.spec_token_ids:
             continue
-        assert request.spec_token_ids == ref.drafts(request.all_token_ids, K), f"after {request.num_output_tokens}"
+        # as many as the core asked for (at most K; fewer near max_tokens), each the reference's
+        assert request.spec_token_ids == ref.drafts(request.all_token_ids, K)[:len(request.spec_token_ids)], \
+            f"after {request.num_output_tokens}"
+        full += len(request.spec_token_ids) == K
         checked += 1
-    assert checked >= 8
+    assert checked >= 8 and full >= 5
     spec = core.scheduler.spec
     if predictive:      # drafts accepted in part and in full were part of the check
         assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, (spec.num_accepted_tokens, spec.num_draft_tokens)
@@ -206,16 +209,18 @@ def test_eagle_head_follows_a_weight_update_of_the_model(tmp_path_factory, targe
         core.step()
         request = core.scheduler.requests.get("r")
         if request is not None and request.spec_token_ids:
-            assert request.spec_token_ids == ref.drafts(request.all_token_ids, K), f"after {request.num_output_tokens}"
+            n = len(request.spec_token_ids)             # as many as the core asked for
+            assert request.spec_token_ids == ref.drafts(request.all_token_ids, K)[:n], \
+                f"after {request.num_output_tokens}"
             checked += 1
-            differs += request.spec_token_ids != stale.drafts(request.all_token_ids, K)
+            differs += request.spec_token_ids != stale.drafts(request.all_token_ids, K)[:n]
     assert checked >= 3 and differs > 0          # a head on the old weights would have drafted otherwise
 
 
 @pytest.mark.parametrize("method,tp", [("eagle", 1), ("eagle3", 1), ("eagle", 2), ("eagle3", 2)])
 def test_greedy_output_unchanged_by_a_head(tmp_path_factory, bigram_dir, target_dir, method, tp):
     """TP = 2: a worker process per rank (the head's config, with its aux layers set at start, crosses to them);
-    each rank runs the unsharded head with the model's sharded embedding and LM head."""
+    the head is sharded over the ranks like the model (draft_tensor_parallel_size defaults to its TP size)."""
     target = bigram_dir if method == "eagle" else target_dir
     head = head_dir(tmp_path_factory, target, method, predictive=method == "eagle")
     prompts = random_prompts(5, [9, 40, 17, 70, 3], 512)
