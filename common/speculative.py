@@ -36,7 +36,7 @@ class SpeculativeConfig:
     model: str | None                # MODEL_METHODS: a path or Hub id (resolved into EngineConfig.draft_model)
     # MODEL_METHODS: the ranks the draft shards over, 1 (whole on each rank) or the model's tensor_parallel_size
     # (sharded with the model's own group); unset: the model's, as in vLLM.
-    draft_tensor_parallel_size: int = 1
+    draft_tensor_parallel_size: int
 
     @property
     def num_lookahead_tokens(self) -> int:
