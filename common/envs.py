@@ -57,6 +57,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDSERVE_KERNELS": _choice("PAGEDSERVE_KERNELS", "triton", ("triton", "torch")),
     # "0" keeps quantized CPU decode steps on the layer stack instead of the one-call C step (A/B runs).
     "PAGEDSERVE_CPU_DECODE_STEP": lambda: os.environ.get("PAGEDSERVE_CPU_DECODE_STEP", "1") != "0",
+    # "0" keeps many-row int4 GEMMs on the AVX512-VNNI tile where the CPU has AMX (same bits; A/B runs).
+    "PAGEDSERVE_CPU_AMX": lambda: os.environ.get("PAGEDSERVE_CPU_AMX", "1") != "0",
     # Defaults of secrets that are also flags (--api-key, --engine-token): never shown in --help.
     "PAGEDSERVE_API_KEY": lambda: os.environ.get("PAGEDSERVE_API_KEY") or None,
     "PAGEDSERVE_ENGINE_TOKEN": lambda: os.environ.get("PAGEDSERVE_ENGINE_TOKEN") or None,

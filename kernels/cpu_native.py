@@ -42,6 +42,8 @@ _SIGNATURES = {
     "ps_gemm_int4_min_rows": [],
     "ps_gemm_int4_s8": [PTR, PTR, I64, I64, I64, I64, PTR, I64, PTR, ctypes.c_int],
     "ps_gemm_int4_s8_built": [],
+    "ps_gemm_int4_s8_amx": [],
+    "ps_gemm_int4_s8_vnni": [PTR, PTR, I64, I64, I64, I64, PTR, I64, PTR, ctypes.c_int],
     "ps_decode_step_max_rows": [],
     "ps_decode_step_scratch": [PTR, I64],
     "ps_decode_step": [PTR, PTR, I64, PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, ctypes.c_int],

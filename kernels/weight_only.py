@@ -12,7 +12,9 @@ On CPUs with AVX512-VNNI an int4 call of 4 to int4_dense_min_rows() - 1 rows run
 With AVX512-VBMI too it takes 1-3 rows as well (its GEMV form), elsewhere fewer rows keep the float GEMV (the
 library says from how many: ps_gemm_int4_min_rows). From INT4_INT8_MIN_ROWS rows (prefill chunks, big decode
 batches) a VBMI build rounds the inputs to int8 per row and group instead and multiplies bytes
-(kernels/csrc/gemm_int4_s8.c): 1.5x the int16 form's rate, and no int4 call widens for oneDNN any more.
+(kernels/csrc/gemm_int4_s8.c): 1.5x the int16 form's rate, and no int4 call widens for oneDNN any more. On
+CPUs with AMX its tiles take those calls (kernels/csrc/gemm_int4_amx.c, the same bits; PAGEDSERVE_CPU_AMX=0
+keeps the VNNI tile).
 
 torch's kernels are GEMV kernels at heart: their cost grows with the input rows at a fraction of a dense GEMM's
 speed.
@@ -30,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedserve.common import envs
 from pagedserve.common.dtype import cpu_has_native_bf16
 from pagedserve.kernels import cpu_dequant, cpu_native
 
@@ -179,7 +182,8 @@ def _int4_gemm(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 
 
 def _int4_gemm_s8(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    return _int4_native(x2, w, "ps_gemm_int4_s8")
+    # ps_gemm_int4_s8 takes AMX tiles where the CPU has them (gemm_int4_amx.c), the same bits as the VNNI tile
+    return _int4_native(x2, w, "ps_gemm_int4_s8" if envs.PAGEDSERVE_CPU_AMX else "ps_gemm_int4_s8_vnni")
 
 
 def _int4_gemv(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:

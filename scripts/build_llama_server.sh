@@ -66,9 +66,16 @@ fi
 log "configuring in $CACHE/build (sources from $(cat "$SRC/.from_sdist" 2>/dev/null || echo unknown))"
 # Static libraries make one self-contained binary; tests, examples and other tools are skipped so only
 # what llama-server and llama-quantize link gets compiled.
+# Without AMX: on a CPU with it (Sapphire Rapids), -march=native compiles ggml's AMX backend, and this
+# llama.cpp's (llama-cpp-python 0.3.36's) segfaults in ggml_backend_amx_mul_mat on its first graph, any model,
+# any -np (gdb backtrace in docs/cpu_performance.md, 2026-11-28 midday); --no-repack avoids it but also drops
+# the AVX512 Q4_0 repack, a far slower peer. An explicit -mno-* wins over -march=native in any order.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 "$CMAKE" -S "$SRC" -B "$CACHE/build" \
   -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=ON \
+  -DCMAKE_C_FLAGS="$NO_AMX" \
+  -DCMAKE_CXX_FLAGS="$NO_AMX" \
   -DLLAMA_CURL=OFF \
   -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_BUILD_TESTS=OFF \

@@ -14,6 +14,7 @@ of byte i, channel i + 32 the high one). Two vpermt2b put the four codes of each
 #include <math.h>
 #include <stdlib.h>
 
+#include "gemm_int4_amx.h"
 #include "gemm_int4_s8.h"
 
 #if GEMM_INT4_S8
@@ -27,31 +28,6 @@ enum { TILE_PASS_ROWS = 256 };
    On the 1.7B model 2048 ran 27-32 ms a token and 4160 / 8256 19-20 in the same minutes (issue 25, the 2-core
    EPYC VM, whose read bandwidth itself switches between ~43 and ~72 GiB/s phases: compare within one). */
 enum { FEW_ROWS_PREFETCH = 4160 };
-
-typedef struct {
-    __m512i idx[2], low;
-} QuadShuffle;
-
-static inline QuadShuffle quad_shuffle(void) {
-    uint8_t i0[64], i1[64];
-    for (int j = 0; j < 16; ++j)
-        for (int m = 0; m < 4; ++m) {
-            i0[4 * j + m] = (uint8_t)(32 * m + j);          /* column m's byte j: table z0 (m < 2) or z1 */
-            i1[4 * j + m] = (uint8_t)(32 * m + 16 + j);
-        }
-    return (QuadShuffle){{_mm512_loadu_si512(i0), _mm512_loadu_si512(i1)}, _mm512_set1_epi8(0x0F)};
-}
-
-/* Columns 4i..4i+3 (128 bytes at p) as four vectors of byte quads: channels 0-15, 16-31, 32-47, 48-63. */
-static inline __attribute__((always_inline)) void unpack_quad(const QuadShuffle *sh, const uint8_t *p, __m512i *w) {
-    const __m512i z0 = _mm512_loadu_si512(p), z1 = _mm512_loadu_si512(p + 64);
-    const __m512i v0 = _mm512_permutex2var_epi8(z0, sh->idx[0], z1);
-    const __m512i v1 = _mm512_permutex2var_epi8(z0, sh->idx[1], z1);
-    w[0] = _mm512_and_si512(v0, sh->low);
-    w[1] = _mm512_and_si512(v1, sh->low);
-    w[2] = _mm512_and_si512(_mm512_srli_epi16(v0, 4), sh->low);
-    w[3] = _mm512_and_si512(_mm512_srli_epi16(v1, 4), sh->low);
-}
 
 /* vpdpbusd as inline assembly, as gemm_int4.c's vpdpwssd (the intrinsic spilled sums under gcc 12). */
 static inline __m512i dpbusd(__m512i acc, __m512i w, __m512i x) {
@@ -69,11 +45,8 @@ static inline __m512i quad_of(const int8_t *xr, int64_t i) {
 /* y[row] += cvt(acc) * scale * xscale + zero * xsum for one group: the one order every row is summed in. */
 static inline __attribute__((always_inline)) void add_group(float *y, const __m512i *acc, const __m512 *scale,
                                                             const __m512 *zero, float xs, float xsum) {
-    const __m512 s = _mm512_set1_ps(xs), sum = _mm512_set1_ps(xsum);
-    for (int c = 0; c < 4; ++c) {
-        const __m512 v = _mm512_fmadd_ps(zero[c], sum, _mm512_loadu_ps(y + 16 * c));
-        _mm512_storeu_ps(y + 16 * c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[c]), _mm512_mul_ps(scale[c], s), v));
-    }
+    for (int c = 0; c < 4; ++c)
+        _mm512_storeu_ps(y + 16 * c, s8_add16(_mm512_loadu_ps(y + 16 * c), acc[c], scale[c], zero[c], xs, xsum));
 }
 
 typedef struct {
@@ -192,13 +165,30 @@ static void blocks(const GemvInt4 *w, const int8_t *xq, const float *xscale, con
             block_tile(&j, r, r + TILE_PASS_ROWS < rows ? r + TILE_PASS_ROWS : rows, nb, tile);
 }
 
+/* Where rows a..b-1 go: as rows ([rows, k], the scales and sums [rows, groups]), or laid out for the AMX tile
+   (gemm_int4_amx.h: 16-row tiles four columns a line, the scales and sums [groups, padded]). */
+typedef struct {
+    int amx;
+    int64_t padded;
+} Layout;
+
+static inline void store16(int8_t *xq, int64_t k, int64_t r, int64_t col, __m128i q, Layout at) {
+    if (!at.amx) {
+        _mm_storeu_si128((__m128i *)(xq + r * k + col), q);
+        return;
+    }
+    int8_t *line = xq + (r / 16) * 16 * k + (col / 4) * 64 + (r % 16) * 4;
+    int32_t d[4];
+    _mm_storeu_si128((__m128i *)d, q);
+    for (int j = 0; j < 4; ++j) memcpy(line + 64 * j, &d[j], sizeof d[j]);
+}
+
 static void round_rows(const float *x, int64_t k, int64_t group, int8_t *xq, float *xscale, float *xsum,
-                             int64_t a, int64_t b) {
+                       int64_t a, int64_t b, Layout layout) {
     const int64_t groups = k / group;
     for (int64_t r = a; r < b; ++r)
         for (int64_t g = 0; g < groups; ++g) {
             const float *xg = x + r * k + g * group;
-            int8_t *q = xq + r * k + g * group;
             __m512 top = _mm512_setzero_ps();
             for (int64_t i = 0; i < group; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(xg + i)));
             const float m = _mm512_reduce_max_ps(top);
@@ -209,10 +199,11 @@ static void round_rows(const float *x, int64_t k, int64_t group, int8_t *xq, flo
             for (int64_t i = 0; i < group; i += 16) {
                 const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + i), inv));
                 sum = _mm512_add_epi32(sum, v);
-                _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtsepi32_epi8(v));
+                store16(xq, k, r, g * group + i, _mm512_cvtsepi32_epi8(v), layout);
             }
-            xscale[r * groups + g] = (float)((double)m / 127.0);
-            xsum[r * groups + g] = (float)_mm512_reduce_add_epi32(sum) * xscale[r * groups + g];
+            const int64_t at = layout.amx ? g * layout.padded + r : r * groups + g;
+            xscale[at] = (float)((double)m / 127.0);
+            xsum[at] = (float)_mm512_reduce_add_epi32(sum) * xscale[at];
         }
 }
 
@@ -222,41 +213,62 @@ typedef struct {
     int8_t *xq;
     float *xscale, *xsum, *y;
     int64_t rows, a, b;        /* this job's share: rows when rounding, 64-channel blocks when multiplying */
+    int64_t padded;            /* rows padded to the AMX tile's; 0: the VNNI tiles take the blocks */
 } SplitJob;
 
 static void *round_job(void *arg) {
     const SplitJob *j = (const SplitJob *)arg;
-    round_rows(j->x, j->w->k, j->w->group, j->xq, j->xscale, j->xsum, j->a, j->b);
+    round_rows(j->x, j->w->k, j->w->group, j->xq, j->xscale, j->xsum, j->a, j->b, (Layout){j->padded > 0, j->padded});
     return NULL;
 }
 
 static void *blocks_job(void *arg) {
     const SplitJob *j = (const SplitJob *)arg;
+    if (j->padded)
+        return ps_gemm_int4_amx_blocks(j->w, (const uint8_t *)j->xq, j->xscale, j->xsum, j->rows, j->padded, j->y,
+                                       j->a, j->b) ? (void *)j : NULL;
     blocks(j->w, j->xq, j->xscale, j->xsum, j->rows, j->y, j->a, j->b);
     return NULL;
 }
 
 static void set_range(void *job, int64_t a, int64_t b) { ((SplitJob *)job)->a = a; ((SplitJob *)job)->b = b; }
 
-int ps_gemm_int4_s8(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k,
-                    int64_t group, const float *x, int64_t rows, float *y, int threads) {
-    const GemvInt4 w = {packed, sz, n, k, group, sz_stride};
-    if (rows < 1 || n % 64 || (sz_stride != 1 && sz_stride != 2) || group < 16 || group % 16 || group / 4 > MAX_GROUP_QUADS
-        || k % group)
-        return 2;
-    int8_t *xq = malloc((size_t)(rows * k));
-    float *sums = malloc(sizeof(float) * (size_t)(2 * rows * (k / group)));
+/* allow_amx: whether many rows may take the AMX tile (same bits as the VNNI tile; 0 to measure one against
+   the other). The AMX tile reads whole tiles: the rounded rows are padded with zeros to AMX_PAD_ROWS. */
+static int gemm_s8(const GemvInt4 *w, const float *x, int64_t rows, float *y, int threads, int allow_amx) {
+    const int amx = allow_amx && rows >= AMX_MIN_ROWS && w->k % 64 == 0 && ps_gemm_int4_amx_ready();
+    const int64_t k = w->k, groups = k / w->group;
+    const int64_t padded = amx ? (rows + AMX_PAD_ROWS - 1) / AMX_PAD_ROWS * AMX_PAD_ROWS : rows;
+    int8_t *xq = calloc((size_t)(padded * k), 1);
+    float *sums = calloc((size_t)(2 * padded * groups), sizeof(float));
     int rc = 1;
     if (xq && sums) {
         SplitJob jobs[MAX_THREADS];
         for (int t = 0; t < MAX_THREADS; ++t)
-            jobs[t] = (SplitJob){&w, x, xq, sums, sums + rows * (k / group), y, rows, 0, 0};
+            jobs[t] = (SplitJob){w, x, xq, sums, sums + padded * groups, y, rows, 0, 0, amx ? padded : 0};
         rc = ps_run_split(threads, rows, jobs, sizeof(SplitJob), round_job, set_range);
-        if (!rc) rc = ps_run_split(threads, n / 64, jobs, sizeof(SplitJob), blocks_job, set_range);
+        if (!rc) rc = ps_run_split(threads, w->n / 64, jobs, sizeof(SplitJob), blocks_job, set_range);
     }
     free(xq);
     free(sums);
     return rc;
+}
+
+static int takes_s8(int64_t n, int64_t k, int64_t group, int64_t sz_stride, int64_t rows) {
+    return rows >= 1 && n % 64 == 0 && (sz_stride == 1 || sz_stride == 2) && group >= 16 && group % 16 == 0
+           && group / 4 <= MAX_GROUP_QUADS && k % group == 0;
+}
+
+int ps_gemm_int4_s8(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k,
+                    int64_t group, const float *x, int64_t rows, float *y, int threads) {
+    const GemvInt4 w = {packed, sz, n, k, group, sz_stride};
+    return takes_s8(n, k, group, sz_stride, rows) ? gemm_s8(&w, x, rows, y, threads, 1) : 2;
+}
+
+int ps_gemm_int4_s8_vnni(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k,
+                         int64_t group, const float *x, int64_t rows, float *y, int threads) {
+    const GemvInt4 w = {packed, sz, n, k, group, sz_stride};
+    return takes_s8(n, k, group, sz_stride, rows) ? gemm_s8(&w, x, rows, y, threads, 0) : 2;
 }
 #else
 int ps_gemm_int4_s8(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k,
@@ -265,6 +277,13 @@ int ps_gemm_int4_s8(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride
     return 2;
 }
 
+int ps_gemm_int4_s8_vnni(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k,
+                         int64_t group, const float *x, int64_t rows, float *y, int threads) {
+    return ps_gemm_int4_s8(packed, sz, sz_stride, n, k, group, x, rows, y, threads);
+}
+
 #endif
 
 int ps_gemm_int4_s8_built(void) { return GEMM_INT4_S8; }
+
+int ps_gemm_int4_s8_amx(void) { return ps_gemm_int4_amx_ready(); }

@@ -161,3 +161,24 @@ def test_the_int8_form_declines_shapes_it_does_not_take():
                                y.data_ptr(), 2) == 2
     assert LIB.ps_gemm_int4_s8(w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), 2, 64, 64, 32, x.data_ptr(), 0,
                                y.data_ptr(), 2) == 2
+
+
+needs_amx = pytest.mark.skipif(LIB is None or not LIB.ps_gemm_int4_s8_amx(),
+                               reason="the AMX tile needs a CPU with AMX-INT8 and a kernel that grants it")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [16, 17, 31, 32, 33, 100, 300])
+@pytest.mark.parametrize("out,cols,group,symmetric", [(64, 64, 32, True), (192, 576, 32, True),
+                                                      (128, 256, 64, False), (128, 512, 128, False),
+                                                      (64, 512, 256, True), (960, 960, 32, True)])
+def test_the_amx_tile_gives_the_vnni_tiles_bits(rows, out, cols, group, symmetric):
+    """gemm_int4_amx.c: the same int32 group sums and the same float operations per row and group as the VNNI
+    tile, so every output to the bit; rows padded to the tile's 32 and never written past `rows`."""
+    w, dense = _int4_case(out, cols, group, seed=rows + out + group, symmetric=symmetric)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * torch.rand(rows, 1) * 4
+    x[0, cols // 3] = 50.0
+    amx = _gemm(x, w, kernel="ps_gemm_int4_s8")
+    assert torch.equal(amx, _gemm(x, w, kernel="ps_gemm_int4_s8_vnni"))
+    _close(amx, _rounded8(x, group), dense)
+
