@@ -218,7 +218,9 @@ static inline __attribute__((always_inline)) void block_few_rows(const GemmJob *
     const uint8_t *p = w->packed + nb * k * 32;
     const int16_t *xq = j->in.xq + r0 * k;
     for (int r = 0; r < R; ++r) memset(j->y + (r0 + r) * w->n + nb * 64, 0, 64 * sizeof(float));
+    for (int64_t g = 0; g < SCALE_PREFETCH_GROUPS && g < groups; ++g) ps_int4_prefetch_scales(w, g, nb);
     for (int64_t g = 0; g < groups; ++g) {
+        if (g + SCALE_PREFETCH_GROUPS < groups) ps_int4_prefetch_scales(w, g + SCALE_PREFETCH_GROUPS, nb);
         __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
                 a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
         for (int64_t i = 0; i < group / 2; ++i, p += 64) {

@@ -115,7 +115,9 @@ static inline __attribute__((always_inline)) void block_few(const Job *j, int64_
     const int64_t k = w->k, group = w->group, groups = k / group;
     const QuadShuffle sh = quad_shuffle();
     const uint8_t *p = w->packed + nb * k * 32;
+    for (int64_t g = 0; g < SCALE_PREFETCH_GROUPS && g < groups; ++g) ps_int4_prefetch_scales(w, g, nb);
     for (int64_t g = 0; g < groups; ++g) {
+        if (g + SCALE_PREFETCH_GROUPS < groups) ps_int4_prefetch_scales(w, g + SCALE_PREFETCH_GROUPS, nb);
         const int8_t *x0 = j->xq + g * group, *x1 = x0 + (R > 1 ? k : 0), *x2 = x0 + (R > 2 ? 2 * k : 0);
         __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
                 a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;

@@ -31,6 +31,17 @@ static inline void ps_int4_scale_zero16(const GemvInt4 *w, int64_t g, int64_t c0
 }
 #endif
 
+/* Groups ahead of the one being read whose scales a block's pass prefetches. A group's scales for 64 channels
+   are one or two cache lines n * 2 * sz_stride bytes past the last group's: each on a page of its own at the
+   1.7B model's widths, where the hardware prefetchers stop, so without this every group waited on memory
+   (a third of the 1.7B decode step's GEMV time sat on that load, issue 25). */
+enum { SCALE_PREFETCH_GROUPS = 8 };
+
+static inline void ps_int4_prefetch_scales(const GemvInt4 *w, int64_t g, int64_t nb) {
+    const char *p = (const char *)(w->sz + (g * w->n + nb * 64) * w->sz_stride);
+    for (int64_t b = 0; b < 128 * w->sz_stride; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
 /* Scalar form of the above for channel c of group g. */
 static inline void ps_int4_scale_zero(const GemvInt4 *w, int64_t g, int64_t c, float *scale, float *zero) {
     const uint16_t *sz = w->sz + (g * w->n + c) * w->sz_stride;

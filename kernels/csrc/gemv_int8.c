@@ -57,8 +57,15 @@ static inline __m512 int8_scale16(const GemvInt8 *w, int64_t c, int64_t r, int p
                   : lo;
 }
 
-/* Prefetch of the codes PF_BLOCKS blocks ahead of channels r0..r0+15 at column i of chunk c (and c + 1). */
+/* Prefetch of the codes PF_BLOCKS blocks ahead of channels r0..r0+15 at column i of chunk c (and c + 1), and
+   at a chunk's first column their scales: a chunk's scales for 32 channels share one line, n * 2 bytes past
+   the last chunk's (a page apart on a head), which the hardware prefetchers do not follow. */
 static inline void int8_prefetch(const GemvInt8 *w, int64_t c, int64_t r0, int64_t i, int64_t ahead, int paired) {
+    if (i == 0) {
+        const uint16_t *s = w->scale + c * w->n + r0 + 16 * PF_BLOCKS;
+        _mm_prefetch((const char *)s, _MM_HINT_T0);
+        if (paired) _mm_prefetch((const char *)(s + w->n), _MM_HINT_T0);
+    }
     const int8_t *q = w->q + (c * w->n + r0) * w->chunk + ahead + i;
     const int64_t step = paired ? 4 : 1;      /* paired: a 16-code run per channel, four channels a line */
     for (int r = 0; r < 16; r += step) {
