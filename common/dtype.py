@@ -66,10 +66,19 @@ def resolve_kv_cache_dtype(requested: str, device: str, model_dtype: str, weight
 
 
 @functools.lru_cache(maxsize=1)     # read once: the weight-only kernels ask on every call
-def cpu_has_native_bf16() -> bool:
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return False
+        return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    flags = _cpu_flags()
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def cpu_has_amx_bf16() -> bool:
+    """AMX's bfloat16 tiles, which oneDNN's bfloat16 matmuls run on."""
+    return "amx_bf16" in _cpu_flags()

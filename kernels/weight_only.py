@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from pagedserve.common import envs
-from pagedserve.common.dtype import cpu_has_native_bf16
+from pagedserve.common.dtype import cpu_has_amx_bf16, cpu_has_native_bf16
 from pagedserve.kernels import cpu_dequant, cpu_native
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -52,6 +52,11 @@ INT4_DENSE_MIN_ROWS_AFTER_GEMM = 224
 # layers: 1.5x at 512 rows, 1.3x at 2048, docs/cpu_performance.md), so no int4 call widens where it runs.
 INT4_INT8_MIN_ROWS = 224
 INT4_NEVER_DENSE = sys.maxsize
+# Output channels up to which a many-row int4 call widens for oneDNN on a CPU with AMX-BF16 (oneDNN multiplies
+# bfloat16 on AMX tiles): at 512 rows widening took 0.64-0.93x the int8-input GEMM's time (its AMX tile) on the
+# 135M, 360M and 1.7B layers up to 2560 channels wide, 0.75x at 2048 x 2048, 1.02x at 2048 x 8192 and 1.30x at
+# 8192 x 2048 (docs/cpu_performance.md, 2026-11-28 midday). Prefill of 512 tokens: 360M +17 %, 135M +7 %.
+INT4_AMX_DENSE_MAX_OUT = 4096
 # Rows from which an int8 call widens for oneDNN. Below, where the C GEMVs are built, the int8 GEMV takes any
 # row count (gemv_int8.c: four rows at a time over each block's codes): 9-15 rows went through torch's int8 kernel
 # before, one call per chunk of columns (the 1.7B model's Q6_K head at 12 rows: 440 ms, the GEMV's ~26).
@@ -150,11 +155,14 @@ def _native() -> _Native:
                    int(lib.ps_gemm_int4_min_rows()), bool(lib.ps_gemm_int4_s8_built()))
 
 
-def int4_dense_min_rows() -> int:
+def int4_dense_min_rows(w: Int4Weight | None = None) -> int:
     """Input rows from which an int4 linear on CPU widens its weight for a dense GEMM (INT4_NEVER_DENSE:
-    never, where the int8-input GEMM takes the many-row calls)."""
+    never, where the int8-input GEMM takes the many-row calls; with AMX-BF16 weights of up to
+    INT4_AMX_DENSE_MAX_OUT channels widen from INT4_INT8_MIN_ROWS rows, w given)."""
     native = _native()
     if native.int4_gemm and native.int4_gemm_int8:
+        if w is not None and w.out_features <= INT4_AMX_DENSE_MAX_OUT and cpu_has_amx_bf16():
+            return INT4_INT8_MIN_ROWS
         return INT4_NEVER_DENSE
     return INT4_DENSE_MIN_ROWS_AFTER_GEMM if native.int4_gemm else INT4_DENSE_MIN_ROWS
 
@@ -204,7 +212,7 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
                 dense_min_rows: int | None = None) -> torch.Tensor:
     """dense_min_rows: input rows from which a CPU call widens the weight (None: int4_dense_min_rows())."""
     shape, dtype = x.shape, x.dtype
-    dense_min_rows = int4_dense_min_rows() if dense_min_rows is None else dense_min_rows
+    dense_min_rows = int4_dense_min_rows(w) if dense_min_rows is None else dense_min_rows
     x2 = x.reshape(-1, shape[-1])
     y = None
     if w.out_features % 64 == 0 and x2.device.type == "cpu":

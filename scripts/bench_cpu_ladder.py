@@ -13,7 +13,8 @@ with -t), alternating (the order flips every repeat, so a drifting machine costs
   W1       output tok/s of W1's first N requests sent at once (N: 64, 64, 16 by size; --num-requests)
   RSS      each engine's peak RSS
   serving  `pagedserve bench serve` (W1, --ignore-eos) against each server in turn, one format per size
-           (--serve-format), two rates per size (--rates); labels "ENGINE SIZE FORMAT"
+           (--serve-format), two rates per size (--rates), each rate on a freshly started server (the same
+           prompts at both rates: no cache of the first run answers the second); labels "ENGINE SIZE FORMAT"
 Every request runs greedy with ignore_eos and its token count is checked: random weights must not stop early.
 Every engine run (and every bench serve rate) appends one JSON line to --result-file; the tables are printed.
 
@@ -224,16 +225,20 @@ def bench_serve(url: str, label: str, num_prompts: int, rates: tuple[float, ...]
 
 
 def serve_size(args: argparse.Namespace, size: str, info: dict, cfg: dict, emit: Callable[[dict], None]) -> None:
+    """Each rate against a fresh server: W1's prompts are the same at every rate, and a server that served them
+    at the first would answer the second from its prefix cache (pagedserve) or its slots' cached prompts
+    (llama-server's cache_prompt)."""
     for engine in args.engine:
         label = f"{engine} {size} {info['format']}"
-        try:
-            with serving(engine, cfg) as url:
-                lines = bench_serve(url, label, args.serve_prompts[size], args.rates[size])
-        except Exception as exc:         # noqa: BLE001 - the offline numbers of the ladder still stand
-            print(f"bench_cpu_ladder: serving {label} failed: {exc}", file=sys.stderr, flush=True)
-            continue
-        for line in lines:
-            emit({**line, **info, "engine": engine, "threads": cfg["threads"]})
+        for rate in args.rates[size]:
+            try:
+                with serving(engine, cfg) as url:
+                    lines = bench_serve(url, label, args.serve_prompts[size], (rate,))
+            except Exception as exc:     # noqa: BLE001 - the offline numbers of the ladder still stand
+                print(f"bench_cpu_ladder: serving {label} at {rate}/s failed: {exc}", file=sys.stderr, flush=True)
+                continue
+            for line in lines:
+                emit({**line, **info, "engine": engine, "threads": cfg["threads"]})
 
 
 def file_info(base: dict, size: str, fmt: str, path: str) -> dict:
@@ -258,7 +263,7 @@ def run_ladder(args: argparse.Namespace, files: dict, llama_server: str) -> list
     progress(f"read bandwidth {base['bandwidth_gib_s']:.2f} GiB/s on {args.threads} threads")
     options = {"enable_prefix_caching": False, **args.pagedserve_options}
     for size in args.sizes:
-        for fmt in args.formats:
+        for fmt in () if args.serve_only else args.formats:
             info = file_info(base, size, fmt, files[size][fmt])
             cfg = {"gguf": info["gguf"], "threads": args.threads, "num_requests": args.num_requests[size],
                    "max_tokens": None, "single_in": 128, "single_out": args.single_out,
@@ -311,6 +316,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"bench serve's request rates per size (default {lm.RATES})")
     p.add_argument("--serve-format", choices=lm.FORMATS, default="Q4_0", help="the one format served per size")
     p.add_argument("--no-serve", dest="serve", action="store_false", help="skip bench serve")
+    p.add_argument("--serve-only", action="store_true", help="bench serve alone (no offline runs)")
     p.add_argument("--pagedserve-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an EngineArgs field for pagedserve (engine-serve's flag name with _), repeatable")
     p.add_argument("--cache", default=None, help="the ladder's model files (default: PAGEDSERVE_CACHE_DIR/ladder)")
@@ -349,6 +355,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.pagedserve_options.get("enable_prefix_caching"):
         raise ValueError("--pagedserve-option: prefix caching stays off (the prefill pass repeats one prompt)")
     args.engine = list(dict.fromkeys(args.engine))
+    if args.serve_only and not args.serve:
+        raise ValueError("--serve-only and --no-serve leave nothing to run")
 
 
 def main(args: argparse.Namespace) -> None:

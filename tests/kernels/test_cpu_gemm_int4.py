@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_native, weight_only
+from pagedserve.common.dtype import cpu_has_amx_bf16
+from pagedserve.kernels import cpu_dequant, cpu_native, weight_only
 from pagedserve.tests.helpers.int4_cases import assert_float64_close as _close, int4_case as _int4_case
 
 LIB = cpu_native.library()
@@ -140,7 +141,8 @@ def test_a_row_gets_the_same_bits_whatever_rows_run_beside_it(kernel):
 
 @needs_s8
 def test_int4_linear_takes_the_int8_form_from_its_rows_and_never_widens():
-    w, _ = _int4_case(128, 256, 64, seed=9)
+    # wider than INT4_AMX_DENSE_MAX_OUT: with AMX-BF16 narrower weights widen (the test below)
+    w, _ = _int4_case(weight_only.INT4_AMX_DENSE_MAX_OUT + 64, 256, 64, seed=9)
     at = weight_only.INT4_INT8_MIN_ROWS
     x = torch.randn(at + 40, 256)
     assert weight_only.int4_dense_min_rows() == weight_only.INT4_NEVER_DENSE
@@ -165,6 +167,23 @@ def test_the_int8_form_declines_shapes_it_does_not_take():
 
 needs_amx = pytest.mark.skipif(LIB is None or not LIB.ps_gemm_int4_s8_amx(),
                                reason="the AMX tile needs a CPU with AMX-INT8 and a kernel that grants it")
+
+
+@needs_s8
+@pytest.mark.skipif(not cpu_has_amx_bf16(), reason="oneDNN's AMX-BF16 path needs a CPU with AMX-BF16")
+def test_with_amx_bf16_narrow_weights_widen_from_the_int8_forms_rows():
+    """Up to INT4_AMX_DENSE_MAX_OUT channels a many-row call widens the weight and runs oneDNN's bfloat16 matmul;
+    fewer rows keep the int16 GEMM, wider weights the int8-input GEMM."""
+    at = weight_only.INT4_INT8_MIN_ROWS
+    w, _ = _int4_case(weight_only.INT4_AMX_DENSE_MAX_OUT, 256, 32, seed=4, symmetric=True)
+    assert weight_only.int4_dense_min_rows(w) == at
+    x = torch.randn(at, 256)
+    widened = torch.mm(x.to(torch.bfloat16), cpu_dequant.int4_to_bf16_t(w.packed, w.scales_and_zeros, w.out_features,
+                                                                        w.in_features, w.group_size)).float()
+    assert torch.equal(weight_only.int4_linear(x, w), widened)
+    assert torch.equal(weight_only.int4_linear(x[:at - 1].contiguous(), w), _gemm(x[:at - 1].contiguous(), w))
+    wide, _ = _int4_case(weight_only.INT4_AMX_DENSE_MAX_OUT + 64, 256, 32, seed=5, symmetric=True)
+    assert weight_only.int4_dense_min_rows(wide) == weight_only.INT4_NEVER_DENSE
 
 
 @needs_amx

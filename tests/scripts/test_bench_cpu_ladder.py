@@ -3,23 +3,17 @@ arithmetic, pagedserve's options as serve flags, and the report's tables and plo
 nothing is built or run)."""
 from __future__ import annotations
 
-import pathlib
-
 import pytest
-
-SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
 
 
 @pytest.fixture()
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPTS))
+def bench(scripts_on_path):
     import bench_cpu_ladder
     return bench_cpu_ladder
 
 
 @pytest.fixture()
-def lm(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPTS))
+def lm(scripts_on_path):
     import ladder_models
     return ladder_models
 
@@ -52,6 +46,13 @@ def test_bad_size_maps_name_the_problem(lm, item, parse, problem):
     with pytest.raises(ValueError, match=problem) as err:
         lm.parse_size_map([item], getattr(lm, parse), "--flag")
     assert "--flag" in str(err.value)
+
+
+def test_serve_only_needs_serving(bench, capsys):
+    assert bench.parse_args(["--serve-only"]).serve_only
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--serve-only", "--no-serve"])
+    assert "leave nothing to run" in capsys.readouterr().err
 
 
 def test_pagedserve_options_are_typed_and_prefix_caching_stays_off(bench, capsys):

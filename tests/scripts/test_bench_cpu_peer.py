@@ -2,19 +2,15 @@
 peak-RSS watcher sees a real process's peak."""
 from __future__ import annotations
 
-import pathlib
 import subprocess
 import sys
 import time
 
 import pytest
 
-SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
-
 
 @pytest.fixture()
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPTS))
+def bench(scripts_on_path):
     import bench_cpu_peer
     return bench_cpu_peer
 

@@ -2,16 +2,11 @@
 same draft model where pagedserve runs a GGUF draft (pure functions; nothing is run)."""
 from __future__ import annotations
 
-import pathlib
-
 import pytest
-
-SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
 
 
 @pytest.fixture()
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPTS))
+def bench(scripts_on_path):
     import bench_spec_decode
     return bench_spec_decode
 
