@@ -2,7 +2,7 @@
 #ifndef PAGEDSERVE_GEMM_INT4_AMX_H
 #define PAGEDSERVE_GEMM_INT4_AMX_H
 
-#include "gemm_int4_s8.h"
+#include "int4_quads.h"
 
 #if GEMM_INT4_S8 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define GEMM_INT4_AMX 1
