@@ -12,9 +12,10 @@ On CPUs with AVX512-VNNI an int4 call of 4 to int4_dense_min_rows() - 1 rows run
 With AVX512-VBMI too it takes 1-3 rows as well (its GEMV form), elsewhere fewer rows keep the float GEMV (the
 library says from how many: ps_gemm_int4_min_rows). From INT4_INT8_MIN_ROWS rows (prefill chunks, big decode
 batches) a VBMI build rounds the inputs to int8 per row and group instead and multiplies bytes
-(kernels/csrc/gemm_int4_s8.c): 1.5x the int16 form's rate, and no int4 call widens for oneDNN any more. On
+(kernels/csrc/gemm_int4_s8.c): 1.5x the int16 form's rate, and there no int4 call widens for oneDNN. On
 CPUs with AMX its tiles take those calls (kernels/csrc/gemm_int4_amx.c, the same bits; PAGEDSERVE_CPU_AMX=0
-keeps the VNNI tile).
+keeps the VNNI tile), except that with AMX-BF16 weights of up to INT4_AMX_DENSE_MAX_WEIGHTS widen for oneDNN,
+whose bfloat16 tiles beat our int8 tile there.
 
 torch's kernels are GEMV kernels at heart: their cost grows with the input rows at a fraction of a dense GEMM's
 speed.
@@ -52,11 +53,12 @@ INT4_DENSE_MIN_ROWS_AFTER_GEMM = 224
 # layers: 1.5x at 512 rows, 1.3x at 2048, docs/cpu_performance.md), so no int4 call widens where it runs.
 INT4_INT8_MIN_ROWS = 224
 INT4_NEVER_DENSE = sys.maxsize
-# Output channels up to which a many-row int4 call widens for oneDNN on a CPU with AMX-BF16 (oneDNN multiplies
-# bfloat16 on AMX tiles): at 512 rows widening took 0.64-0.93x the int8-input GEMM's time (its AMX tile) on the
-# 135M, 360M and 1.7B layers up to 2560 channels wide, 0.75x at 2048 x 2048, 1.02x at 2048 x 8192 and 1.30x at
-# 8192 x 2048 (docs/cpu_performance.md, 2026-11-28 midday). Prefill of 512 tokens: 360M +17 %, 135M +7 %.
-INT4_AMX_DENSE_MAX_OUT = 4096
+# Weights (out x in) up to which a many-row int4 call widens for oneDNN on a CPU with AMX-BF16 (oneDNN multiplies
+# bfloat16 on AMX tiles). Widening's time over the int8-input GEMM's (its AMX tile), 512 rows: 0.69-0.86x on the
+# 135M and 360M layers (5120 x 960 included), 0.70x at 4096 x 2048, 0.86x at 6144 x 2048 (0.70x at 2048 rows),
+# but 1.05x at 2048 x 8192 and 1.43x at 8192 x 2048, the 1.7B model's 16.8M-weight MLP layers
+# (docs/cpu_performance.md, 2026-11-28 afternoon).
+INT4_AMX_DENSE_MAX_WEIGHTS = 6144 * 2048
 # Rows from which an int8 call widens for oneDNN. Below, where the C GEMVs are built, the int8 GEMV takes any
 # row count (gemv_int8.c: four rows at a time over each block's codes): 9-15 rows went through torch's int8 kernel
 # before, one call per chunk of columns (the 1.7B model's Q6_K head at 12 rows: 440 ms, the GEMV's ~26).
@@ -158,10 +160,11 @@ def _native() -> _Native:
 def int4_dense_min_rows(w: Int4Weight | None = None) -> int:
     """Input rows from which an int4 linear on CPU widens its weight for a dense GEMM (INT4_NEVER_DENSE:
     never, where the int8-input GEMM takes the many-row calls; with AMX-BF16 weights of up to
-    INT4_AMX_DENSE_MAX_OUT channels widen from INT4_INT8_MIN_ROWS rows, w given)."""
+    INT4_AMX_DENSE_MAX_WEIGHTS widen from INT4_INT8_MIN_ROWS rows, w given)."""
     native = _native()
     if native.int4_gemm and native.int4_gemm_int8:
-        if w is not None and w.out_features <= INT4_AMX_DENSE_MAX_OUT and cpu_has_amx_bf16():
+        if (w is not None and w.out_features * w.in_features <= INT4_AMX_DENSE_MAX_WEIGHTS
+                and cpu_has_amx_bf16()):
             return INT4_INT8_MIN_ROWS
         return INT4_NEVER_DENSE
     return INT4_DENSE_MIN_ROWS_AFTER_GEMM if native.int4_gemm else INT4_DENSE_MIN_ROWS
@@ -288,5 +291,8 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None
 
 def int8_embedding(ids: torch.Tensor, w: Int8Weight, dtype: torch.dtype) -> torch.Tensor:
     """Rows of an int8 table, widened: the table serves a tied LM head too, so it is kept once."""
-    rows = w.q[:, ids].to(dtype) * w.scale[:, ids].to(dtype).unsqueeze(-1)       # [chunks, T, chunk]
+    # index_select, not w.q[:, ids]: advanced indexing on the middle dimension took 4-20x its time (a 512-token
+    # prompt's rows of the 135M model's table: 18 ms of a 350 ms prefill, cold)
+    flat = ids.reshape(-1)
+    rows = w.q.index_select(1, flat).to(dtype) * w.scale.index_select(1, flat).to(dtype).unsqueeze(-1)
     return rows.movedim(0, -2).reshape(*ids.shape, -1)

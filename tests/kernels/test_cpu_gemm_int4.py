@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.common.dtype import cpu_has_amx_bf16
 from pagedserve.kernels import cpu_dequant, cpu_native, weight_only
-from pagedserve.tests.helpers.int4_cases import assert_float64_close as _close, int4_case as _int4_case
+from pagedserve.tests.helpers.int4_cases import assert_float64_close as _close, code_offsets, int4_case as _int4_case
 
 LIB = cpu_native.library()
 needs_gemm = pytest.mark.skipif(LIB is None or not LIB.ps_gemm_int4_vectorized(),
@@ -119,8 +119,8 @@ def test_int8_form_matches_the_weights(rows, out, cols, group):
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     x[0, cols // 3] = 50.0                              # one outlier: it sets its group's step alone
     y = _gemm(x, w, kernel="ps_gemm_int4_s8")
-    _close(y, _rounded8(x, group), dense)               # only float32 sums differ from the rounded inputs
-    _close(y, x, dense, int8_group=group)               # and the rounding is within half a step per input
+    _close(y, _rounded8(x, group), dense, offsets=code_offsets(w))  # only float32 sums differ from the rounded x
+    _close(y, x, dense, int8_group=group, offsets=code_offsets(w))  # and rounding moves x half a step at most
 
 
 @needs_gemm
@@ -133,7 +133,8 @@ def test_a_row_gets_the_same_bits_whatever_rows_run_beside_it(kernel):
         pytest.skip("no int8-input form in this build")
     for group in (32, 128):
         w, _ = _int4_case(192, 512, group, seed=group, symmetric=group == 32)
-        x = torch.randn(270, 512, generator=torch.Generator().manual_seed(group)) * torch.rand(270, 1) * 4
+        gen = torch.Generator().manual_seed(group)
+        x = torch.randn(270, 512, generator=gen) * torch.rand(270, 1, generator=gen) * 4
         alone = torch.cat([_gemm(x[r:r + 1].contiguous(), w, kernel=kernel) for r in range(x.shape[0])])
         for rows in (2, 3, 4, 5, 7, 9, 64, 257, 270):
             assert torch.equal(_gemm(x[:rows].contiguous(), w, kernel=kernel), alone[:rows]), (group, rows)
@@ -141,10 +142,11 @@ def test_a_row_gets_the_same_bits_whatever_rows_run_beside_it(kernel):
 
 @needs_s8
 def test_int4_linear_takes_the_int8_form_from_its_rows_and_never_widens():
-    # wider than INT4_AMX_DENSE_MAX_OUT: with AMX-BF16 narrower weights widen (the test below)
-    w, _ = _int4_case(weight_only.INT4_AMX_DENSE_MAX_OUT + 64, 256, 64, seed=9)
+    # more weights than INT4_AMX_DENSE_MAX_WEIGHTS: with AMX-BF16 smaller weights widen (the test below)
+    cols = 2048
+    w, _ = _int4_case(weight_only.INT4_AMX_DENSE_MAX_WEIGHTS // cols + 64, cols, 64, seed=9)
     at = weight_only.INT4_INT8_MIN_ROWS
-    x = torch.randn(at + 40, 256)
+    x = torch.randn(at + 40, cols)
     assert weight_only.int4_dense_min_rows() == weight_only.INT4_NEVER_DENSE
     assert torch.equal(weight_only.int4_linear(x[:at], w), _gemm(x[:at].contiguous(), w, kernel="ps_gemm_int4_s8"))
     assert torch.equal(weight_only.int4_linear(x, w), _gemm(x, w, kernel="ps_gemm_int4_s8"))
@@ -172,17 +174,17 @@ needs_amx = pytest.mark.skipif(LIB is None or not LIB.ps_gemm_int4_s8_amx(),
 @needs_s8
 @pytest.mark.skipif(not cpu_has_amx_bf16(), reason="oneDNN's AMX-BF16 path needs a CPU with AMX-BF16")
 def test_with_amx_bf16_narrow_weights_widen_from_the_int8_forms_rows():
-    """Up to INT4_AMX_DENSE_MAX_OUT channels a many-row call widens the weight and runs oneDNN's bfloat16 matmul;
-    fewer rows keep the int16 GEMM, wider weights the int8-input GEMM."""
+    """Up to INT4_AMX_DENSE_MAX_WEIGHTS a many-row call widens the weight and runs oneDNN's bfloat16 matmul;
+    fewer rows keep the int16 GEMM, bigger weights the int8-input GEMM."""
     at = weight_only.INT4_INT8_MIN_ROWS
-    w, _ = _int4_case(weight_only.INT4_AMX_DENSE_MAX_OUT, 256, 32, seed=4, symmetric=True)
+    w, _ = _int4_case(weight_only.INT4_AMX_DENSE_MAX_WEIGHTS // 256, 256, 32, seed=4, symmetric=True)
     assert weight_only.int4_dense_min_rows(w) == at
     x = torch.randn(at, 256)
     widened = torch.mm(x.to(torch.bfloat16), cpu_dequant.int4_to_bf16_t(w.packed, w.scales_and_zeros, w.out_features,
                                                                         w.in_features, w.group_size)).float()
     assert torch.equal(weight_only.int4_linear(x, w), widened)
     assert torch.equal(weight_only.int4_linear(x[:at - 1].contiguous(), w), _gemm(x[:at - 1].contiguous(), w))
-    wide, _ = _int4_case(weight_only.INT4_AMX_DENSE_MAX_OUT + 64, 256, 32, seed=5, symmetric=True)
+    wide, _ = _int4_case(weight_only.INT4_AMX_DENSE_MAX_WEIGHTS // 256 + 64, 256, 32, seed=5, symmetric=True)
     assert weight_only.int4_dense_min_rows(wide) == weight_only.INT4_NEVER_DENSE
 
 
@@ -195,9 +197,10 @@ def test_the_amx_tile_gives_the_vnni_tiles_bits(rows, out, cols, group, symmetri
     """gemm_int4_amx.c: the same int32 group sums and the same float operations per row and group as the VNNI
     tile, so every output to the bit; rows padded to the tile's 32 and never written past `rows`."""
     w, dense = _int4_case(out, cols, group, seed=rows + out + group, symmetric=symmetric)
-    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * torch.rand(rows, 1) * 4
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, cols, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
     x[0, cols // 3] = 50.0
     amx = _gemm(x, w, kernel="ps_gemm_int4_s8")
     assert torch.equal(amx, _gemm(x, w, kernel="ps_gemm_int4_s8_vnni"))
-    _close(amx, _rounded8(x, group), dense)
+    _close(amx, _rounded8(x, group), dense, offsets=code_offsets(w))
 
