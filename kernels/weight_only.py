@@ -289,6 +289,29 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None
     return y if bias is None else y + bias
 
 
+def int4_embedding(ids: torch.Tensor, w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of an int4 table (a 4-bit source kept in the pack its tied head streams), widened: the C gather
+    (dequant.c), else the same from the pack's layout in PyTorch ([n / 64, k, 32] bytes, channel j of a block
+    in byte j % 32, its low nibble for j < 32)."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    k = w.in_features
+    lib = cpu_native.library()
+    if lib is not None:
+        rows = torch.empty(flat.numel(), k, dtype=torch.float32)
+        cpu_native.check(lib.ps_int4_rows(w.packed.data_ptr(), w.scales_and_zeros.data_ptr(),
+                                          w.scales_and_zeros.shape[-1], w.out_features, k, w.group_size,
+                                          flat.data_ptr(), flat.numel(), rows.data_ptr()), "int4 embedding")
+        return rows.to(dtype).reshape(*ids.shape, k)
+    blocks = w.packed.view(-1, k, 32).index_select(0, flat // 64)                      # [T, k, 32]
+    byte = blocks.gather(2, (flat % 32).view(-1, 1, 1).expand(-1, k, 1)).squeeze(2).to(torch.int32)
+    q = torch.where((flat % 64 < 32).view(-1, 1), byte & 15, byte >> 4).float()
+    sz = w.scales_and_zeros.index_select(1, flat).float().transpose(0, 1)             # [T, groups, 1 | 2]
+    rows = (q - 8) * sz[..., 0].repeat_interleave(w.group_size, 1)
+    if sz.shape[-1] == 2:
+        rows = rows + sz[..., 1].repeat_interleave(w.group_size, 1)
+    return rows.to(dtype).reshape(*ids.shape, k)
+
+
 def int8_embedding(ids: torch.Tensor, w: Int8Weight, dtype: torch.dtype) -> torch.Tensor:
     """Rows of an int8 table, widened: the table serves a tied LM head too, so it is kept once."""
     # index_select, not w.q[:, ids]: advanced indexing on the middle dimension took 4-20x its time (a 512-token

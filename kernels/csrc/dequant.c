@@ -107,6 +107,29 @@ int ps_dequant_int4_t(const uint8_t *packed, const uint16_t *sz, int64_t sz_stri
     return ps_run_split(threads, k, jobs, sizeof(Int4Job), int4_job, int4_range);
 }
 
+/* Output channels ids[0..t-1] of an int4 pack, widened to float32 rows of out [t, k]: the lookups of an
+   embedding table kept in the pack its tied head's GEMV streams (4-bit sources). Returns 2 for an id outside
+   0..n-1 or shapes the pack does not have. */
+int ps_int4_rows(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k,
+                 int64_t group, const int64_t *ids, int64_t t, float *out) {
+    if (n % 64 || group <= 0 || k % group || sz_stride < 1 || sz_stride > 2) return 2;
+    const GemvInt4 w = {packed, sz, n, k, group, sz_stride};
+    for (int64_t r = 0; r < t; ++r) {
+        const int64_t c = ids[r];
+        if (c < 0 || c >= n) return 2;
+        /* channel c: byte c % 32 of each column's 32 in its 64-channel block, low nibble for the first 32 */
+        const uint8_t *p = packed + (c / 64) * k * 32 + c % 32;
+        const int shift = c % 64 < 32 ? 0 : 4;
+        float *o = out + r * k;
+        for (int64_t g = 0; g < k / group; ++g) {
+            float s, z;
+            ps_int4_scale_zero(&w, g, c, &s, &z);
+            for (int64_t kk = g * group; kk < (g + 1) * group; ++kk) o[kk] = (float)((p[kk * 32] >> shift) & 15) * s + z;
+        }
+    }
+    return 0;
+}
+
 /* Rows first..last-1 of an int8 weight, widened into out [last - first, chunks * chunk]. */
 int ps_dequant_int8_rows(const int8_t *q, const uint16_t *scale, uint16_t *out, int64_t chunks, int64_t rows,
                          int64_t chunk, int64_t first, int64_t last, int threads) {

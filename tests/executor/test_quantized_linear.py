@@ -20,7 +20,8 @@ from pagedserve.executor.model.quant.awq_gptq import awq_to_group_quant, gptq_to
 from pagedserve.executor.model.quant.gguf_blocks import decode_gguf_tensor
 from pagedserve.executor.model.quant.group_quant import GroupQuantWeight
 from pagedserve.executor.model.layers.linear_method import apply_linear
-from pagedserve.executor.model.quant.packing import pack_linear
+from pagedserve.executor.model.quant.packing import pack_embedding, pack_linear
+from pagedserve.kernels import cpu_native, weight_only
 from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
 from pagedserve.tests.helpers.gguf_blocks import random_k_blocks
 from pagedserve.tests.helpers.quant_packers import pack_awq, pack_gptq
@@ -29,13 +30,13 @@ CPU = torch.device("cpu")
 ROWS, COLS = 48, 512
 
 
-def _gguf_weight(qtype: T) -> GroupQuantWeight:
+def _gguf_weight(qtype: T, rows: int = ROWS) -> GroupQuantWeight:
     if qtype in (T.Q4_K, T.Q5_K, T.Q6_K):
-        blocks = random_k_blocks(qtype, ROWS * COLS // 256, seed=int(qtype)).reshape(ROWS, -1)
+        blocks = random_k_blocks(qtype, rows * COLS // 256, seed=int(qtype)).reshape(rows, -1)
     else:
         rng = np.random.default_rng(int(qtype))
-        blocks = quantize(rng.standard_normal((ROWS, COLS)).astype(np.float32) * 0.05, qtype)
-    return decode_gguf_tensor(blocks, qtype, (ROWS, COLS))
+        blocks = quantize(rng.standard_normal((rows, COLS)).astype(np.float32) * 0.05, qtype)
+    return decode_gguf_tensor(blocks, qtype, (rows, COLS))
 
 
 def _check(w: GroupQuantWeight, packed, expected_kind: type, batch: int) -> None:
@@ -128,3 +129,41 @@ def test_group_quant_split_falls_on_group_boundaries():
     assert torch.equal(half.dequantize(), w.dequantize()[:, 256:])
     with pytest.raises(ValueError, match="group boundaries"):
         w.narrow(1, 16, 256)
+
+
+@pytest.mark.parametrize("qtype,kind", [(T.Q4_0, Int4Weight), (T.Q4_1, Int4Weight), (T.Q4_K, Int4Weight),
+                                        (T.Q8_0, Int8Weight), (T.Q6_K, Int8Weight)])
+def test_an_embedding_keeps_4_bit_sources_in_the_int4_pack_its_tied_head_streams(qtype, kind, monkeypatch):
+    """4-bit tables stay int4 on CPU (half an int8 table's bytes for the head's GEMV to stream): lookups give
+    the format's own values up to the bfloat16 scales, from the C gather and from the PyTorch one alike, padding
+    rows are zero, and the same pack serves as the head."""
+    rows = 128
+    w = _gguf_weight(qtype, rows)
+    packed = pack_embedding([(0, w)], rows + 64, "gguf", CPU, torch.float32, "test")
+    assert isinstance(packed, kind)
+    if kind is Int8Weight:
+        return
+    ids = torch.tensor([[0, 31, 32, 63], [64, 127, 5, 5]])
+    ref = w.dequantize()[ids]
+    got = weight_only.int4_embedding(ids, packed, torch.float32)
+    assert got.shape == (2, 4, COLS)
+    bound = 2.0 ** -8 * ref.abs().amax(-1, keepdim=True)     # a wrong code would be off by a whole scale
+    assert (got - ref).abs().le(bound).all()
+    assert not weight_only.int4_embedding(torch.tensor([rows, rows + 63]), packed, torch.float32).any()
+    with monkeypatch.context() as m:                         # a machine without a C compiler
+        m.setattr(cpu_native, "library", lambda: None)
+        fallback = weight_only.int4_embedding(ids, packed, torch.float32)
+    assert torch.allclose(fallback, got, rtol=1e-6, atol=1e-7)
+    head = pack_embedding([(0, w)], rows, "gguf", CPU, torch.float32, "test")
+    x = torch.randn(3, COLS)
+    ref_logits = x @ w.dequantize().T
+    assert (apply_linear(x, head).float() - ref_logits).abs().le(1e-2 * (x.abs() @ w.dequantize().abs().T) + 1e-6).all()
+
+
+def test_int4_lookups_refuse_ids_outside_the_table():
+    w = _gguf_weight(T.Q4_0, 64)
+    packed = pack_embedding([(0, w)], 64, "gguf", CPU, torch.float32, "test")
+    if cpu_native.library() is None:
+        pytest.skip("the C gather's check (PyTorch's index_select raises its own IndexError)")
+    with pytest.raises(RuntimeError, match="int4 embedding"):
+        weight_only.int4_embedding(torch.tensor([3, 64]), packed, torch.float32)

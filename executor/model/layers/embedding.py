@@ -9,7 +9,7 @@ from pagedserve.executor.model.layers.linear_method import LinearMethod, dense_l
 from pagedserve.executor.model.layers.packed_pieces import PackedPieces
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.executor.model.quant.packing import Packed, Piece, pack_embedding, pack_linear
-from pagedserve.kernels.weight_only import Int8Weight, int8_embedding
+from pagedserve.kernels.weight_only import Int4Weight, Int8Weight, int4_embedding, int8_embedding
 
 
 class VocabParallelEmbedding(PackedPieces, nn.Module):
@@ -28,7 +28,7 @@ class VocabParallelEmbedding(PackedPieces, nn.Module):
         self.hidden_size = hidden_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.packed: Packed | None = None        # quantized checkpoints: int8 rows (or int4 for a head)
+        self.packed: Packed | None = None        # quantized checkpoints: int8 or int4 (packing.pack_embedding)
         self._pieces: list[Piece] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id: int | str | None = None) -> None:
@@ -59,6 +59,8 @@ class VocabParallelEmbedding(PackedPieces, nn.Module):
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.packed, Int8Weight):
             return int8_embedding(ids, self.packed, self.out_dtype)
+        if isinstance(self.packed, Int4Weight):
+            return int4_embedding(ids, self.packed, self.out_dtype)
         return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
