@@ -65,13 +65,20 @@ def resolve_kv_cache_dtype(requested: str, device: str, model_dtype: str, weight
     return "auto"
 
 
-@functools.lru_cache(maxsize=1)     # read once: the weight-only kernels ask on every call
-def _cpu_flags() -> frozenset[str]:
+def cpuinfo_field(name: str) -> str:
+    """The first value of a /proc/cpuinfo field ("flags", "model name"); "" where there is none (not Linux,
+    or an architecture that names it otherwise)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if ":" in line and line.split(":", 1)[0].strip() == name), "")
     except OSError:
-        return frozenset()
+        return ""
+
+
+@functools.lru_cache(maxsize=1)     # read once: the weight-only kernels ask on every call
+def _cpu_flags() -> frozenset[str]:
+    return frozenset(cpuinfo_field("flags").split())
 
 
 def cpu_has_native_bf16() -> bool:

@@ -21,6 +21,7 @@ import tempfile
 import torch
 
 from pagedserve.common import envs
+from pagedserve.common.dtype import cpuinfo_field
 from pagedserve.common.model_files import cache_root
 
 logger = logging.getLogger(__name__)
@@ -55,11 +56,7 @@ _SIGNATURES = {
 
 
 def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
+    return cpuinfo_field("flags") or platform.processor()
 
 
 def _build(compiler: str, sources: list[str], target: str, flags: tuple[str, ...] = _COMPILE_FLAGS) -> None:

@@ -145,6 +145,9 @@ class _Native(NamedTuple):
     int4_gemm: bool         # the AVX512-VNNI int4 GEMM of kernels/csrc/gemm_int4.c
     int4_gemm_min_rows: int  # rows from which it beats the GEMV (gemm_int4.h says why)
     int4_gemm_int8: bool    # its int8-input form (gemm_int4_s8.c), for INT4_INT8_MIN_ROWS rows and more
+    # that form's entry point: ps_gemm_int4_s8 takes AMX tiles where the CPU has them (gemm_int4_amx.c, the same
+    # bits as the VNNI tile), ps_gemm_int4_s8_vnni never does (PAGEDSERVE_CPU_AMX=0, read once)
+    int4_gemm_int8_kernel: str = "ps_gemm_int4_s8"
 
 
 @functools.lru_cache(maxsize=1)
@@ -154,7 +157,8 @@ def _native() -> _Native:
     if lib is None:
         return _Native(False, False, 0, False)
     return _Native(bool(lib.ps_gemv_vectorized()), bool(lib.ps_gemm_int4_vectorized()),
-                   int(lib.ps_gemm_int4_min_rows()), bool(lib.ps_gemm_int4_s8_built()))
+                   int(lib.ps_gemm_int4_min_rows()), bool(lib.ps_gemm_int4_s8_built()),
+                   "ps_gemm_int4_s8" if envs.PAGEDSERVE_CPU_AMX else "ps_gemm_int4_s8_vnni")
 
 
 def int4_dense_min_rows(w: Int4Weight | None = None) -> int:
@@ -193,8 +197,7 @@ def _int4_gemm(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 
 
 def _int4_gemm_s8(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    # ps_gemm_int4_s8 takes AMX tiles where the CPU has them (gemm_int4_amx.c), the same bits as the VNNI tile
-    return _int4_native(x2, w, "ps_gemm_int4_s8" if envs.PAGEDSERVE_CPU_AMX else "ps_gemm_int4_s8_vnni")
+    return _int4_native(x2, w, _native().int4_gemm_int8_kernel)
 
 
 def _int4_gemv(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from pagedserve.common.dtype import cpuinfo_field
 from pagedserve.frontend.bench.results import append_result, run_metadata
 from pagedserve.kernels import cpu_native
 
@@ -35,11 +36,7 @@ def call(lib, kernel: str, packed: torch.Tensor, sz: torch.Tensor, x: torch.Tens
 
 def cpu_model() -> str:
     """/proc/cpuinfo's model name (the figures are this CPU's alone)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown"
+    return cpuinfo_field("model name") or "unknown"
 
 
 def main() -> None:
