@@ -2,7 +2,7 @@
 
 The model describes its weights once (`DecoderWeights`); `CpuDecodeStep.build` checks every tensor the C
 code will read raw and returns None where anything is outside what it takes, so the caller keeps its
-PyTorch path. Weight-only int4/int8 linears only: those are where the PyTorch path's casts and per-op costs
+PyTorch path. Weight-only int4/int5/int6/int8 linears only: those are where the PyTorch path's casts and per-op costs
 outweighed the GEMVs (docs/cpu_performance.md).
 
 LoRA: a layer's linears may carry their adapter slots (`LoraPool`, the pool executor/model/layers/lora.py
@@ -16,16 +16,17 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels import cpu_native
+from pagedserve.kernels.weight_intn import IntNWeight
 from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
 
 _MAX_HEAD_DIM, _MAX_BLOCK, _MAX_GROUP = 256, 128, 16      # decode_attention.h
-_LINEAR_INT4, _LINEAR_INT8 = 1, 2
+_LINEAR_INT4, _LINEAR_INT8, _LINEAR_INTN = 1, 2, 3
 
 
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("group", ctypes.c_int64),
                 ("chunks", ctypes.c_int64), ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("sz_stride", ctypes.c_int64)]
+                ("bias", ctypes.c_void_p), ("sz_stride", ctypes.c_int64), ("bits", ctypes.c_int64)]
 
 
 class _Lora(ctypes.Structure):
@@ -49,7 +50,7 @@ class _Model(ctypes.Structure):
                 ("lora_width", ctypes.c_int64)]
 
 
-Weight = Int4Weight | Int8Weight
+Weight = Int4Weight | IntNWeight | Int8Weight
 
 
 @dataclass(frozen=True)
@@ -104,13 +105,19 @@ def _linear(w: Weight, n: int, k: int, bias: torch.Tensor | None) -> _Linear | N
                 or not (w.packed.is_contiguous() and w.scales_and_zeros.is_contiguous()):
             return None
         return _Linear(_LINEAR_INT4, n, k, w.group_size, 1, w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), ptr,
-                       w.scales_and_zeros.shape[-1])
+                       w.scales_and_zeros.shape[-1], 4)
+    if isinstance(w, IntNWeight):
+        if (w.out_features, w.in_features) != (n, k) or w.packed.device.type != "cpu" \
+                or not (w.packed.is_contiguous() and w.scales_and_zeros.is_contiguous()):
+            return None
+        return _Linear(_LINEAR_INTN, n, k, w.group_size, 1, w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), ptr,
+                       w.scales_and_zeros.shape[-1], w.bits)
     if isinstance(w, Int8Weight):
         chunks, rows, chunk = w.q.shape
         if (rows, chunks * chunk) != (n, k) or w.q.device.type != "cpu" \
                 or not (w.q.is_contiguous() and w.scale.is_contiguous()):
             return None
-        return _Linear(_LINEAR_INT8, n, k, chunk, chunks, w.q.data_ptr(), w.scale.data_ptr(), ptr, 0)
+        return _Linear(_LINEAR_INT8, n, k, chunk, chunks, w.q.data_ptr(), w.scale.data_ptr(), ptr, 0, 8)
     return None
 
 
@@ -153,8 +160,8 @@ class CpuDecodeStep:
         if (hkv <= 0 or hq % hkv or hq // hkv > _MAX_GROUP or d > _MAX_HEAD_DIM or d % 2
                 or cache.dim() != 5 or cache.shape[3] > _MAX_BLOCK):
             return None
-        inter = w.layers[0].down.in_features if isinstance(w.layers[0].down, Int4Weight) \
-            else w.layers[0].down.q.shape[0] * w.layers[0].down.q.shape[2]
+        down = w.layers[0].down
+        inter = down.q.shape[0] * down.q.shape[2] if isinstance(down, Int8Weight) else down.in_features
         layers = (_Layer * len(w.layers))()
         pools = [p for lw in w.layers for p in lw.loras]
         if any(p is None for p in pools) and any(p is not None for p in pools):

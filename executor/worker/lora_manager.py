@@ -23,6 +23,7 @@ from pagedserve.executor.model.layers.linear import LinearBase, RowParallelLinea
 from pagedserve.executor.model.layers.lora import LoRAContext, LoRASlots, pack_pieces
 from pagedserve.executor.worker.request_state import CachedRequestState
 from pagedserve.kernels import cpu_lora
+from pagedserve.kernels.weight_intn import IntNWeight
 from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
 
 logger = logging.getLogger(__name__)
@@ -39,12 +40,12 @@ Packed = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]     # (layer, 
 
 def pool_dtype(linears: list[LinearBase], dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The adapter slots' dtype: the model's, but bfloat16 over a float32 CPU model whose every LoRA linear is
-    weight-only int4/int8. There, with few tokens a step, each adapter's float32 A and B in the batch are read
+    weight-only int4/int5/int6/int8. There, with few tokens a step, each adapter's float32 A and B in the batch are read
     every step and outweigh the base's 4-bit codes (8 rank-16 all-linear adapters on the embedded model: twice
     its bytes); bfloat16 halves them, and its rounding of the weights (2^-9 relative; the C kernels keep x and
     the sums in float32) is far below the base's own (4-bit weights, rounded inputs)."""
     if device.type == "cpu" and dtype == torch.float32 \
-            and all(isinstance(linear.packed, (Int4Weight, Int8Weight)) for linear in linears):
+            and all(isinstance(linear.packed, (Int4Weight, IntNWeight, Int8Weight)) for linear in linears):
         return torch.bfloat16
     return dtype
 

@@ -15,16 +15,18 @@ LoRA rows (a step's rows each name an adapter slot, or -1) add their adapter's d
 
 #include "decode_attention.h"
 #include "gemm_int4.h"
+#include "gemm_intn.h"
 #include "lora.h"
 
-enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2 };
+enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_INTN = 3 };
 
 typedef struct {
     int64_t kind, n, k, group, chunks;     /* group: int4 group size or int8 chunk width */
-    const void *w;                          /* int4 pack or int8 codes (kernels/weight_only.py) */
-    const uint16_t *scales;                 /* int4 scales_and_zeros or int8 scales, bfloat16 */
+    const void *w;                          /* int4 / 5-6 bit pack or int8 codes (kernels/weight_*.py) */
+    const uint16_t *scales;                 /* int4 / 5-6 bit scales_and_zeros or int8 scales, bfloat16 */
     const float *bias;                      /* [n] or NULL */
-    int64_t sz_stride;                      /* int4: GemvInt4.sz_stride */
+    int64_t sz_stride;                      /* int4, 5-6 bit: GemvInt4.sz_stride */
+    int64_t bits;                           /* 5-6 bit: GemvIntN.bits */
 } LinearDesc;
 
 typedef struct {
@@ -98,6 +100,15 @@ static void linear_part(const LinearDesc *l, const float *x, int64_t rows, float
                                     y + t * l->n, a, b);
         a *= 64;
         b *= 64;
+    } else if (l->kind == LINEAR_INTN) {
+        const GemvIntN w = {(const uint8_t *)l->w, l->scales, l->n, l->k, l->group, l->sz_stride, l->bits};
+        split(l->n / 64, tid, threads, &a, &b);
+        const int failed = ps_gemm_intn_part(&w, x, rows, y, a, b);
+        a *= 64;
+        b *= 64;
+        if (failed)                    /* out of memory: NaN outputs, not stale scratch taken for sums */
+            for (int64_t t = 0; t < rows; ++t)
+                for (int64_t c = a; c < b; ++c) y[t * l->n + c] = NAN;
     } else {
         const GemvInt8 w = {(const int8_t *)l->w, l->scales, l->chunks, l->n, l->group};
         split(l->n, tid, threads, &a, &b);

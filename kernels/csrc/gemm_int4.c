@@ -14,6 +14,7 @@ at 32-96 rows). */
 #include <stdlib.h>
 
 #include "gemm_int4.h"
+#include "int4_pairs.h"
 
 /* Rows per pass (16 int32 sums in registers beside 4 weight vectors); group sizes up to 256
    (kernels/weight_only.INT4_GROUP_SIZES). */
@@ -25,14 +26,6 @@ enum { FEW_ROWS_PREFETCH = 4160 };
 /* Rows block_few_rows takes in one pass over a block (16 int32 sums in registers beside 4 weight vectors). */
 enum { FEW_ROWS = 4 };
 
-/* Inputs rounded to int16: what every thread's blocks read. */
-typedef struct {
-    const float *x;            /* [rows, k] float32 */
-    int16_t *xq;               /* [rows, k] */
-    float *xscale;             /* [rows] */
-    float *xsum;               /* [rows, k / group]: each group's sum of the rounded inputs, as floats */
-} Rounded;
-
 typedef struct {
     const GemvInt4 *w;         /* w = (q - 8) * scale + zero per group of input columns */
     Rounded in;
@@ -41,7 +34,7 @@ typedef struct {
 } GemmJob;
 
 /* Rows a..b-1 as int16, one scale per row (round to nearest), and each group's sum of the rounded values. */
-static void round_rows(const Rounded *in, int64_t k, int64_t group, int64_t a, int64_t b) {
+void ps_round_rows(const Rounded *in, int64_t k, int64_t group, int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r) {
         const float *xr = in->x + r * k;
         int16_t *q = in->xq + r * k;
@@ -78,37 +71,6 @@ static int takes(const GemvInt4 *w, int64_t rows) {
 /* One group's codes of one 64-channel block as int16 (k, k+1) pairs: tile[p][c] holds channels 16c..16c+15
    of columns g0 + 2p and g0 + 2p + 1 (the two columns' 32-byte rows are adjacent in the pack: channel i is
    the low nibble of byte i, channel i + 32 the high one). */
-#ifdef __AVX512VBMI__
-/* vpermb's byte order for one pair of columns (64 bytes: column 2i's 32, then 2i + 1's): byte j of each
-   column to bytes 4j and 4j + 2 of a lane, channels 0-15 (idx[0]) or 16-31 (idx[1]); the odd bytes are
-   zeroed by the mask. Then a mask keeps the low nibbles (channels c) and a shift the high ones (c + 32). */
-typedef struct {
-    __m512i idx[2], low;
-} PairShuffle;
-
-static inline PairShuffle pair_shuffle(void) {
-    uint8_t i0[64] = {0}, i1[64] = {0};
-    for (int j = 0; j < 16; ++j) {
-        i0[4 * j] = (uint8_t)j;
-        i0[4 * j + 2] = (uint8_t)(32 + j);
-        i1[4 * j] = (uint8_t)(16 + j);
-        i1[4 * j + 2] = (uint8_t)(48 + j);
-    }
-    return (PairShuffle){{_mm512_loadu_si512(i0), _mm512_loadu_si512(i1)}, _mm512_set1_epi16(0x0F)};
-}
-
-static inline __attribute__((always_inline)) void unpack_pair(const PairShuffle *sh, const uint8_t *p, __m512i *w) {
-    const __mmask64 even = 0x5555555555555555ull;
-    const __m512i z = _mm512_loadu_si512(p);
-    const __m512i v0 = _mm512_maskz_permutexvar_epi8(even, sh->idx[0], z);
-    const __m512i v1 = _mm512_maskz_permutexvar_epi8(even, sh->idx[1], z);
-    w[0] = _mm512_and_si512(v0, sh->low);
-    w[1] = _mm512_and_si512(v1, sh->low);
-    w[2] = _mm512_srli_epi16(v0, 4);
-    w[3] = _mm512_srli_epi16(v1, 4);
-}
-#endif
-
 static void unpack_group(const uint8_t *p, int64_t pairs, __m512i (*tile)[4]) {
 #ifdef __AVX512VBMI__
     /* Two shuffles and two masks a pair, where widening byte by byte below takes a dozen instructions. */
@@ -127,13 +89,6 @@ static void unpack_group(const uint8_t *p, int64_t pairs, __m512i (*tile)[4]) {
         tile[i][3] = _mm512_or_si512(_mm512_srli_epi32(a1, 4), _mm512_and_si512(_mm512_slli_epi32(b1, 12), high));
     }
 #endif
-}
-
-/* vpdpwssd as inline assembly: through the intrinsic gcc 12 copied every sum to a new register after each
-   one and kept some on the stack (read in its assembly), at about half the speed. */
-static inline __m512i dpwssd(__m512i acc, __m512i w, __m512i x) {
-    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
-    return acc;
 }
 
 /* The group's integer sums of R input rows (a constant at each call) into acc[r][c]; separate local
@@ -302,7 +257,7 @@ int ps_gemm_int4_part(const GemvInt4 *w, const float *x, int64_t rows, float *y,
     int status = 1;
     if (xq && sums) {
         GemmJob j = {w, {x, xq, sums, sums + rows}, y, rows, nb0, nb1};
-        round_rows(&j.in, w->k, w->group, 0, rows);
+        ps_round_rows(&j.in, w->k, w->group, 0, rows);
         blocks(&j);
         status = 0;
     }
@@ -315,7 +270,7 @@ int ps_gemm_int4_part(const GemvInt4 *w, const float *x, int64_t rows, float *y,
 
 static void *round_job(void *arg) {
     const GemmJob *j = (const GemmJob *)arg;
-    round_rows(&j->in, j->w->k, j->w->group, j->a, j->b);
+    ps_round_rows(&j->in, j->w->k, j->w->group, j->a, j->b);
     return NULL;
 }
 

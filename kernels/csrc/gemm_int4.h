@@ -4,6 +4,18 @@
 
 #include "gemv.h"
 
+/* Inputs rounded to int16: what every thread's blocks read. */
+typedef struct {
+    const float *x;            /* [rows, k] float32 */
+    int16_t *xq;               /* [rows, k] */
+    float *xscale;             /* [rows] */
+    float *xsum;               /* [rows, k / group]: each group's sum of the rounded inputs, as floats */
+} Rounded;
+
+/* Rows a..b-1 of in->x as int16, one scale per row (round to nearest), and each group's sum of the rounded
+   values (gemm_int4.c; the 5/6-bit GEMM of gemm_intn.c rounds its inputs the same way). */
+void ps_round_rows(const Rounded *in, int64_t k, int64_t group, int64_t a, int64_t b);
+
 /* 1 where this build has the kernel (AVX512-VNNI); elsewhere the calls below return 2. */
 int ps_gemm_int4_vectorized(void);
 

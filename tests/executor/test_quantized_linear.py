@@ -5,7 +5,8 @@ Tolerances, and why:
   bfloat16: the activations and the per-group scale/zero are rounded to it (relative 2**-9 each), and the
   kernel accumulates in float32. So each product term is off by at most ~2 * 2**-8 of itself, and
   |y - ref| <= 1e-2 * (|x| @ |W|^T) bounds the sum (|x| @ |W|^T is the sum of the terms' magnitudes).
-- 5-, 6- and 8-bit formats are requantized to int8 per output channel: each weight moves by at most half a
+- 5-, 6- and 8-bit formats are requantized to int8 per output channel (the 5/6-bit pack needs multiples of
+  64 rows, which 48 is not: tests/kernels/test_cpu_gemm_intn.py has it): each weight moves by at most half a
   step, max|w_row| / 254, so the bound gains (max|w_row| / 254) * sum|x| on top of the bfloat16 term.
 """
 from __future__ import annotations

@@ -35,6 +35,26 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """Q6_K blocks of a float [rows, cols] (cols a multiple of 256), which gguf-py cannot write: per 16 weights an
+    int8 scale of the block's float16 d, codes q - 32 in -32..31, laid out as gguf's dequantize_blocks reads them
+    (ql: the low nibbles, two 64-code runs a 128-code half; qh: the high two bits, four 32-code runs a half)."""
+    rows, cols = w.shape
+    v = w.astype(np.float32).reshape(-1, 256)
+    sub = np.abs(v.reshape(-1, 16, 16)).max(-1) / 31                          # [blocks, 16]
+    d = (sub.max(-1, keepdims=True) / 127).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d > 0, np.round(sub / d.astype(np.float32)), 0).clip(-128, 127).astype(np.int8)
+        step = (d.astype(np.float32) * sc).repeat(16, 1)                       # [blocks, 256]
+        q = np.where(step > 0, np.round(v / step), 0).clip(-32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8)
+    low, high = (q & 15).reshape(-1, 2, 2, 64), (q >> 4).reshape(-1, 2, 4, 32)
+    ql = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
+    qh = sum(high[:, :, i] << (2 * i) for i in range(4)).astype(np.uint8).reshape(-1, 64)
+    blocks = np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8)], -1)
+    return blocks.reshape(rows, cols // 256 * 210)
+
+
 def write_tiny_gguf(hf_dir: str, path: str, types: dict[str, str], default: str = "Q4_0") -> str:
     """hf_dir's float Llama as a GGUF file at path. types: GGUF name suffix ("ffn_down.weight",
     "token_embd.weight") -> ggml type; other 2-D tensors take `default`, 1-D ones stay F32."""
@@ -66,7 +86,8 @@ def write_tiny_gguf(hf_dir: str, path: str, types: dict[str, str], default: str 
             writer.add_tensor(name, np.ascontiguousarray(w))
         else:
             kind = gguf.GGMLQuantizationType[qtype]
-            writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+            blocks = quantize_q6_k(w) if qtype == "Q6_K" else gguf.quants.quantize(w, kind)
+            writer.add_tensor(name, blocks, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -2,7 +2,7 @@
 
 vLLM's LinearMethodBase shape, smaller. The layer holds the weight, in one of two attributes:
 `layer.weight`, a dense Parameter [out, in], or `layer.packed`, the kernel form quantization/packing.py made
-(Int4Weight, PermutedInput, Int8Weight, Fp8Weight). `layer.method.apply(layer, x, bias)` runs it, with no
+(Int4Weight, PermutedInput, IntNWeight, Int8Weight, Fp8Weight). `layer.method.apply(layer, x, bias)` runs it, with no
 test of the weight's type per call. The method is picked from the weight's final form: a dense layer's when
 it is built (on the device it is built on), a quantized layer's when its pieces are packed
 (LinearBase.finish_packed_load); a GGUF file mixes formats per layer (Q4_K beside Q6_K), so only then is the
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from pagedserve.executor.model.quant.fp8 import Fp8Weight, fp8_linear
 from pagedserve.executor.model.quant.packing import Packed, PermutedInput
 from pagedserve.kernels.ops import triton_usable
+from pagedserve.kernels.weight_intn import IntNWeight, intn_linear
 from pagedserve.kernels.weight_only import Int4Weight, Int8Weight, int4_linear, int8_linear
 
 
@@ -84,8 +85,17 @@ class ActOrderInt4LinearMethod(LinearMethod):
         return int4_linear(x.index_select(-1, packed.perm), packed.inner, bias)
 
 
+class IntNLinearMethod(LinearMethod):
+    """GGUF's 5- and 6-bit formats at their own width on CPU (kernels/weight_intn.py)."""
+    name = "intn"
+
+    def apply(self, layer: LinearWeights, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return intn_linear(x, layer.packed, bias)
+
+
 class Int8LinearMethod(LinearMethod):
-    """Symmetric int8 per output channel (--quantization int8, and GGUF's 5-8 bit formats requantized)."""
+    """Symmetric int8 per output channel (--quantization int8, and GGUF's 5-8 bit formats requantized where
+    IntNLinearMethod does not take them)."""
     name = "int8"
 
     def apply(self, layer: LinearWeights, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -103,7 +113,8 @@ class Fp8LinearMethod(LinearMethod):
 
 _UNQUANTIZED = UnquantizedLinearMethod()
 _BY_FORM: dict[type, LinearMethod] = {Int4Weight: Int4LinearMethod(), PermutedInput: ActOrderInt4LinearMethod(),
-                                      Int8Weight: Int8LinearMethod(), Fp8Weight: Fp8LinearMethod()}
+                                      IntNWeight: IntNLinearMethod(), Int8Weight: Int8LinearMethod(),
+                                      Fp8Weight: Fp8LinearMethod()}
 
 
 @functools.cache

@@ -5,8 +5,11 @@ A merged layer (q/k/v, gate/up) arrives in pieces, and in a GGUF file they need 
 file stores v in Q6_K beside q and k in Q4_K. So a layer collects (first row, piece) pairs while loading and
 picks its kernel once all are in:
 - every piece 4-bit, in one group size the int4 kernel takes: int4, exact (the scales round to bfloat16);
-- any other quantized piece (5, 6 or 8 bits): int8 per output channel, requantized from the decoded
-  values (|error| <= half a step of max|w| / 127 per row, on top of the format's own);
+- 5- and 6-bit pieces (GGUF Q5_0 ... Q6_K, with 4-bit pieces beside them) on CPUs that build its kernel:
+  their own width (kernels/weight_intn.py), exact up to the scales' bfloat16, where that is fewer bytes
+  than int8;
+- any other quantized piece (8 bits, or the above elsewhere): int8 per output channel, requantized from the
+  decoded values (|error| <= half a step of max|w| / 127 per row, on top of the format's own);
 - dense pieces: int8 or fp8 when the method asks for it, else a plain tensor in the model's dtype.
 GPTQ act-order pieces hold their columns sorted by group (see group_quant.py): int4 keeps that order and
 wraps the kernel form in PermutedInput, which gathers x's columns to match. Pieces of one merged layer share
@@ -23,12 +26,13 @@ from typing import Any, Union
 import torch
 
 from pagedserve.executor.model.quant.group_quant import GroupQuantWeight
+from pagedserve.kernels.weight_intn import IntNWeight, intn_built, intn_fits, pack_intn
 from pagedserve.kernels.weight_only import (INT4_GROUP_SIZES, Int4Weight, Int8Weight, pack_int4,
                                             quantize_int8)
 
 Piece = tuple[int, Union[torch.Tensor, GroupQuantWeight]]     # (first output row, rows)
 # The kernel forms a layer's weight may take (fp8's Fp8Weight too); layers/linear_method.py runs each.
-Packed = Union[Int4Weight, Int8Weight, torch.Tensor, "PermutedInput"]
+Packed = Union[Int4Weight, IntNWeight, Int8Weight, torch.Tensor, "PermutedInput"]
 
 
 @dataclass
@@ -107,6 +111,31 @@ def int4_fits(parts: Sequence, device: torch.device) -> bool:
     return device.type == "cpu" or parts[0].shape[1] % 128 == 0
 
 
+def _intn(parts: Sequence, rows: int, device: torch.device) -> IntNWeight | None:
+    """5/6-bit pieces (4-bit ones beside them widened to the same codes) in the 5/6-bit pack, in the finest
+    group size among them; None where that form does not apply or is not smaller than int8's."""
+    if (device.type != "cpu" or not parts or not intn_built()
+            or not all(isinstance(p, GroupQuantWeight) and p.perm is None for p in parts)):
+        return None
+    bits, group = max(p.bits for p in parts), min(p.group_size for p in parts)
+    cols = parts[0].shape[1]
+    if not intn_fits(rows, cols, bits, group) or any(p.group_size % group for p in parts):
+        return None
+    mid = 1 << (bits - 1)
+    # w = scale * q + offset = (q - mid) * scale + (offset + mid * scale), each piece's groups repeated to `group`
+    scale = torch.cat([p.scale.repeat_interleave(p.group_size // group, 1) for p in parts], 0)
+    zero = torch.cat([(p.offset + mid * p.scale).repeat_interleave(p.group_size // group, 1) for p in parts], 0)
+    q = torch.cat([p.q for p in parts], 0)
+    if q.shape[0] < rows:           # vocabulary padding: zero rows
+        pad = rows - q.shape[0]
+        q = torch.cat((q, q.new_zeros(pad, cols)), 0)
+        scale, zero = (torch.cat((t, t.new_zeros(pad, t.shape[1])), 0) for t in (scale, zero))
+    stride = 1 if not bool(zero.any()) else 2
+    if bits / 8 + 2 * stride / group >= 1:                     # bytes a weight against int8's ~1
+        return None
+    return pack_intn(q, scale, zero, bits, group)
+
+
 def pack_linear(pieces: Sequence[Piece], rows: int, method: str, device: torch.device,
                 dtype: torch.dtype, what: str) -> Packed:
     """The kernel form of one linear weight [rows, in] from its loaded pieces."""
@@ -115,6 +144,9 @@ def pack_linear(pieces: Sequence[Piece], rows: int, method: str, device: torch.d
     if int4_fits(parts, device):
         return _int4(parts, rows, device)
     quantized = any(isinstance(p, GroupQuantWeight) for p in parts)
+    narrow = _intn(parts, rows, device) if quantized else None
+    if narrow is not None:
+        return narrow
     if quantized or method == "int8":
         w = quantize_int8(_dense(parts, rows, torch.float32))          # one scale per row: one kernel call
         return Int8Weight(w.q.to(device), w.scale.to(device))

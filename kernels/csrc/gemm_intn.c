@@ -1,0 +1,239 @@
+/* 5- and 6-bit weight-only GEMM straight from their pack (gemm_intn.h), integer dot products, and its widening.
+
+GGUF's Q5_0 / Q5_1 / Q5_K / Q6_K layers went to int8 per channel (8 bits a weight where the file has 5.5-6.6):
+llama-quantize writes most of a Q4_K_M file's layers as Q5_0 where a width is not a multiple of 256 (the 135M
+and 360M models), so a token read 30 % more bytes than the file holds (issue 25). Here the codes keep their
+width: the low four bits are unpacked as gemm_int4.c's VBMI path unpacks a pair of columns (two byte
+shuffles, int4_pairs.h), and each further bit is one masked 16-bit add from a plane laid out in the same
+order. Inputs are rounded to int16 as there (ps_round_rows), sums are exact int32 per group (at most
+group * 63 * 32767 < 2^31) scaled into float32 once per group, four input rows a pass over a block's codes.
+A many-row call (a prefill chunk) widens the weight to bfloat16 once for oneDNN instead (ps_dequant_intn_t). */
+#include <stdlib.h>
+
+#include "gemm_int4.h"
+#include "gemm_intn.h"
+#include "int4_pairs.h"
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define GEMM_INTN_BUILT 1
+#else
+#define GEMM_INTN_BUILT 0
+#endif
+
+enum { INTN_ROWS = 4 };            /* rows a pass: 16 int32 sums in registers beside the 4 code vectors */
+/* Records ahead of the one being read that a pass prefetches: about gemm_int4.c's FEW_ROWS_PREFETCH bytes of
+   its 64-byte pairs. */
+enum { INTN_PREFETCH_RECORDS = 65 };
+
+typedef struct {
+    const GemvIntN *w;
+    Rounded in;
+    float *y;                      /* [rows, n] */
+    uint16_t *out;                 /* widening: bfloat16 [k, n] */
+    int64_t rows, a, b;            /* rows a..b-1 when rounding, 64-channel blocks a..b-1 otherwise */
+} IntNJob;
+
+static int takes(const GemvIntN *w) {
+    return w->n % 64 == 0 && (w->bits == 5 || w->bits == 6) && (w->sz_stride == 1 || w->sz_stride == 2)
+           && w->group >= 2 && w->group % 2 == 0 && w->k % w->group == 0;
+}
+
+#if GEMM_INTN_BUILT
+/* Channels 16c.. of group g: scale, and zero - 2^(bits-1) * scale (the codes' offset folded in). */
+static inline void scale_zero16(const GemvIntN *w, int64_t g, int64_t c0, __m512 *scale, __m512 *zero) {
+    const GemvInt4 s = {NULL, w->sz, w->n, w->k, w->group, w->sz_stride};
+    ps_int4_scale_zero16(&s, g, c0, scale, zero);           /* zero - 8 * scale */
+    *zero = _mm512_fmadd_ps(_mm512_set1_ps(8.0f - (float)(1 << (w->bits - 1))), *scale, *zero);
+}
+
+/* One record's codes as int16 in vpdpwssd's operand order (int4_pairs.h): the low nibbles, then P planes. */
+static inline __attribute__((always_inline)) void unpack_record(const PairShuffle *sh, const uint8_t *p,
+                                                                __m512i *wv, const int P) {
+    unpack_pair(sh, p, wv);
+    const uint32_t *planes = (const uint32_t *)(p + 64);
+    for (int b = 0; b < P; ++b) {
+        const __m512i bit = _mm512_set1_epi16((short)(16 << b));
+        for (int c = 0; c < 4; ++c) wv[c] = _mm512_mask_add_epi16(wv[c], planes[4 * b + c], wv[c], bit);
+    }
+}
+
+/* Rows r0..r0+R-1 of one 64-channel block, every group: the codes streamed once for the R rows. */
+static inline __attribute__((always_inline)) void block_rows(const IntNJob *j, int64_t nb, int64_t r0, const int R,
+                                                             const int P) {
+    const GemvIntN *w = j->w;
+    const int64_t k = w->k, group = w->group, groups = k / group, rec = ps_intn_record_bytes(w->bits);
+    const PairShuffle sh = pair_shuffle();
+    const uint8_t *p = w->packed + nb * (k / 2) * rec;
+    const int16_t *xq = j->in.xq + r0 * k;
+    const GemvInt4 sz = {NULL, w->sz, w->n, k, group, w->sz_stride};
+    for (int r = 0; r < R; ++r) memset(j->y + (r0 + r) * w->n + nb * 64, 0, 64 * sizeof(float));
+    for (int64_t g = 0; g < SCALE_PREFETCH_GROUPS && g < groups; ++g) ps_int4_prefetch_scales(&sz, g, nb);
+    for (int64_t g = 0; g < groups; ++g) {
+        if (g + SCALE_PREFETCH_GROUPS < groups) ps_int4_prefetch_scales(&sz, g + SCALE_PREFETCH_GROUPS, nb);
+        /* Sixteen named sums, not an array: gcc kept an array's on the stack (as gemm_int4.c found). */
+        __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
+                a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+        for (int64_t i = 0; i < group / 2; ++i, p += rec) {
+            _mm_prefetch((const char *)(p + INTN_PREFETCH_RECORDS * rec), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + INTN_PREFETCH_RECORDS * rec + 64), _MM_HINT_T0);
+            __m512i wv[4];
+            unpack_record(&sh, p, wv, P);
+            int32_t pair;                           /* inputs 2i and 2i + 1, as vpdpwssd pairs them */
+#define ROW(r, v0, v1, v2, v3)                                                                              \
+            if (R > r) {                                                                                    \
+                memcpy(&pair, xq + r * k + g * group + 2 * i, sizeof pair);                                 \
+                const __m512i xb = _mm512_set1_epi32(pair);                                                 \
+                v0 = dpwssd(v0, wv[0], xb);                                                                 \
+                v1 = dpwssd(v1, wv[1], xb);                                                                 \
+                v2 = dpwssd(v2, wv[2], xb);                                                                 \
+                v3 = dpwssd(v3, wv[3], xb);                                                                 \
+            }
+            ROW(0, a00, a01, a02, a03)
+            ROW(1, a10, a11, a12, a13)
+            ROW(2, a20, a21, a22, a23)
+            ROW(3, a30, a31, a32, a33)
+#undef ROW
+        }
+        const __m512i acc[INTN_ROWS][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23},
+                                           {a30, a31, a32, a33}};
+        __m512 scale[4], zero[4];
+        for (int c = 0; c < 4; ++c) scale_zero16(w, g, nb * 64 + 16 * c, &scale[c], &zero[c]);
+        for (int r = 0; r < R; ++r) {
+            const int64_t row = r0 + r;
+            const __m512 xs = _mm512_set1_ps(j->in.xscale[row]), sum = _mm512_set1_ps(j->in.xsum[row * groups + g]);
+            float *y = j->y + row * w->n + nb * 64;
+            for (int c = 0; c < 4; ++c) {
+                const __m512 v = _mm512_fmadd_ps(zero[c], sum, _mm512_loadu_ps(y + 16 * c));
+                _mm512_storeu_ps(y + 16 * c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), _mm512_mul_ps(scale[c], xs), v));
+            }
+        }
+    }
+}
+
+#define ROWS_CASES(P)                                                                                       \
+    switch (j->rows - r0 < INTN_ROWS ? j->rows - r0 : INTN_ROWS) {                                          \
+        case 1: block_rows(j, nb, r0, 1, P); break;                                                         \
+        case 2: block_rows(j, nb, r0, 2, P); break;                                                         \
+        case 3: block_rows(j, nb, r0, 3, P); break;                                                         \
+        default: block_rows(j, nb, r0, 4, P); break;                                                        \
+    }
+
+static void blocks(const IntNJob *j) {
+    for (int64_t nb = j->a; nb < j->b; ++nb)
+        for (int64_t r0 = 0; r0 < j->rows; r0 += INTN_ROWS) {
+            if (j->w->bits == 5) ROWS_CASES(1)
+            else ROWS_CASES(2)
+        }
+}
+
+/* Sixteen floats to bfloat16, rounded to nearest even as f32_to_bf16 rounds. */
+static inline __m256i bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+/* Blocks a..b-1 widened into out [k, n]: a record's int16 lane pairs hold columns 2i (low half) and 2i + 1
+   (high half) of sixteen adjacent channels, which are sixteen adjacent bfloat16 of each column's row. */
+static void widen_blocks(const IntNJob *j) {
+    const GemvIntN *w = j->w;
+    const int64_t k = w->k, n = w->n, rec = ps_intn_record_bytes(w->bits);
+    const PairShuffle sh = pair_shuffle();
+    const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+    for (int64_t nb = j->a; nb < j->b; ++nb) {
+        const uint8_t *p = w->packed + nb * (k / 2) * rec;
+        for (int64_t g = 0; g < k / w->group; ++g) {
+            __m512 scale[4], zero[4];
+            for (int c = 0; c < 4; ++c) scale_zero16(w, g, nb * 64 + 16 * c, &scale[c], &zero[c]);
+            for (int64_t col = g * w->group; col < (g + 1) * w->group; col += 2, p += rec) {
+                __m512i wv[4];
+                if (w->bits == 5) unpack_record(&sh, p, wv, 1);
+                else unpack_record(&sh, p, wv, 2);
+                uint16_t *o = j->out + col * n + nb * 64;
+                for (int c = 0; c < 4; ++c) {
+                    const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(wv[c], low16));
+                    const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(wv[c], 16));
+                    _mm256_storeu_si256((__m256i *)(o + 16 * c), bf16x16(_mm512_fmadd_ps(even, scale[c], zero[c])));
+                    _mm256_storeu_si256((__m256i *)(o + n + 16 * c), bf16x16(_mm512_fmadd_ps(odd, scale[c], zero[c])));
+                }
+            }
+        }
+    }
+}
+#else
+static void blocks(const IntNJob *j) { (void)j; }
+static void widen_blocks(const IntNJob *j) { (void)j; }
+#endif
+
+int ps_gemm_intn_built(void) { return GEMM_INTN_BUILT; }
+
+int ps_gemm_intn_part(const GemvIntN *w, const float *x, int64_t rows, float *y, int64_t nb0, int64_t nb1) {
+    enum { STACK_VALUES = 65536, STACK_SUMS = 4096 };     /* 144 KB of the thread's stack at most */
+    if (!GEMM_INTN_BUILT || rows < 1 || !takes(w)) return 2;
+    const int64_t groups = w->k / w->group;
+    const int heap = rows * w->k > STACK_VALUES || rows * (groups + 1) > STACK_SUMS;
+    int16_t on_stack[heap ? 1 : STACK_VALUES];
+    float sums_on_stack[heap ? 1 : STACK_SUMS];
+    int16_t *xq = heap ? malloc(sizeof(int16_t) * rows * w->k) : on_stack;
+    float *sums = heap ? malloc(sizeof(float) * rows * (groups + 1)) : sums_on_stack;
+    int status = 1;
+    if (xq && sums) {
+        IntNJob j = {w, {x, xq, sums, sums + rows}, y, NULL, rows, nb0, nb1};
+        ps_round_rows(&j.in, w->k, w->group, 0, rows);
+        blocks(&j);
+        status = 0;
+    }
+    if (heap) {
+        free(xq);
+        free(sums);
+    }
+    return status;
+}
+
+static void *round_job(void *arg) {
+    const IntNJob *j = (const IntNJob *)arg;
+    ps_round_rows(&j->in, j->w->k, j->w->group, j->a, j->b);
+    return NULL;
+}
+
+static void *blocks_job(void *arg) {
+    blocks((const IntNJob *)arg);
+    return NULL;
+}
+
+static void *widen_job(void *arg) {
+    widen_blocks((const IntNJob *)arg);
+    return NULL;
+}
+
+static void set_range(void *job, int64_t a, int64_t b) { ((IntNJob *)job)->a = a; ((IntNJob *)job)->b = b; }
+
+/* y [rows, n] = x [rows, k] @ w^T on `threads` OpenMP threads: 0 on success, 2 for what it does not take. */
+int ps_gemm_intn(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t bits, int64_t n, int64_t k,
+                 int64_t group, const float *x, int64_t rows, float *y, int threads) {
+    const GemvIntN w = {packed, sz, n, k, group, sz_stride, bits};
+    if (!GEMM_INTN_BUILT || rows < 1 || !takes(&w)) return 2;
+    int16_t *xq = malloc(sizeof(int16_t) * rows * k);
+    float *sums = malloc(sizeof(float) * rows * (1 + k / group));
+    int rc = 1;
+    if (xq && sums) {
+        IntNJob jobs[MAX_THREADS];
+        for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (IntNJob){&w, {x, xq, sums, sums + rows}, y, NULL, rows, 0, 0};
+        rc = ps_run_split(threads, rows, jobs, sizeof(IntNJob), round_job, set_range);
+        if (!rc) rc = ps_run_split(threads, n / 64, jobs, sizeof(IntNJob), blocks_job, set_range);
+    }
+    free(xq);
+    free(sums);
+    return rc;
+}
+
+/* The weight widened and transposed: out bfloat16 [k, n]. 0 on success, 2 for what it does not take. */
+int ps_dequant_intn_t(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t bits, uint16_t *out,
+                      int64_t n, int64_t k, int64_t group, int threads) {
+    const GemvIntN w = {packed, sz, n, k, group, sz_stride, bits};
+    if (!GEMM_INTN_BUILT || !takes(&w)) return 2;
+    IntNJob jobs[MAX_THREADS];
+    for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (IntNJob){&w, {NULL, NULL, NULL, NULL}, NULL, out, 0, 0, 0};
+    return ps_run_split(threads, n / 64, jobs, sizeof(IntNJob), widen_job, set_range);
+}
