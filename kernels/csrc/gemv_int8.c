@@ -2,6 +2,7 @@
 kept as int8, the tied head), float32 in and out, any number of input rows. The entry point that splits it over
 threads is gemv.c's ps_gemv_int8. */
 #include "gemv.h"
+#include "int4_pairs.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -74,9 +75,49 @@ static inline void int8_prefetch(const GemvInt8 *w, int64_t c, int64_t r0, int64
     }
 }
 
+#ifdef __AVX512VNNI__
+/* Whole rows (one scale per channel: Q8_0 linears and the requantized ones) up to INT8_I32_MAX_K columns sum
+   exactly in int32 with vpdpwssd: one instruction per 32 codes where the float form takes three (multiply-add
+   pairs, convert, FMA), which left the 135M Q8_0 model's decode step compute-bound (issue 25). A lane sums
+   k / 16 products of at most 127 * 32767, under 2^31 up to 8192 columns. */
+enum { INT8_I32_MAX_K = 8192 };
+#define INT8_I32 1
+
+static inline int int8_whole_i32(const GemvInt8 *w) { return w->chunks == 1 && w->chunk <= INT8_I32_MAX_K; }
+
+/* Channel r's output from its int32 lane sums: the same operations in every path, so a row's bits do not
+   depend on which rows ran beside it. */
+static inline float int8_i32_out(const GemvInt8 *w, int64_t r, __m512i acc, float x_scale) {
+    return x_scale * bf16_to_f32(w->scale[r]) * _mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc));
+}
+
+static void int8_block16_whole(const GemvInt8 *w, const int16_t *x, float x_scale, float *y, int64_t r0) {
+    const int64_t k = w->chunk;
+    const int64_t ahead = r0 + 16 * PF_BLOCKS < w->n ? 16 * PF_BLOCKS * k : 0;
+    __m512i acc[16];
+    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_si512();
+    for (int64_t i = 0; i < k; i += 32) {
+        const __mmask32 m = k - i >= 32 ? 0xFFFFFFFFu : (1u << (k - i)) - 1;
+        const __m512i xv = _mm512_maskz_loadu_epi16(m, x + i);
+        if (ahead && !(i & 63)) int8_prefetch(w, 0, r0, i, ahead, 0);
+        for (int r = 0; r < 16; ++r) acc[r] = dpwssd(acc[r], int8_codes32(w, 0, r0 + r, i, m, 0), xv);
+    }
+    for (int r = 0; r < 16; ++r) y[r0 + r] = int8_i32_out(w, r0 + r, acc[r], x_scale);
+}
+#else
+#define INT8_I32 0
+static inline int int8_whole_i32(const GemvInt8 *w) { (void)w; return 0; }
+#endif
+
 static void int8_block16_i16(const GemvInt8 *w, const int16_t *x, float x_scale, float *y, int64_t r0) {
     const int64_t chunks = w->chunks, n = w->n, chunk = w->chunk;
     const int paired = int8_paired(w);
+#if INT8_I32
+    if (int8_whole_i32(w)) {
+        int8_block16_whole(w, x, x_scale, y, r0);
+        return;
+    }
+#endif
     __m512 acc[16];
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
     const int64_t ahead = r0 + 16 * PF_BLOCKS < n ? 16 * PF_BLOCKS * chunk : 0;
@@ -106,6 +147,28 @@ static inline __attribute__((always_inline)) void int8_block16_rows(const GemvIn
     const int64_t chunks = w->chunks, n = w->n, chunk = w->chunk;
     const int paired = int8_paired(w);
     const int64_t ahead = r0 + 16 * PF_BLOCKS < n ? 16 * PF_BLOCKS * chunk : 0;
+#if INT8_I32
+    if (int8_whole_i32(w)) {                /* int8_block16_whole's int32 sums, four channels at a time */
+        for (int g = 0; g < 16; g += 4) {
+            __m512i acc[4][4];
+            for (int t = 0; t < 4; ++t)
+                for (int j = 0; j < 4; ++j) acc[t][j] = _mm512_setzero_si512();
+            for (int64_t i = 0; i < chunk; i += 32) {
+                const __mmask32 m = chunk - i >= 32 ? 0xFFFFFFFFu : (1u << (chunk - i)) - 1;
+                if (ahead && g == 0 && !(i & 63)) int8_prefetch(w, 0, r0, i, ahead, 0);
+                __m512i qv[4];
+                for (int j = 0; j < 4; ++j) qv[j] = int8_codes32(w, 0, r0 + g + j, i, m, 0);
+                for (int t = 0; t < R; ++t) {
+                    const __m512i xv = _mm512_maskz_loadu_epi16(m, x + t * k + i);
+                    for (int j = 0; j < 4; ++j) acc[t][j] = dpwssd(acc[t][j], qv[j], xv);
+                }
+            }
+            for (int t = 0; t < R; ++t)
+                for (int j = 0; j < 4; ++j) y[t * n + r0 + g + j] = int8_i32_out(w, r0 + g + j, acc[t][j], x_scale[t]);
+        }
+        return;
+    }
+#endif
     for (int g = 0; g < 16; g += 4) {
         __m512 acc[4][4];
         for (int t = 0; t < 4; ++t)
@@ -155,6 +218,23 @@ static void int8_block16_all_rows(const GemvInt8 *w, const int16_t *xq, int64_t 
    down_proj streamed at 32 GiB/s so). Four sums in flight: one FMA chain would cap it at 8 codes a cycle.
    Returns sum_i q[i] * x[i] (x in int16 steps). */
 static float int8_dot_i16(const int8_t *q, const int16_t *x, int64_t k) {
+#if INT8_I32
+    if (k <= INT8_I32_MAX_K) {              /* exact int32 lane sums, as int8_block16_whole */
+        __m512i a[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+        int64_t i = 0;
+        for (; i + 128 <= k; i += 128)
+            for (int j = 0; j < 4; ++j)
+                a[j] = dpwssd(a[j], _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + i + 32 * j))),
+                              _mm512_loadu_si512(x + i + 32 * j));
+        for (; i < k; i += 32) {
+            const __mmask32 m = k - i >= 32 ? 0xFFFFFFFFu : (1u << (k - i)) - 1;
+            a[0] = dpwssd(a[0], _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, q + i)), _mm512_maskz_loadu_epi16(m, x + i));
+        }
+        const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_cvtepi32_ps(a[0]), _mm512_cvtepi32_ps(a[1])),
+                                       _mm512_add_ps(_mm512_cvtepi32_ps(a[2]), _mm512_cvtepi32_ps(a[3])));
+        return _mm512_reduce_add_ps(s);
+    }
+#endif
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     int64_t i = 0;
     for (; i + 128 <= k; i += 128) {
