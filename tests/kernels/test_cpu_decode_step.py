@@ -60,6 +60,18 @@ def test_int8_gemv_matches_the_weights(rows, out, cols, chunk):
 
 
 @needs_c_step
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("cols", [8192, 8256])
+def test_int8_whole_rows_reach_their_largest_sums(rows, cols):
+    """Whole-row int8 sums exactly in int32 lanes (gemv_int8.c): each lane takes cols / 16 products of at most
+    127 * 32767, under 2^31 up to 8192 columns; past that the float sums take over. Every code and input at its
+    largest: an overflow would come back negative."""
+    w = weight_only.Int8Weight(torch.full((1, 32, cols), 127, dtype=torch.int8), torch.ones(1, 32, dtype=torch.bfloat16))
+    y = weight_only.int8_linear(torch.ones(rows, cols), w)
+    assert torch.allclose(y, torch.full((rows, 32), 127.0 * cols), rtol=1e-5)
+
+
+@needs_c_step
 @pytest.mark.parametrize("out,cols,chunk", [(80, 64, 32), (1000, 96, 32), (37, 200, None), (96, 128, 16)])
 def test_int8_gemv_gives_a_row_the_same_bits_whatever_rows_run_beside_it(out, cols, chunk):
     """A speculative verify pass's logits, and a decode batch's: rows share each widened code, and each still
