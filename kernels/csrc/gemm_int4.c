@@ -26,12 +26,7 @@ enum { FEW_ROWS_PREFETCH = 4160 };
 /* Rows block_few_rows takes in one pass over a block (16 int32 sums in registers beside 4 weight vectors). */
 enum { FEW_ROWS = 4 };
 
-typedef struct {
-    const GemvInt4 *w;         /* w = (q - 8) * scale + zero per group of input columns */
-    Rounded in;
-    float *y;                  /* [rows, n] */
-    int64_t rows, a, b;        /* this job's share: rows a..b-1 when rounding, 64-channel blocks when not */
-} GemmJob;
+typedef RoundedGemm GemmJob;      /* w: a GemvInt4 */
 
 /* Rows a..b-1 as int16, one scale per row (round to nearest), and each group's sum of the rounded values. */
 void ps_round_rows(const Rounded *in, int64_t k, int64_t group, int64_t a, int64_t b) {
@@ -125,21 +120,13 @@ static inline __attribute__((always_inline)) void dot_group(const int16_t *const
 static inline __attribute__((always_inline)) void rows_group(const GemmJob *j, const __m512i (*tile)[4],
                                                              const __m512 *scale, const __m512 *zero, int64_t g,
                                                              int64_t nb, int64_t r0, const int R) {
-    const int64_t k = j->w->k, group = j->w->group, groups = k / group;
+    const GemvInt4 *w = j->w;
+    const int64_t k = w->k, group = w->group, groups = k / group;
     const int16_t *x[TILE_ROWS];
     for (int r = 0; r < TILE_ROWS; ++r) x[r] = j->in.xq + (r0 + (r < R ? r : 0)) * k + g * group;
     __m512i acc[TILE_ROWS][4];
     dot_group(x, tile, group / 2, acc, R);
-    for (int r = 0; r < R; ++r) {
-        const __m512 xs = _mm512_set1_ps(j->in.xscale[r0 + r]);
-        const __m512 sum = _mm512_set1_ps(j->in.xsum[(r0 + r) * groups + g]);
-        float *y = j->y + (r0 + r) * j->w->n + nb * 64;
-        for (int c = 0; c < 4; ++c) {
-            __m512 v = _mm512_fmadd_ps(zero[c], sum, _mm512_loadu_ps(y + 16 * c));
-            v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), _mm512_mul_ps(scale[c], xs), v);
-            _mm512_storeu_ps(y + 16 * c, v);
-        }
-    }
+    ps_scale_group(&j->in, j->y, w->n, nb, groups, g, r0, R, (const __m512i (*)[4])acc, scale, zero);
 }
 
 static void block(const GemmJob *j, int64_t nb, __m512i (*tile)[4]) {
@@ -182,35 +169,17 @@ static inline __attribute__((always_inline)) void block_few_rows(const GemmJob *
             _mm_prefetch((const char *)(p + FEW_ROWS_PREFETCH), _MM_HINT_T0);
             __m512i wv[4];
             unpack_pair(&sh, p, wv);
-            int32_t pair;
-#define ROW(r, v0, v1, v2, v3)                                                                              \
-            if (R > r) {                                                                                    \
-                memcpy(&pair, xq + r * k + g * group + 2 * i, sizeof pair);                                 \
-                const __m512i xb = _mm512_set1_epi32(pair);                                                 \
-                v0 = dpwssd(v0, wv[0], xb);                                                                 \
-                v1 = dpwssd(v1, wv[1], xb);                                                                 \
-                v2 = dpwssd(v2, wv[2], xb);                                                                 \
-                v3 = dpwssd(v3, wv[3], xb);                                                                 \
-            }
-            ROW(0, a00, a01, a02, a03)
-            ROW(1, a10, a11, a12, a13)
-            ROW(2, a20, a21, a22, a23)
-            ROW(3, a30, a31, a32, a33)
-#undef ROW
+            const int16_t *xi = xq + g * group + 2 * i;
+            PS_PAIR_ROW(R, 0, xi, wv, a00, a01, a02, a03)
+            PS_PAIR_ROW(R, 1, xi + k, wv, a10, a11, a12, a13)
+            PS_PAIR_ROW(R, 2, xi + 2 * k, wv, a20, a21, a22, a23)
+            PS_PAIR_ROW(R, 3, xi + 3 * k, wv, a30, a31, a32, a33)
         }
         const __m512i acc[FEW_ROWS][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23},
                                           {a30, a31, a32, a33}};
         __m512 scale[4], zero[4];
         for (int c = 0; c < 4; ++c) ps_int4_scale_zero16(w, g, nb * 64 + 16 * c, &scale[c], &zero[c]);
-        for (int r = 0; r < R; ++r) {
-            const int64_t row = r0 + r;
-            const __m512 xs = _mm512_set1_ps(j->in.xscale[row]), sum = _mm512_set1_ps(j->in.xsum[row * groups + g]);
-            float *y = j->y + row * w->n + nb * 64;
-            for (int c = 0; c < 4; ++c) {
-                __m512 v = _mm512_fmadd_ps(zero[c], sum, _mm512_loadu_ps(y + 16 * c));
-                _mm512_storeu_ps(y + 16 * c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), _mm512_mul_ps(scale[c], xs), v));
-            }
-        }
+        ps_scale_group(&j->in, j->y, w->n, nb, groups, g, r0, R, acc, scale, zero);
     }
 }
 #endif
@@ -245,20 +214,26 @@ int ps_gemm_int4_vectorized(void) { return GEMM_INT4_BUILT; }
 int ps_gemm_int4_min_rows(void) { return GEMM_INT4_MIN_ROWS; }
 
 int ps_gemm_int4_part(const GemvInt4 *w, const float *x, int64_t rows, float *y, int64_t nb0, int64_t nb1) {
-    enum { STACK_VALUES = 65536, STACK_SUMS = 4096 };     /* 144 KB of the thread's stack at most */
-    const int64_t groups = w->group > 0 ? w->k / w->group : 0;
     if (!GEMM_INT4_BUILT || rows < GEMM_INT4_MIN_ROWS || !takes(w, rows)) return 2;
-    /* Past the stack (a decode step of 16-32 rows at a wide down_proj) the rounded rows go to the heap. */
-    const int heap = rows * w->k > STACK_VALUES || rows * (groups + 1) > STACK_SUMS;
+    return ps_rounded_part((RoundedGemm){w, {NULL, NULL, NULL, NULL}, y, rows, 0, 0, blocks}, x, w->k, w->group,
+                           nb0, nb1);
+}
+
+int ps_rounded_part(RoundedGemm g, const float *x, int64_t k, int64_t group, int64_t nb0, int64_t nb1) {
+    enum { STACK_VALUES = 65536, STACK_SUMS = 4096 };
+    const int64_t rows = g.rows, groups = k / group;
+    const int heap = rows * k > STACK_VALUES || rows * (groups + 1) > STACK_SUMS;
     int16_t on_stack[heap ? 1 : STACK_VALUES];
     float sums_on_stack[heap ? 1 : STACK_SUMS];
-    int16_t *xq = heap ? malloc(sizeof(int16_t) * rows * w->k) : on_stack;
+    int16_t *xq = heap ? malloc(sizeof(int16_t) * rows * k) : on_stack;
     float *sums = heap ? malloc(sizeof(float) * rows * (groups + 1)) : sums_on_stack;
     int status = 1;
     if (xq && sums) {
-        GemmJob j = {w, {x, xq, sums, sums + rows}, y, rows, nb0, nb1};
-        ps_round_rows(&j.in, w->k, w->group, 0, rows);
-        blocks(&j);
+        g.in = (Rounded){x, xq, sums, sums + rows};
+        ps_round_rows(&g.in, k, group, 0, rows);
+        g.a = nb0;
+        g.b = nb1;
+        g.blocks(&g);
         status = 0;
     }
     if (heap) {
@@ -268,33 +243,46 @@ int ps_gemm_int4_part(const GemvInt4 *w, const float *x, int64_t rows, float *y,
     return status;
 }
 
+typedef struct {
+    RoundedGemm g;
+    int64_t k, group;
+} RoundJob;
+
 static void *round_job(void *arg) {
-    const GemmJob *j = (const GemmJob *)arg;
-    ps_round_rows(&j->in, j->w->k, j->w->group, j->a, j->b);
+    RoundJob *j = (RoundJob *)arg;
+    ps_round_rows(&j->g.in, j->k, j->group, j->g.a, j->g.b);
     return NULL;
 }
 
 static void *blocks_job(void *arg) {
-    blocks((const GemmJob *)arg);
+    const RoundJob *j = (const RoundJob *)arg;
+    j->g.blocks(&j->g);
     return NULL;
 }
 
-static void set_range(void *job, int64_t a, int64_t b) { ((GemmJob *)job)->a = a; ((GemmJob *)job)->b = b; }
+static void set_range(void *job, int64_t a, int64_t b) { ((RoundJob *)job)->g.a = a; ((RoundJob *)job)->g.b = b; }
+
+int ps_rounded_threads(RoundedGemm g, const float *x, int64_t k, int64_t group, int64_t units, int threads) {
+    const int64_t rows = g.rows;
+    int16_t *xq = malloc(sizeof(int16_t) * rows * k);
+    float *sums = malloc(sizeof(float) * rows * (1 + k / group));
+    int rc = 1;
+    if (xq && sums) {
+        g.in = (Rounded){x, xq, sums, sums + rows};
+        RoundJob jobs[MAX_THREADS];
+        for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (RoundJob){g, k, group};
+        rc = ps_run_split(threads, rows, jobs, sizeof(RoundJob), round_job, set_range);
+        if (!rc) rc = ps_run_split(threads, units, jobs, sizeof(RoundJob), blocks_job, set_range);
+    }
+    free(xq);
+    free(sums);
+    return rc;
+}
 
 int ps_gemm_int4(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k, int64_t group,
                  const float *x, int64_t rows, float *y, int threads) {
     const GemvInt4 w = {packed, sz, n, k, group, sz_stride};
     if (!GEMM_INT4_BUILT || !takes(&w, rows)) return 2;
-    int16_t *xq = malloc(sizeof(int16_t) * rows * k);
-    float *sums = malloc(sizeof(float) * rows * (1 + k / group));
-    int rc = 1;
-    if (xq && sums) {
-        GemmJob jobs[MAX_THREADS];
-        for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (GemmJob){&w, {x, xq, sums, sums + rows}, y, rows, 0, 0};
-        rc = ps_run_split(threads, rows, jobs, sizeof(GemmJob), round_job, set_range);
-        if (!rc) rc = ps_run_split(threads, n / 64, jobs, sizeof(GemmJob), blocks_job, set_range);
-    }
-    free(xq);
-    free(sums);
-    return rc;
+    return ps_rounded_threads((RoundedGemm){&w, {NULL, NULL, NULL, NULL}, y, rows, 0, 0, blocks}, x, k, group, n / 64,
+                              threads);
 }

@@ -16,6 +16,23 @@ typedef struct {
    values (gemm_int4.c; the 5/6-bit GEMM of gemm_intn.c rounds its inputs the same way). */
 void ps_round_rows(const Rounded *in, int64_t k, int64_t group, int64_t a, int64_t b);
 
+/* A GEMM over inputs rounded to int16 (this file's int4 one, gemm_intn.c's 5/6-bit one): `blocks` runs output
+   blocks a..b-1 of the weight w points to for all `rows` rows of `in`. */
+typedef struct RoundedGemm RoundedGemm;
+struct RoundedGemm {
+    const void *w;             /* GemvInt4 or GemvIntN */
+    Rounded in;
+    float *y;                  /* [rows, n] */
+    int64_t rows, a, b;        /* rows a..b-1 while rounding, output blocks a..b-1 after */
+    void (*blocks)(const RoundedGemm *);
+};
+
+/* One thread's share: x [rows, k] rounded into its own stack (144 KB at most, past it the heap: a decode step
+   of 16-32 rows at a wide down_proj), then blocks nb0..nb1-1. 0 on success, 1 out of memory. */
+int ps_rounded_part(RoundedGemm g, const float *x, int64_t k, int64_t group, int64_t nb0, int64_t nb1);
+/* The whole product on `threads` OpenMP threads: the rows rounded split between them, then `units` blocks. */
+int ps_rounded_threads(RoundedGemm g, const float *x, int64_t k, int64_t group, int64_t units, int threads);
+
 /* 1 where this build has the kernel (AVX512-VNNI); elsewhere the calls below return 2. */
 int ps_gemm_int4_vectorized(void);
 

@@ -8,7 +8,6 @@ shuffles, int4_pairs.h), and each further bit is one masked 16-bit add from a pl
 order. Inputs are rounded to int16 as there (ps_round_rows), sums are exact int32 per group (at most
 group * 63 * 32767 < 2^31) scaled into float32 once per group, four input rows a pass over a block's codes.
 A many-row call (a prefill chunk) widens the weight to bfloat16 once for oneDNN instead (ps_dequant_intn_t). */
-#include <stdlib.h>
 
 #include "gemm_int4.h"
 #include "gemm_intn.h"
@@ -25,13 +24,13 @@ enum { INTN_ROWS = 4 };            /* rows a pass: 16 int32 sums in registers be
    its 64-byte pairs. */
 enum { INTN_PREFETCH_RECORDS = 65 };
 
+typedef RoundedGemm IntNJob;      /* w: a GemvIntN */
+
 typedef struct {
     const GemvIntN *w;
-    Rounded in;
-    float *y;                      /* [rows, n] */
-    uint16_t *out;                 /* widening: bfloat16 [k, n] */
-    int64_t rows, a, b;            /* rows a..b-1 when rounding, 64-channel blocks a..b-1 otherwise */
-} IntNJob;
+    uint16_t *out;                 /* bfloat16 [k, n] */
+    int64_t a, b;                  /* 64-channel blocks a..b-1 */
+} WidenJob;
 
 static int takes(const GemvIntN *w) {
     return w->n % 64 == 0 && (w->bits == 5 || w->bits == 6) && (w->sz_stride == 1 || w->sz_stride == 2)
@@ -78,35 +77,17 @@ static inline __attribute__((always_inline)) void block_rows(const IntNJob *j, i
             _mm_prefetch((const char *)(p + INTN_PREFETCH_RECORDS * rec + 64), _MM_HINT_T0);
             __m512i wv[4];
             unpack_record(&sh, p, wv, P);
-            int32_t pair;                           /* inputs 2i and 2i + 1, as vpdpwssd pairs them */
-#define ROW(r, v0, v1, v2, v3)                                                                              \
-            if (R > r) {                                                                                    \
-                memcpy(&pair, xq + r * k + g * group + 2 * i, sizeof pair);                                 \
-                const __m512i xb = _mm512_set1_epi32(pair);                                                 \
-                v0 = dpwssd(v0, wv[0], xb);                                                                 \
-                v1 = dpwssd(v1, wv[1], xb);                                                                 \
-                v2 = dpwssd(v2, wv[2], xb);                                                                 \
-                v3 = dpwssd(v3, wv[3], xb);                                                                 \
-            }
-            ROW(0, a00, a01, a02, a03)
-            ROW(1, a10, a11, a12, a13)
-            ROW(2, a20, a21, a22, a23)
-            ROW(3, a30, a31, a32, a33)
-#undef ROW
+            const int16_t *xi = xq + g * group + 2 * i;
+            PS_PAIR_ROW(R, 0, xi, wv, a00, a01, a02, a03)
+            PS_PAIR_ROW(R, 1, xi + k, wv, a10, a11, a12, a13)
+            PS_PAIR_ROW(R, 2, xi + 2 * k, wv, a20, a21, a22, a23)
+            PS_PAIR_ROW(R, 3, xi + 3 * k, wv, a30, a31, a32, a33)
         }
         const __m512i acc[INTN_ROWS][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23},
                                            {a30, a31, a32, a33}};
         __m512 scale[4], zero[4];
         for (int c = 0; c < 4; ++c) scale_zero16(w, g, nb * 64 + 16 * c, &scale[c], &zero[c]);
-        for (int r = 0; r < R; ++r) {
-            const int64_t row = r0 + r;
-            const __m512 xs = _mm512_set1_ps(j->in.xscale[row]), sum = _mm512_set1_ps(j->in.xsum[row * groups + g]);
-            float *y = j->y + row * w->n + nb * 64;
-            for (int c = 0; c < 4; ++c) {
-                const __m512 v = _mm512_fmadd_ps(zero[c], sum, _mm512_loadu_ps(y + 16 * c));
-                _mm512_storeu_ps(y + 16 * c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), _mm512_mul_ps(scale[c], xs), v));
-            }
-        }
+        ps_scale_group(&j->in, j->y, w->n, nb, groups, g, r0, R, acc, scale, zero);
     }
 }
 
@@ -121,7 +102,7 @@ static inline __attribute__((always_inline)) void block_rows(const IntNJob *j, i
 static void blocks(const IntNJob *j) {
     for (int64_t nb = j->a; nb < j->b; ++nb)
         for (int64_t r0 = 0; r0 < j->rows; r0 += INTN_ROWS) {
-            if (j->w->bits == 5) ROWS_CASES(1)
+            if (((const GemvIntN *)j->w)->bits == 5) ROWS_CASES(1)
             else ROWS_CASES(2)
         }
 }
@@ -136,7 +117,7 @@ static inline __m256i bf16x16(__m512 v) {
 
 /* Blocks a..b-1 widened into out [k, n]: a record's int16 lane pairs hold columns 2i (low half) and 2i + 1
    (high half) of sixteen adjacent channels, which are sixteen adjacent bfloat16 of each column's row. */
-static void widen_blocks(const IntNJob *j) {
+static void widen_blocks(const WidenJob *j) {
     const GemvIntN *w = j->w;
     const int64_t k = w->k, n = w->n, rec = ps_intn_record_bytes(w->bits);
     const PairShuffle sh = pair_shuffle();
@@ -163,77 +144,39 @@ static void widen_blocks(const IntNJob *j) {
 }
 #else
 static void blocks(const IntNJob *j) { (void)j; }
-static void widen_blocks(const IntNJob *j) { (void)j; }
+static void widen_blocks(const WidenJob *j) { (void)j; }
 #endif
 
 int ps_gemm_intn_built(void) { return GEMM_INTN_BUILT; }
 
 int ps_gemm_intn_part(const GemvIntN *w, const float *x, int64_t rows, float *y, int64_t nb0, int64_t nb1) {
-    enum { STACK_VALUES = 65536, STACK_SUMS = 4096 };     /* 144 KB of the thread's stack at most */
     if (!GEMM_INTN_BUILT || rows < 1 || !takes(w)) return 2;
-    const int64_t groups = w->k / w->group;
-    const int heap = rows * w->k > STACK_VALUES || rows * (groups + 1) > STACK_SUMS;
-    int16_t on_stack[heap ? 1 : STACK_VALUES];
-    float sums_on_stack[heap ? 1 : STACK_SUMS];
-    int16_t *xq = heap ? malloc(sizeof(int16_t) * rows * w->k) : on_stack;
-    float *sums = heap ? malloc(sizeof(float) * rows * (groups + 1)) : sums_on_stack;
-    int status = 1;
-    if (xq && sums) {
-        IntNJob j = {w, {x, xq, sums, sums + rows}, y, NULL, rows, nb0, nb1};
-        ps_round_rows(&j.in, w->k, w->group, 0, rows);
-        blocks(&j);
-        status = 0;
-    }
-    if (heap) {
-        free(xq);
-        free(sums);
-    }
-    return status;
+    return ps_rounded_part((RoundedGemm){w, {NULL, NULL, NULL, NULL}, y, rows, 0, 0, blocks}, x, w->k, w->group,
+                           nb0, nb1);
 }
-
-static void *round_job(void *arg) {
-    const IntNJob *j = (const IntNJob *)arg;
-    ps_round_rows(&j->in, j->w->k, j->w->group, j->a, j->b);
-    return NULL;
-}
-
-static void *blocks_job(void *arg) {
-    blocks((const IntNJob *)arg);
-    return NULL;
-}
-
-static void *widen_job(void *arg) {
-    widen_blocks((const IntNJob *)arg);
-    return NULL;
-}
-
-static void set_range(void *job, int64_t a, int64_t b) { ((IntNJob *)job)->a = a; ((IntNJob *)job)->b = b; }
 
 /* y [rows, n] = x [rows, k] @ w^T on `threads` OpenMP threads: 0 on success, 2 for what it does not take. */
 int ps_gemm_intn(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t bits, int64_t n, int64_t k,
                  int64_t group, const float *x, int64_t rows, float *y, int threads) {
     const GemvIntN w = {packed, sz, n, k, group, sz_stride, bits};
     if (!GEMM_INTN_BUILT || rows < 1 || !takes(&w)) return 2;
-    int16_t *xq = malloc(sizeof(int16_t) * rows * k);
-    float *sums = malloc(sizeof(float) * rows * (1 + k / group));
-    int rc = 1;
-    if (xq && sums) {
-        IntNJob jobs[MAX_THREADS];
-        for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (IntNJob){&w, {x, xq, sums, sums + rows}, y, NULL, rows, 0, 0};
-        rc = ps_run_split(threads, rows, jobs, sizeof(IntNJob), round_job, set_range);
-        if (!rc) rc = ps_run_split(threads, n / 64, jobs, sizeof(IntNJob), blocks_job, set_range);
-    }
-    free(xq);
-    free(sums);
-    return rc;
+    return ps_rounded_threads((RoundedGemm){&w, {NULL, NULL, NULL, NULL}, y, rows, 0, 0, blocks}, x, k, group, n / 64,
+                              threads);
 }
+
+static void *widen_job(void *arg) {
+    widen_blocks((const WidenJob *)arg);
+    return NULL;
+}
+
+static void widen_range(void *job, int64_t a, int64_t b) { ((WidenJob *)job)->a = a; ((WidenJob *)job)->b = b; }
 
 /* The weight widened and transposed: out bfloat16 [k, n]. 0 on success, 2 for what it does not take. */
 int ps_dequant_intn_t(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t bits, uint16_t *out,
                       int64_t n, int64_t k, int64_t group, int threads) {
     const GemvIntN w = {packed, sz, n, k, group, sz_stride, bits};
     if (!GEMM_INTN_BUILT || !takes(&w)) return 2;
-    IntNJob jobs[MAX_THREADS];
-    for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (IntNJob){&w, {NULL, NULL, NULL, NULL}, NULL, out, 0, 0, 0};
-    return ps_run_split(threads, n / 64, jobs, sizeof(IntNJob), widen_job, set_range);
+    WidenJob jobs[MAX_THREADS];
+    for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (WidenJob){&w, out, 0, 0};
+    return ps_run_split(threads, n / 64, jobs, sizeof(WidenJob), widen_job, widen_range);
 }

@@ -11,20 +11,17 @@ Tolerances, and why:
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf.quants import quantize
 
 from pagedserve.executor.model.quant.awq_gptq import awq_to_group_quant, gptq_to_group_quant
-from pagedserve.executor.model.quant.gguf_blocks import decode_gguf_tensor
 from pagedserve.executor.model.quant.group_quant import GroupQuantWeight
 from pagedserve.executor.model.layers.linear_method import apply_linear
 from pagedserve.executor.model.quant.packing import pack_embedding, pack_linear
 from pagedserve.kernels import cpu_native, weight_only
 from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
-from pagedserve.tests.helpers.gguf_blocks import random_k_blocks
+from pagedserve.tests.helpers.gguf_blocks import random_gguf_weight
 from pagedserve.tests.helpers.quant_packers import pack_awq, pack_gptq
 
 CPU = torch.device("cpu")
@@ -32,12 +29,7 @@ ROWS, COLS = 48, 512
 
 
 def _gguf_weight(qtype: T, rows: int = ROWS) -> GroupQuantWeight:
-    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K):
-        blocks = random_k_blocks(qtype, rows * COLS // 256, seed=int(qtype)).reshape(rows, -1)
-    else:
-        rng = np.random.default_rng(int(qtype))
-        blocks = quantize(rng.standard_normal((rows, COLS)).astype(np.float32) * 0.05, qtype)
-    return decode_gguf_tensor(blocks, qtype, (rows, COLS))
+    return random_gguf_weight(qtype, rows, COLS)
 
 
 def _check(w: GroupQuantWeight, packed, expected_kind: type, batch: int) -> None:

@@ -11,20 +11,17 @@ model's greedy tokens through the real loader and the C decode step.
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf.quants import quantize
 
 from pagedserve import LLM
 from pagedserve.executor.model.layers.linear_method import apply_linear
-from pagedserve.executor.model.quant.gguf_blocks import decode_gguf_tensor
 from pagedserve.executor.model.quant.packing import pack_linear
 from pagedserve.kernels import weight_intn
 from pagedserve.kernels.weight_intn import IntNWeight, intn_built, intn_dequantize, intn_linear, pack_intn
 from pagedserve.kernels.weight_only import Int8Weight
-from pagedserve.tests.helpers.gguf_blocks import random_k_blocks
+from pagedserve.tests.helpers.gguf_blocks import random_gguf_weight
 from pagedserve.tests.helpers.gguf_models import write_tiny_gguf
 from pagedserve.tests.helpers.int4_cases import assert_float64_close as _close
 from pagedserve.tests.helpers.tiny_models import make_tiny_model
@@ -112,13 +109,8 @@ def test_many_rows_widen_to_the_exact_bfloat16_weights(out, cols, bits, group, z
     assert ((y.double() - x.double() @ dense.t()).abs() <= 1e-2 * (x.double().abs() @ dense.abs().t())).all()
 
 
-def _gguf(qtype: T, rows: int = 64, cols: int = 512):
-    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K):
-        blocks = random_k_blocks(qtype, rows * cols // 256, seed=int(qtype)).reshape(rows, -1)
-    else:
-        rng = np.random.default_rng(int(qtype))
-        blocks = quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qtype)
-    return decode_gguf_tensor(blocks, qtype, (rows, cols))
+def _gguf(qtype: T):
+    return random_gguf_weight(qtype, 64, 512)
 
 
 @needs_intn
