@@ -18,15 +18,20 @@ import torch
 from pagedserve.kernels import cpu_native
 from pagedserve.kernels.weight_intn import IntNWeight
 from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
+from pagedserve.kernels.weight_split import RowSplitWeight, WeightOnly
 
 _MAX_HEAD_DIM, _MAX_BLOCK, _MAX_GROUP = 256, 128, 16      # decode_attention.h
-_LINEAR_INT4, _LINEAR_INT8, _LINEAR_INTN = 1, 2, 3
+_LINEAR_INT4, _LINEAR_INT8, _LINEAR_INTN, _LINEAR_SPLIT = 1, 2, 3, 4
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("group", ctypes.c_int64),
-                ("chunks", ctypes.c_int64), ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("sz_stride", ctypes.c_int64), ("bits", ctypes.c_int64)]
+    pass
+
+
+_Linear._fields_ = [("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                    ("group", ctypes.c_int64), ("chunks", ctypes.c_int64), ("w", ctypes.c_void_p),
+                    ("scales", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("sz_stride", ctypes.c_int64),
+                    ("bits", ctypes.c_int64), ("parts", ctypes.POINTER(_Linear)), ("num_parts", ctypes.c_int64)]
 
 
 class _Lora(ctypes.Structure):
@@ -50,7 +55,7 @@ class _Model(ctypes.Structure):
                 ("lora_width", ctypes.c_int64)]
 
 
-Weight = Int4Weight | IntNWeight | Int8Weight
+Weight = WeightOnly
 
 
 @dataclass(frozen=True)
@@ -96,9 +101,22 @@ def _float_vector(t: torch.Tensor | None, size: int) -> bool:
                          and t.numel() == size)
 
 
-def _linear(w: Weight, n: int, k: int, bias: torch.Tensor | None) -> _Linear | None:
+def _linear(w: Weight, n: int, k: int, bias: torch.Tensor | None, keep: list) -> _Linear | None:
+    """The C description of a linear (keep holds the parts' array of a split one for the step's life)."""
     if not _float_vector(bias, n):
         return None
+    if isinstance(w, RowSplitWeight):
+        if w.out_features != n:
+            return None
+        bounds = [sum(w.widths[:i]) for i in range(len(w.widths) + 1)]
+        parts = [_linear(part, width, k, None if bias is None else bias[a:b], keep)
+                 for part, width, a, b in zip(w.parts, w.widths, bounds, bounds[1:])]
+        if any(part is None or part.kind == _LINEAR_SPLIT for part in parts):
+            return None
+        array = (_Linear * len(parts))(*parts)
+        keep.append(array)
+        return _Linear(_LINEAR_SPLIT, n, k, 0, 0, None, None, None, 0, 0,
+                       ctypes.cast(array, ctypes.POINTER(_Linear)), len(parts))
     ptr = 0 if bias is None else bias.data_ptr()
     if isinstance(w, Int4Weight):
         if (w.out_features, w.in_features) != (n, k) or n % 64 or w.packed.device.type != "cpu" \
@@ -141,9 +159,9 @@ def _lora(pool: LoraPool | None, n: int, k: int) -> _Lora | None:
 class CpuDecodeStep:
     """Holds the C description of a model (and the tensors it points into) for `__call__`."""
 
-    def __init__(self, lib: ctypes.CDLL, model: _Model, layers: ctypes.Array, keep: DecoderWeights,
+    def __init__(self, lib: ctypes.CDLL, model: _Model, layers: ctypes.Array, keep: tuple[DecoderWeights, list],
                  lora_slots: int) -> None:
-        self._lib, self._model, self._layers, self._keep = lib, model, layers, keep
+        self._lib, self._model, self._layers, self._keep = lib, model, layers, keep     # what the C side points into
         self._scratch: dict[int, torch.Tensor] = {}
         # Tokens one call takes: 32 where the int4 GEMM is built, else the GEMV's 8 (decode_step.c says why).
         self.max_rows = int(lib.ps_decode_step_max_rows())
@@ -161,8 +179,11 @@ class CpuDecodeStep:
                 or cache.dim() != 5 or cache.shape[3] > _MAX_BLOCK):
             return None
         down = w.layers[0].down
+        if isinstance(down, RowSplitWeight):      # one checkpoint tensor: never split (packing.py)
+            return None
         inter = down.q.shape[0] * down.q.shape[2] if isinstance(down, Int8Weight) else down.in_features
         layers = (_Layer * len(w.layers))()
+        arrays: list = []
         pools = [p for lw in w.layers for p in lw.loras]
         if any(p is None for p in pools) and any(p is not None for p in pools):
             return None           # some linears without slots: a LoRA row would miss their deltas
@@ -173,10 +194,10 @@ class CpuDecodeStep:
                     or not all(_float_vector(t, hidden) for t in (lw.in_norm, lw.post_norm))
                     or not all(_float_vector(t, d) for t in (lw.q_norm, lw.k_norm))):
                 return None
-            linears = [_linear(lw.qkv, (hq + 2 * hkv) * d, hidden, lw.biases[0]),
-                       _linear(lw.o, hq * d, hq * d, lw.biases[1]) if hq * d == hidden else None,
-                       _linear(lw.gate_up, 2 * inter, hidden, lw.biases[2]),
-                       _linear(lw.down, hidden, inter, lw.biases[3])]
+            linears = [_linear(lw.qkv, (hq + 2 * hkv) * d, hidden, lw.biases[0], arrays),
+                       _linear(lw.o, hq * d, hq * d, lw.biases[1], arrays) if hq * d == hidden else None,
+                       _linear(lw.gate_up, 2 * inter, hidden, lw.biases[2], arrays),
+                       _linear(lw.down, hidden, inter, lw.biases[3], arrays)]
             loras = [_lora(pool, lin.n, lin.k) if lin is not None else None for pool, lin in zip(lw.loras, linears)]
             if any(lin is None for lin in linears + loras):
                 return None
@@ -188,7 +209,7 @@ class CpuDecodeStep:
         lora_width = max((p.a.shape[1] for p in pools if p is not None), default=0)
         model = _Model(len(w.layers), hidden, hq, hkv, d, inter, cache.shape[3], int(cache.dtype == torch.bfloat16),
                        w.eps, w.scale, w.final_norm.data_ptr(), layers, lora_width)
-        return cls(lib, model, layers, w, pools[0].a.shape[0] if pools and pools[0] is not None else 0)
+        return cls(lib, model, layers, (w, arrays), pools[0].a.shape[0] if pools and pools[0] is not None else 0)
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  tables: torch.Tensor, lens: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:

@@ -54,6 +54,11 @@ def intn_fits(out: int, cols: int, bits: int, group_size: int) -> bool:
     return bits in INTN_BITS and out % 64 == 0 and group_size % 2 == 0 and group_size > 0 and cols % group_size == 0
 
 
+def intn_nbytes(out: int, cols: int, bits: int, group_size: int, zeros: bool) -> int:
+    """The pack's bytes: the codes, and a bfloat16 scale (and zero, where any is not 0) per group and channel."""
+    return out * cols * bits // 8 + out * (cols // group_size) * 2 * (2 if zeros else 1)
+
+
 def _plane(bit: torch.Tensor) -> torch.Tensor:
     """One bit of every code, uint8 [out, in] of 0/1, as gemm_intn.h's plane: per block and pair of columns four
     little-endian uint32, word c's bit 2j + t from channel 16c + j at column 2i + t: [out / 64, in / 2, 16]."""
@@ -82,23 +87,6 @@ def pack_intn(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: in
     if not bool(sz[..., 1].any()):
         sz = sz[..., :1].contiguous()
     return IntNWeight(packed, sz, bits, group_size, out, cols)
-
-
-def intn_dequantize(w: IntNWeight) -> torch.Tensor:
-    """The float32 weight [out, in], read back from the pack in PyTorch (the reference the tests hold the C
-    kernels to)."""
-    out, cols, g = w.out_features, w.in_features, w.group_size
-    rec = w.packed.to(torch.int32)
-    nib = rec[..., :64].reshape(out // 64, cols, 32).transpose(1, 2)            # [blocks, 32, in]
-    q = torch.cat((nib & 15, nib >> 4), 1).reshape(out, cols)
-    for b in range(w.bits - 4):
-        words = rec[..., 64 + 16 * b:80 + 16 * b].reshape(out // 64, cols // 2, 4, 4, 1)
-        bits = (words >> torch.arange(8, dtype=torch.int32)) & 1                  # [blocks, pairs, c, byte, bit]
-        bit = bits.reshape(out // 64, cols // 2, 4, 16, 2).permute(0, 2, 3, 1, 4).reshape(out, cols)
-        q = q | (bit << (4 + b))
-    sz = w.scales_and_zeros.float().transpose(0, 1)                             # [out, groups, 1 | 2]
-    wf = (q.float() - (1 << (w.bits - 1))) * sz[..., 0].repeat_interleave(g, 1)
-    return wf + sz[..., 1].repeat_interleave(g, 1) if sz.shape[-1] == 2 else wf
 
 
 def intn_to_bf16_t(w: IntNWeight) -> torch.Tensor:

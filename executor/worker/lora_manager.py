@@ -23,8 +23,7 @@ from pagedserve.executor.model.layers.linear import LinearBase, RowParallelLinea
 from pagedserve.executor.model.layers.lora import LoRAContext, LoRASlots, pack_pieces
 from pagedserve.executor.worker.request_state import CachedRequestState
 from pagedserve.kernels import cpu_lora
-from pagedserve.kernels.weight_intn import IntNWeight
-from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
+from pagedserve.kernels.weight_split import WeightOnly
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ def pool_dtype(linears: list[LinearBase], dtype: torch.dtype, device: torch.devi
     its bytes); bfloat16 halves them, and its rounding of the weights (2^-9 relative; the C kernels keep x and
     the sums in float32) is far below the base's own (4-bit weights, rounded inputs)."""
     if device.type == "cpu" and dtype == torch.float32 \
-            and all(isinstance(linear.packed, (Int4Weight, IntNWeight, Int8Weight)) for linear in linears):
+            and all(isinstance(linear.packed, WeightOnly) for linear in linears):
         return torch.bfloat16
     return dtype
 

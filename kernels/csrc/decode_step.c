@@ -18,15 +18,17 @@ LoRA rows (a step's rows each name an adapter slot, or -1) add their adapter's d
 #include "gemm_intn.h"
 #include "lora.h"
 
-enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_INTN = 3 };
+enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_INTN = 3, LINEAR_SPLIT = 4 };
 
-typedef struct {
+typedef struct LinearDesc {
     int64_t kind, n, k, group, chunks;     /* group: int4 group size or int8 chunk width */
     const void *w;                          /* int4 / 5-6 bit pack or int8 codes (kernels/weight_*.py) */
     const uint16_t *scales;                 /* int4 / 5-6 bit scales_and_zeros or int8 scales, bfloat16 */
     const float *bias;                      /* [n] or NULL */
     int64_t sz_stride;                      /* int4, 5-6 bit: GemvInt4.sz_stride */
     int64_t bits;                           /* 5-6 bit: GemvIntN.bits */
+    const struct LinearDesc *parts;         /* split: the parts' descriptions, side by side in y (no bias here) */
+    int64_t num_parts;
 } LinearDesc;
 
 typedef struct {
@@ -88,35 +90,55 @@ static void split(int64_t total, int tid, int threads, int64_t *a, int64_t *b) {
     *b = *a + step < total ? *a + step : total;
 }
 
-/* This thread's share of y [rows, n] = x [rows, k] @ W^T + bias. */
-static void linear_part(const LinearDesc *l, const float *x, int64_t rows, float *y, int tid, int threads) {
-    int64_t a, b;
+/* This thread's share of y [rows, n] = x [rows, k] @ W^T + bias, for one kernel form: its columns a..b. */
+static void form_part(const LinearDesc *l, const float *x, int64_t rows, float *y, int tid, int threads,
+                      int64_t *a, int64_t *b) {
     if (l->kind == LINEAR_INT4) {
         const GemvInt4 w = {(const uint8_t *)l->w, l->scales, l->n, l->k, l->group, l->sz_stride};
-        split(l->n / 64, tid, threads, &a, &b);
-        if (ps_gemm_int4_part(&w, x, rows, y, a, b))           /* 1 row without VBMI: the GEMV, 8 rows a call */
+        split(l->n / 64, tid, threads, a, b);
+        if (ps_gemm_int4_part(&w, x, rows, y, *a, *b))           /* 1 row without VBMI: the GEMV, 8 rows a call */
             for (int64_t t = 0; t < rows; t += GEMV_MAX_ROWS)
                 ps_gemv_int4_blocks(&w, x + t * l->k, rows - t < GEMV_MAX_ROWS ? rows - t : GEMV_MAX_ROWS,
-                                    y + t * l->n, a, b);
-        a *= 64;
-        b *= 64;
+                                    y + t * l->n, *a, *b);
+        *a *= 64;
+        *b *= 64;
     } else if (l->kind == LINEAR_INTN) {
         const GemvIntN w = {(const uint8_t *)l->w, l->scales, l->n, l->k, l->group, l->sz_stride, l->bits};
-        split(l->n / 64, tid, threads, &a, &b);
-        const int failed = ps_gemm_intn_part(&w, x, rows, y, a, b);
-        a *= 64;
-        b *= 64;
+        split(l->n / 64, tid, threads, a, b);
+        const int failed = ps_gemm_intn_part(&w, x, rows, y, *a, *b);
+        *a *= 64;
+        *b *= 64;
         if (failed)                    /* out of memory: NaN outputs, not stale scratch taken for sums */
             for (int64_t t = 0; t < rows; ++t)
-                for (int64_t c = a; c < b; ++c) y[t * l->n + c] = NAN;
+                for (int64_t c = *a; c < *b; ++c) y[t * l->n + c] = NAN;
     } else {
         const GemvInt8 w = {(const int8_t *)l->w, l->scales, l->chunks, l->n, l->group};
-        split(l->n, tid, threads, &a, &b);
-        ps_gemv_int8_rows(&w, x, rows, y, a, b);
+        split(l->n, tid, threads, a, b);
+        ps_gemv_int8_rows(&w, x, rows, y, *a, *b);
     }
     if (l->bias)
         for (int64_t t = 0; t < rows; ++t)
-            for (int64_t c = a; c < b; ++c) y[t * l->n + c] += l->bias[c];
+            for (int64_t c = *a; c < *b; ++c) y[t * l->n + c] += l->bias[c];
+}
+
+/* This thread's share of y [rows, n] = x [rows, k] @ W^T + bias. A split linear's parts each write rows of
+   their own width: one row lands in place at the part's columns; more go through tmp [rows, n], and each
+   thread moves the columns it computed itself, so a split adds no barrier. */
+static void linear_part(const LinearDesc *l, const float *x, int64_t rows, float *y, float *tmp, int tid,
+                        int threads) {
+    int64_t a, b;
+    if (l->kind != LINEAR_SPLIT) {
+        form_part(l, x, rows, y, tid, threads, &a, &b);
+        return;
+    }
+    for (int64_t p = 0, col = 0; p < l->num_parts; col += l->parts[p++].n) {
+        const LinearDesc *part = l->parts + p;
+        float *out = rows == 1 ? y + col : tmp + rows * col;
+        form_part(part, x, rows, out, tid, threads, &a, &b);
+        if (rows > 1)
+            for (int64_t t = 0; t < rows; ++t)
+                memcpy(y + t * l->n + col + a, out + t * part->n + a, sizeof(float) * (b - a));
+    }
 }
 
 /* The LoRA rows' deltas on a linear's output y (this thread's share of the GEMV's phase done): the shrink,
@@ -204,6 +226,7 @@ static void step_job(const StepJob *j) {
     float *attn = q + rows * qd, *gate_up = attn + rows * qd, *act = gate_up + rows * 2 * m->inter;
     float *out = act + rows * m->inter;      /* each layer's output (o_proj, then down_proj) */
     float *xa = out + rows * hd;             /* LoRA rows' shrunk inputs [rows, lora_width] */
+    float *tmp = xa + rows * m->lora_width;  /* split linears' parts [rows, n] (linear_part) */
     const int tid = j->tid, threads = j->threads;
     int sense = 0;
     if (tid == 0) memset(residual, 0, sizeof(float) * rows * hd);     /* layer 0 adds the embeddings to it */
@@ -211,7 +234,7 @@ static void step_job(const StepJob *j) {
         const LayerDesc *layer = m->layers + li;
         if (tid == 0) add_norm(m, rows, residual, li == 0 ? j->hidden : out, layer->in_norm, h);
         barrier_wait(j->barrier, threads, &sense);
-        linear_part(&layer->qkv, h, rows, qkv, tid, threads);
+        linear_part(&layer->qkv, h, rows, qkv, tmp, tid, threads);
         lora_part(j, &layer->qkv_lora, h, hd, qkv, width, xa, &sense);
         barrier_wait(j->barrier, threads, &sense);
         if (tid == 0) {
@@ -221,12 +244,12 @@ static void step_job(const StepJob *j) {
         barrier_wait(j->barrier, threads, &sense);
         attention_part(j, layer, q, attn);
         barrier_wait(j->barrier, threads, &sense);
-        linear_part(&layer->o, attn, rows, out, tid, threads);
+        linear_part(&layer->o, attn, rows, out, tmp, tid, threads);
         lora_part(j, &layer->o_lora, attn, qd, out, hd, xa, &sense);
         barrier_wait(j->barrier, threads, &sense);
         if (tid == 0) add_norm(m, rows, residual, out, layer->post_norm, h);
         barrier_wait(j->barrier, threads, &sense);
-        linear_part(&layer->gate_up, h, rows, gate_up, tid, threads);
+        linear_part(&layer->gate_up, h, rows, gate_up, tmp, tid, threads);
         lora_part(j, &layer->gate_up_lora, h, hd, gate_up, 2 * m->inter, xa, &sense);
         barrier_wait(j->barrier, threads, &sense);
         int64_t a, b;
@@ -237,7 +260,7 @@ static void step_job(const StepJob *j) {
             act[i] = g / (1.0f + expf(-g)) * gate_up[t * 2 * m->inter + m->inter + c];
         }
         barrier_wait(j->barrier, threads, &sense);
-        linear_part(&layer->down, act, rows, out, tid, threads);
+        linear_part(&layer->down, act, rows, out, tmp, tid, threads);
         lora_part(j, &layer->down_lora, act, m->inter, out, hd, xa, &sense);
         barrier_wait(j->barrier, threads, &sense);
     }
@@ -247,7 +270,9 @@ static void step_job(const StepJob *j) {
 /* Floats of scratch a step of `rows` sequences needs. */
 int64_t ps_decode_step_scratch(const ModelDesc *m, int64_t rows) {
     const int64_t qd = m->num_heads * m->head_dim, width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
-    return rows * (3 * m->hidden + width + 2 * qd + 3 * m->inter + m->lora_width);
+    int64_t widest = width > 2 * m->inter ? width : 2 * m->inter;           /* a split linear's tmp */
+    if (m->hidden > widest) widest = m->hidden;
+    return rows * (3 * m->hidden + width + 2 * qd + 3 * m->inter + m->lora_width + widest);
 }
 
 /* Rows a step takes: where the int4 GEMM is built (it takes any row count) up to DECODE_STEP_MAX_ROWS, so that

@@ -2,10 +2,10 @@
 
 vLLM's LinearMethodBase shape, smaller. The layer holds the weight, in one of two attributes:
 `layer.weight`, a dense Parameter [out, in], or `layer.packed`, the kernel form quantization/packing.py made
-(Int4Weight, PermutedInput, IntNWeight, Int8Weight, Fp8Weight). `layer.method.apply(layer, x, bias)` runs it, with no
-test of the weight's type per call. The method is picked from the weight's final form: a dense layer's when
-it is built (on the device it is built on), a quantized layer's when its pieces are packed
-(LinearBase.finish_packed_load); a GGUF file mixes formats per layer (Q4_K beside Q6_K), so only then is the
+(Int4Weight, PermutedInput, IntNWeight, Int8Weight, RowSplitWeight, Fp8Weight). `layer.method.apply(layer, x,
+bias)` runs it, with no test of the weight's type per call. The method is picked from the weight's final form:
+a dense layer's when it is built (on the device it is built on), a quantized layer's when its pieces are
+packed (LinearBase.finish_packed_load); a GGUF file mixes formats per layer (Q4_K beside Q6_K), so only then is the
 form known. What one method chooses by the number of input rows (GEMV, integer GEMM, widen + dense GEMM) is
 the kernels' own business (kernels/weight_only.py: measured crossovers).
 """
@@ -22,6 +22,7 @@ from pagedserve.executor.model.quant.packing import Packed, PermutedInput
 from pagedserve.kernels.ops import triton_usable
 from pagedserve.kernels.weight_intn import IntNWeight, intn_linear
 from pagedserve.kernels.weight_only import Int4Weight, Int8Weight, int4_linear, int8_linear
+from pagedserve.kernels.weight_split import RowSplitWeight
 
 
 class LinearWeights(Protocol):
@@ -102,6 +103,16 @@ class Int8LinearMethod(LinearMethod):
         return int8_linear(x, layer.packed, bias)
 
 
+class RowSplitLinearMethod(LinearMethod):
+    """A merged layer whose pieces keep different forms (kernels/weight_split.py): each part by its own
+    method, the outputs side by side."""
+    name = "row_split"
+
+    def apply(self, layer: LinearWeights, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = torch.cat([_BY_FORM[type(part)].apply(_Bare(part), x, None) for part in layer.packed.parts], -1)
+        return y if bias is None else y + bias
+
+
 class Fp8LinearMethod(LinearMethod):
     """e4m3 weights per output channel, activations scaled per token (CUDA, compute capability 8.9+)."""
     name = "fp8"
@@ -114,7 +125,7 @@ class Fp8LinearMethod(LinearMethod):
 _UNQUANTIZED = UnquantizedLinearMethod()
 _BY_FORM: dict[type, LinearMethod] = {Int4Weight: Int4LinearMethod(), PermutedInput: ActOrderInt4LinearMethod(),
                                       IntNWeight: IntNLinearMethod(), Int8Weight: Int8LinearMethod(),
-                                      Fp8Weight: Fp8LinearMethod()}
+                                      RowSplitWeight: RowSplitLinearMethod(), Fp8Weight: Fp8LinearMethod()}
 
 
 @functools.cache

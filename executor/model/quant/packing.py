@@ -8,6 +8,8 @@ picks its kernel once all are in:
 - 5- and 6-bit pieces (GGUF Q5_0 ... Q6_K, with 4-bit pieces beside them) on CPUs that build its kernel:
   their own width (kernels/weight_intn.py), exact up to the scales' bfloat16, where that is fewer bytes
   than int8;
+- pieces no one of those forms holds at their size (a Q5_0 q and k beside a Q8_0 v; a Q4_K q and k beside a
+  Q6_K v) on CPU: each run of like pieces in its own form, side by side (kernels/weight_split.py);
 - any other quantized piece (8 bits, or the above elsewhere): int8 per output channel, requantized from the
   decoded values (|error| <= half a step of max|w| / 127 per row, on top of the format's own);
 - dense pieces: int8 or fp8 when the method asks for it, else a plain tensor in the model's dtype.
@@ -26,13 +28,14 @@ from typing import Any, Union
 import torch
 
 from pagedserve.executor.model.quant.group_quant import GroupQuantWeight
-from pagedserve.kernels.weight_intn import IntNWeight, intn_built, intn_fits, pack_intn
+from pagedserve.kernels.weight_intn import IntNWeight, intn_built, intn_fits, intn_nbytes, pack_intn
 from pagedserve.kernels.weight_only import (INT4_GROUP_SIZES, Int4Weight, Int8Weight, pack_int4,
                                             quantize_int8)
+from pagedserve.kernels.weight_split import RowSplitWeight
 
 Piece = tuple[int, Union[torch.Tensor, GroupQuantWeight]]     # (first output row, rows)
 # The kernel forms a layer's weight may take (fp8's Fp8Weight too); layers/linear_method.py runs each.
-Packed = Union[Int4Weight, IntNWeight, Int8Weight, torch.Tensor, "PermutedInput"]
+Packed = Union[Int4Weight, IntNWeight, Int8Weight, RowSplitWeight, torch.Tensor, "PermutedInput"]
 
 
 @dataclass
@@ -84,16 +87,23 @@ def _dense(parts: list, rows: int, dtype: torch.dtype) -> torch.Tensor:
     return w.to(dtype)
 
 
+def _stack_pieces(parts: Sequence[GroupQuantWeight], rows: int, pad_code: int, scales: Sequence[torch.Tensor],
+                  zeros: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pieces' codes and (scale, zero) per group stacked in row order; rows past the last piece (vocabulary
+    padding) read code pad_code with scale and zero 0: zero rows."""
+    q, scale, zero = torch.cat([p.q for p in parts], 0), torch.cat(list(scales), 0), torch.cat(list(zeros), 0)
+    pad = rows - q.shape[0]
+    if pad > 0:
+        q = torch.cat((q, q.new_full((pad, q.shape[1]), pad_code)), 0)
+        scale, zero = (torch.cat((t, t.new_zeros(pad, t.shape[1])), 0) for t in (scale, zero))
+    return q, scale, zero
+
+
 def _int4(parts: list[GroupQuantWeight], rows: int, device: torch.device) -> Int4Weight | PermutedInput:
-    q = torch.cat([p.q for p in parts], 0)
-    scale = torch.cat([p.scale for p in parts], 0)
-    offset = torch.cat([p.offset for p in parts], 0)
-    if q.shape[0] < rows:           # vocabulary padding: code 8 with scale 0 and zero 0 is a zero row
-        pad = rows - q.shape[0]
-        q = torch.cat((q, q.new_full((pad, q.shape[1]), 8)), 0)
-        scale, offset = (torch.cat((t, t.new_zeros(pad, t.shape[1])), 0) for t in (scale, offset))
     # Our form is w = scale * q + offset; the kernel's is (q - 8) * scale + zero.
-    packed = pack_int4(q, scale, offset + 8 * scale, parts[0].group_size, device)
+    q, scale, zero = _stack_pieces(parts, rows, 8, [p.scale for p in parts],
+                                   [p.offset + 8 * p.scale for p in parts])
+    packed = pack_int4(q, scale, zero, parts[0].group_size, device)
     perm = parts[0].perm
     return packed if perm is None else PermutedInput(packed, perm.to(device), parts[0].inputs is not None)
 
@@ -123,17 +133,55 @@ def _intn(parts: Sequence, rows: int, device: torch.device) -> IntNWeight | None
         return None
     mid = 1 << (bits - 1)
     # w = scale * q + offset = (q - mid) * scale + (offset + mid * scale), each piece's groups repeated to `group`
-    scale = torch.cat([p.scale.repeat_interleave(p.group_size // group, 1) for p in parts], 0)
-    zero = torch.cat([(p.offset + mid * p.scale).repeat_interleave(p.group_size // group, 1) for p in parts], 0)
-    q = torch.cat([p.q for p in parts], 0)
-    if q.shape[0] < rows:           # vocabulary padding: zero rows
-        pad = rows - q.shape[0]
-        q = torch.cat((q, q.new_zeros(pad, cols)), 0)
-        scale, zero = (torch.cat((t, t.new_zeros(pad, t.shape[1])), 0) for t in (scale, zero))
-    stride = 1 if not bool(zero.any()) else 2
-    if bits / 8 + 2 * stride / group >= 1:                     # bytes a weight against int8's ~1
+    q, scale, zero = _stack_pieces(parts, rows, 0,
+                                   [p.scale.repeat_interleave(p.group_size // group, 1) for p in parts],
+                                   [(p.offset + mid * p.scale).repeat_interleave(p.group_size // group, 1)
+                                    for p in parts])
+    if intn_nbytes(rows, cols, bits, group, bool(zero.any())) >= rows * cols:     # int8: ~1 byte a weight
         return None
     return pack_intn(q, scale, zero, bits, group)
+
+
+def _narrow(parts: list, rows: int, device: torch.device) -> Int4Weight | PermutedInput | IntNWeight | None:
+    """The pieces in a form at about their own width (int4, or the 5/6-bit pack), or None."""
+    if int4_fits(parts, device):
+        return _int4(parts, rows, device)
+    return _intn(parts, rows, device)
+
+
+def _runs(parts: list) -> list[list]:
+    """Neighbouring pieces that one narrow form holds at their width: same bits and group (and no act-order)."""
+    def key(p: Any) -> tuple:
+        return (p.bits, p.group_size) if isinstance(p, GroupQuantWeight) and p.perm is None else (id(p),)
+    runs: list[list] = []
+    for p in parts:
+        if runs and key(runs[-1][-1]) == key(p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
+def _row_split(parts: list, rows: int, device: torch.device) -> RowSplitWeight | None:
+    """Pieces no one narrow form takes at their size (Q5_0 q, k beside a Q8_0 v), each run of like pieces in
+    its own form, where any run is narrow (kernels/weight_split.py); None otherwise."""
+    runs = _runs(parts)
+    if device.type != "cpu" or len(runs) < 2 or sum(p.shape[0] for p in parts) != rows:
+        return None
+    forms: list = []
+    for run in runs:
+        width = sum(p.shape[0] for p in run)
+        form = _narrow(run, width, device) if width % 64 == 0 else None
+        if isinstance(form, PermutedInput):
+            return None
+        forms.append(form if form is not None else _int8(run, width))
+    if not any(isinstance(f, (Int4Weight, IntNWeight)) for f in forms):
+        return None
+    return RowSplitWeight(tuple(forms), tuple(f.out_features for f in forms))
+
+
+def _int8(parts: list, rows: int) -> Int8Weight:
+    return quantize_int8(_dense(parts, rows, torch.float32))       # one scale per row: one kernel call
 
 
 def pack_linear(pieces: Sequence[Piece], rows: int, method: str, device: torch.device,
@@ -141,14 +189,12 @@ def pack_linear(pieces: Sequence[Piece], rows: int, method: str, device: torch.d
     """The kernel form of one linear weight [rows, in] from its loaded pieces."""
     _check_rows(pieces, rows, what)
     parts = _ordered(pieces)
-    if int4_fits(parts, device):
-        return _int4(parts, rows, device)
     quantized = any(isinstance(p, GroupQuantWeight) for p in parts)
-    narrow = _intn(parts, rows, device) if quantized else None
+    narrow = (_narrow(parts, rows, device) or _row_split(parts, rows, device)) if quantized else None
     if narrow is not None:
         return narrow
     if quantized or method == "int8":
-        w = quantize_int8(_dense(parts, rows, torch.float32))          # one scale per row: one kernel call
+        w = _int8(parts, rows)
         return Int8Weight(w.q.to(device), w.scale.to(device))
     if method == "fp8":
         from pagedserve.executor.model.quant.fp8 import pack_fp8
@@ -200,6 +246,8 @@ def _same_form(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
                 and a.dtype == b.dtype and a.device == b.device)
+    if isinstance(a, tuple) and isinstance(b, tuple):       # RowSplitWeight's parts
+        return len(a) == len(b) and all(_same_form(x, y) for x, y in zip(a, b))
     if dataclasses.is_dataclass(a):
         return type(a) is type(b) and all(_same_form(getattr(a, f.name), getattr(b, f.name))
                                           for f in dataclasses.fields(a))
@@ -209,6 +257,9 @@ def _same_form(a: Any, b: Any) -> bool:
 def _copy_form(dst: Any, src: Any) -> None:
     if isinstance(dst, torch.Tensor):
         dst.data.copy_(src)
+    elif isinstance(dst, tuple):
+        for d, s in zip(dst, src):
+            _copy_form(d, s)
     elif dataclasses.is_dataclass(dst):
         for f in dataclasses.fields(dst):
             _copy_form(getattr(dst, f.name), getattr(src, f.name))
