@@ -130,18 +130,18 @@ class AsyncEngineClient:
 
     async def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
         """A text, token-id or dict prompt as token ids (on the tokenizer thread)."""
-        return await self._run_tokenizer(self.processors.input.parse_prompt, prompt, add_special_tokens)
+        return await self.run_tokenizer(self.processors.input.parse_prompt, prompt, add_special_tokens)
 
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                           template_kwargs: dict[str, Any] | None = None,
                           continue_final_message: bool = False,
                           tools: list[dict[str, Any]] | None = None) -> ProcessedPrompt:
-        return await self._run_tokenizer(self.processors.input.apply_chat_template, messages,
+        return await self.run_tokenizer(self.processors.input.apply_chat_template, messages,
                                          add_generation_prompt, template_kwargs=template_kwargs,
                                          continue_final_message=continue_final_message, tools=tools)
 
     async def detokenize(self, token_ids: list[int]) -> str:
-        return await self._run_tokenizer(self.processors.tokenizer.decode, token_ids)
+        return await self.run_tokenizer(self.processors.tokenizer.decode, token_ids)
 
     def prepare(self, prompt: ProcessedPrompt, sampling_params: SamplingParams, request_id: str | None = None,
                 priority: int = 0, lora_int_id: int = 0) -> PreparedRequest:
@@ -269,7 +269,7 @@ class AsyncEngineClient:
         for queue in self._queues.values():
             queue.put_nowait(exc)
 
-    async def _run_tokenizer(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def run_tokenizer(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """fn(*args, **kwargs) on the tokenizer thread: for tokenizer-bound work (encoding, chat templates,
         decoding long id lists), so the event loop keeps streaming meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool,

@@ -28,7 +28,7 @@ from pagedserve.frontend.responses_protocol import ResponsesRequest, responses_f
 from pagedserve.frontend.responses_store import ResponseNotFoundError, ResponsesStore, StoredResponse
 from pagedserve.frontend.responses_stream import ResponseEvents, sse_event
 from pagedserve.frontend.server_args import ServerArgs
-from pagedserve.frontend.serving import OpenAIServing, _merge, error_body, run_until_disconnect
+from pagedserve.frontend.serving import OpenAIServing, error_body, merge_streams, run_until_disconnect
 
 
 class _Turn:
@@ -125,7 +125,7 @@ class ResponsesServing(OpenAIServing):
         generated, reasoning, pending = 0, "", []       # pending: logprobs of tokens whose text is held back
         final: Optional[RequestOutput] = None
         try:
-            async for _, out in outputs or _merge([self.engine.stream(turn.job)]):
+            async for _, out in outputs or merge_streams([self.engine.stream(turn.job)]):
                 c = out.outputs[0]
                 generated += len(c.token_ids)
                 pending += turn.logprobs(c) or []

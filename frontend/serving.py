@@ -193,7 +193,7 @@ class OpenAIServing:
         400, as without streaming. Returns the outputs with the first one put back, or None (no grammar)."""
         if all(j.params.structured_outputs is None for j in jobs):
             return None
-        outputs = _merge([self.engine.stream(j) for j in jobs])
+        outputs = merge_streams([self.engine.stream(j) for j in jobs])
         try:
             first = await outputs.__anext__()
         except ValueError as exc:
@@ -202,7 +202,7 @@ class OpenAIServing:
 
     async def _whole(self, jobs: list[PreparedRequest], builder: ResponseBuilder) -> dict[str, Any]:
         finals: dict[int, RequestOutput] = {}
-        async for i, out in _merge([self.engine.stream(j) for j in jobs]):
+        async for i, out in merge_streams([self.engine.stream(j) for j in jobs]):
             if out.finished:
                 finals[i] = out
         return builder.whole([finals[i] for i in range(len(jobs))])
@@ -214,7 +214,7 @@ class OpenAIServing:
         prompt_tokens = sum(len(j.prompt.prompt_token_ids) for j in jobs)
         completion_tokens = 0
         try:
-            async for i, out in outputs or _merge([self.engine.stream(j) for j in jobs]):
+            async for i, out in outputs or merge_streams([self.engine.stream(j) for j in jobs]):
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     if (choice := builder.delta_choice(i, c, out)) is not None:
@@ -236,7 +236,7 @@ async def _prepend(first: Any, rest: AsyncGenerator[Any, None]) -> AsyncIterator
         await rest.aclose()       # a client that left: cancel the engine requests now, not at GC
 
 
-async def _merge(gens: list[AsyncGenerator[RequestOutput, None]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge_streams(gens: list[AsyncGenerator[RequestOutput, None]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several generators as their items arrive (one per prompt of a batch request)."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()

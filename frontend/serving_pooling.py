@@ -104,7 +104,7 @@ class PoolingServing:
 
     async def _tokenize(self, fn: Any, *args: Any) -> Any:
         """fn(input processor, *args) on the engine client's tokenizer thread (the event loop keeps serving)."""
-        return await self.engine._run_tokenizer(fn, self.engine.processors.input, *args)
+        return await self.engine.run_tokenizer(fn, self.engine.processors.input, *args)
 
     def _prepare(self, prompt: ProcessedPrompt, params: PoolingParams, priority: int) -> PreparedRequest:
         return pooling.prepare_pooling(self.engine.processors.input, f"pool-{uuid.uuid4().hex}", prompt, params,

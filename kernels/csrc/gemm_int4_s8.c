@@ -241,7 +241,10 @@ static int gemm_s8(const GemvInt4 *w, const float *x, int64_t rows, float *y, in
     const int amx = allow_amx && rows >= AMX_MIN_ROWS && w->k % 64 == 0 && ps_gemm_int4_amx_ready();
     const int64_t k = w->k, groups = k / w->group;
     const int64_t padded = amx ? (rows + AMX_PAD_ROWS - 1) / AMX_PAD_ROWS * AMX_PAD_ROWS : rows;
-    int8_t *xq = calloc((size_t)(padded * k), 1);
+    /* Only the padding reads zeros: it shares its 16-row tiles with the last rows, so the whole last tile is
+       cleared before the rounding writes them (a whole-buffer calloc cleared a prefill chunk's ~MB per call). */
+    int8_t *xq = malloc((size_t)(padded * k));
+    if (xq && padded > rows) memset(xq + rows / 16 * 16 * k, 0, (size_t)((padded - rows / 16 * 16) * k));
     float *sums = calloc((size_t)(2 * padded * groups), sizeof(float));
     int rc = 1;
     if (xq && sums) {
