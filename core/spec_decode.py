@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from pagedserve.common.config import SchedulerConfig
 from pagedserve.common.speculative import MODEL_METHODS, SpeculativeConfig
@@ -25,6 +27,7 @@ from pagedserve.core.spec_cost_model import StepCostModel, plan_draft_lengths, s
 from pagedserve.core.structured_output.request import valid_draft
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 LOG_INTERVAL_S = 10.0     # the acceptance log line, at most this often (vLLM logs its stats every 10 s too)
 # A draft position's acceptance: the share of verified positions accepted (a draft is tried position by
 # position up to its first rejection), a request's own recent ones (each verify pass's counts decay by
@@ -66,25 +69,13 @@ class SpecDecodeState:
         self._plan = {}
         if len(running) > self.config.disable_by_batch_size:
             return
-        rows = tokens = 0
-        offers: list[tuple[Request, list[int]]] = []
-        for request in running:          # in the order schedule() takes them, each within the budget left to it
-            num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-            take = min(num_new, budget - rows)
-            if take <= 0:
-                continue
-            if num_new == 1 and not request.num_output_placeholders:
-                offers.append((request, self._offer(request)[:budget - rows - 1]))
-            rows, tokens = rows + take, tokens + (take == num_new)
-        caps = [len(draft) for _, draft in offers]
-        room = self.config.num_speculative_tokens
-        lengths = plan_draft_lengths(self.cost.cost, rows, max(tokens, 1),
-                                     [self.acceptance(r) for r, _ in offers], caps, room)
-        drafted = sum(lengths)
-        for (request, draft), n in zip(offers, lengths):
-            if n == 0 and draft and drafted < room and request.num_output_tokens % PROBE_EVERY == 0 \
-                    and sure_draft_pays(self.cost.cost, rows + drafted, max(tokens, 1)):
-                n, drafted = 1, drafted + 1
+        rows, tokens, offers = _step_rows(
+            running, budget, lambda r: r.num_tokens + r.num_output_placeholders - r.num_computed_tokens,
+            lambda r, num_new, left: self._offer(r)[:left] if num_new == 1 and not r.num_output_placeholders else None)
+        lengths = plan_draft_lengths(self.cost.cost, rows, max(tokens, 1), [self.acceptance(r) for r, _ in offers],
+                                     [len(draft) for _, draft in offers], self.config.num_speculative_tokens)
+        due = [bool(draft) and r.num_output_tokens % PROBE_EVERY == 0 for r, draft in offers]
+        for (request, draft), n in zip(offers, self._with_probes(lengths, due, rows, tokens)):
             if n:
                 self._plan[request.request_id] = draft[:n]
 
@@ -108,33 +99,30 @@ class SpecDecodeState:
         if len(following) > self.config.disable_by_batch_size:
             return {}
         decoding = {r.request_id for r in sampling}
-        rows = tokens = 0
-        offers: list[tuple[Request, int]] = []
-        for request in following:            # the next step's rows, as plan() will count them
-            num_new = 1 if request.request_id in decoding else \
-                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-            take = min(num_new, budget - rows)
-            if take <= 0:
-                continue
-            if request.request_id in decoding:
-                offers.append((request, min(k, request.max_tokens - request.num_output_tokens - 2,
-                                            self.max_model_len - request.num_tokens - 1, budget - rows - 1)))
-            rows, tokens = rows + take, tokens + (take == num_new)
+        rows, tokens, offers = _step_rows(          # the next step's rows, as plan() will count them
+            following, budget, lambda r: 1 if r.request_id in decoding else
+            r.num_tokens + r.num_output_placeholders - r.num_computed_tokens,
+            lambda r, num_new, left: min(k, r.max_tokens - r.num_output_tokens - 2,
+                                         self.max_model_len - r.num_tokens - 1, left)
+            if r.request_id in decoding else None)
         alphas = self._acceptance_if_accepted(offers, drafts)
         lengths = plan_draft_lengths(self.cost.cost, rows, max(tokens, 1), alphas, [c for _, c in offers], k)
-        drafted = sum(lengths)
-        asked: dict[str, int] = {}
-        for (request, cap), n in zip(offers, lengths):
-            # plan()'s probe fires at an output count that is a multiple of PROBE_EVERY: the next step's count is
-            # this one's + 1 + the drafts accepted now, any of which it may be.
-            first = request.num_output_tokens + 1
-            last = first + len(drafts.get(request.request_id, ()))
-            if n == 0 and cap > 0 and drafted < k and last // PROBE_EVERY * PROBE_EVERY >= first \
+        # plan()'s probe fires at an output count that is a multiple of PROBE_EVERY: the next step's count is this
+        # one's + 1 + the drafts accepted now, any of which it may be.
+        due = [cap > 0 and (r.num_output_tokens + 1 + len(drafts.get(r.request_id, ()))) // PROBE_EVERY
+               * PROBE_EVERY >= r.num_output_tokens + 1 for r, cap in offers]
+        return {r.request_id: n for (r, _), n in zip(offers, self._with_probes(lengths, due, rows, tokens)) if n}
+
+    def _with_probes(self, lengths: list[int], due: list[bool], rows: int, tokens: int) -> list[int]:
+        """The cost model's draft lengths, with a one-token probe for each request it gave none whose probe is
+        due, while the step's draft bound holds and a sure draft would pay."""
+        drafted, out = sum(lengths), []
+        for n, is_due in zip(lengths, due):
+            if n == 0 and is_due and drafted < self.config.num_speculative_tokens \
                     and sure_draft_pays(self.cost.cost, rows + drafted, max(tokens, 1)):
                 n, drafted = 1, drafted + 1
-            if n:
-                asked[request.request_id] = n
-        return asked
+            out.append(n)
+        return out
 
     def _acceptance_if_accepted(self, offers: list[tuple[Request, int]], drafts: dict[str, list[int]]) -> list[float]:
         """Each request's acceptance as the next plan would see it were all of this step's drafts accepted: the
@@ -199,3 +187,22 @@ class SpecDecodeState:
                     1 + d_accepted / d_drafts, d_accepted, d_tokens, 100 * d_accepted / max(1, d_tokens), rates)
         self._logged = (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_pos))
         self._last_log = now
+
+
+def _step_rows(requests: list[Request], budget: int, num_new_of: Callable[[Request], int],
+               offer_of: Callable[[Request, int, int], T | None]) -> tuple[int, int, list[tuple[Request, T]]]:
+    """A step's rows and its tokens (requests it takes whole) in schedule()'s order, each request within the
+    budget left to it, and the offers made (offer_of(request, its new tokens, the budget left past its own
+    token); None: no offer)."""
+    rows = tokens = 0
+    offers: list[tuple[Request, T]] = []
+    for request in requests:
+        num_new = num_new_of(request)
+        take = min(num_new, budget - rows)
+        if take <= 0:
+            continue
+        offer = offer_of(request, num_new, budget - rows - 1)
+        if offer is not None:
+            offers.append((request, offer))
+        rows, tokens = rows + take, tokens + (take == num_new)
+    return rows, tokens, offers
