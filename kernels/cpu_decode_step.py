@@ -55,9 +55,6 @@ class _Model(ctypes.Structure):
                 ("lora_width", ctypes.c_int64)]
 
 
-Weight = WeightOnly
-
-
 @dataclass(frozen=True)
 class LoraPool:
     """A linear's adapter slots, filled in place between steps (never reallocated: the step keeps pointers).
@@ -74,10 +71,10 @@ class LoraPool:
 class LayerWeights:
     in_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: Weight
-    o: Weight
-    gate_up: Weight                      # [gate | up] rows
-    down: Weight
+    qkv: WeightOnly
+    o: WeightOnly
+    gate_up: WeightOnly                      # [gate | up] rows
+    down: WeightOnly
     kv_cache: torch.Tensor               # [2, num_blocks, num_kv_heads, block_size, head_dim]
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
@@ -101,7 +98,7 @@ def _float_vector(t: torch.Tensor | None, size: int) -> bool:
                          and t.numel() == size)
 
 
-def _linear(w: Weight, n: int, k: int, bias: torch.Tensor | None, keep: list) -> _Linear | None:
+def _linear(w: WeightOnly, n: int, k: int, bias: torch.Tensor | None, keep: list) -> _Linear | None:
     """The C description of a linear (keep holds the parts' array of a split one for the step's life)."""
     if not _float_vector(bias, n):
         return None

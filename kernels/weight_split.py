@@ -2,7 +2,7 @@
 
 A GGUF file may store a merged layer's pieces in formats no one form holds at their size: the 360M ladder
 model's Q4_K_M file has q and k in Q5_0 beside v in Q8_0, the 1.7B one q and k in Q4_K beside v in Q6_K. One
-weight for all of them meant int8 for all (8 bits a weight where q and k hold 4.5-5.5): 7.7 MB of the 360M
+weight for all of them meant int8 for all (8 bits a weight where q and k hold 4.5-5.5): 6.2 MB of the 360M
 model's token and 44 MB of the 1.7B one's. `RowSplitWeight` keeps each run of like pieces in its own form
 (executor/model/quant/packing.py picks them); y is their outputs side by side. The C decode step runs each
 part at its columns in the same phase (kernels/csrc/decode_step.c); elsewhere each part's method runs and
