@@ -30,7 +30,7 @@ class _Linear(ctypes.Structure):
 
 _Linear._fields_ = [("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                     ("group", ctypes.c_int64), ("chunks", ctypes.c_int64), ("w", ctypes.c_void_p),
-                    ("scales", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("sz_stride", ctypes.c_int64),
+                    ("scales", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("sz_form", ctypes.c_int64),
                     ("bits", ctypes.c_int64), ("parts", ctypes.POINTER(_Linear)), ("num_parts", ctypes.c_int64)]
 
 
@@ -120,7 +120,7 @@ def _linear(w: WeightOnly, n: int, k: int, bias: torch.Tensor | None, keep: list
                 or not (w.packed.is_contiguous() and w.scales_and_zeros.is_contiguous()):
             return None
         return _Linear(_LINEAR_INT4, n, k, w.group_size, 1, w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), ptr,
-                       w.scales_and_zeros.shape[-1], 4)
+                       w.sz_form, 4)
     if isinstance(w, IntNWeight):
         if (w.out_features, w.in_features) != (n, k) or w.packed.device.type != "cpu" \
                 or not (w.packed.is_contiguous() and w.scales_and_zeros.is_contiguous()):
@@ -159,7 +159,7 @@ class CpuDecodeStep:
     def __init__(self, lib: ctypes.CDLL, model: _Model, layers: ctypes.Array, keep: tuple[DecoderWeights, list],
                  lora_slots: int) -> None:
         self._lib, self._model, self._layers, self._keep = lib, model, layers, keep     # what the C side points into
-        self._scratch: dict[int, torch.Tensor] = {}
+        self._scratch: dict[tuple[int, int], torch.Tensor] = {}   # by (rows, threads)
         # Tokens one call takes: 32 where the int4 GEMM is built, else the GEMV's 8 (decode_step.c says why).
         self.max_rows = int(lib.ps_decode_step_max_rows())
         self.lora_slots = lora_slots        # adapter slots every linear holds (0: the step takes no LoRA rows)
@@ -229,15 +229,16 @@ class CpuDecodeStep:
         cos, sin, slots, lens = (t.contiguous() for t in (cos, sin, slots, lens))
         if tables.stride(-1) != 1:
             tables = tables.contiguous()
-        scratch = self._scratch.get(rows)
+        threads = torch.get_num_threads()
+        scratch = self._scratch.get((rows, threads))
         if scratch is None:
-            scratch = self._scratch[rows] = torch.empty(self._lib.ps_decode_step_scratch(ctypes.byref(self._model),
-                                                                                          rows))
+            scratch = self._scratch[rows, threads] = torch.empty(
+                self._lib.ps_decode_step_scratch(ctypes.byref(self._model), rows, threads))
         cpu_native.check(self._lib.ps_decode_step(ctypes.byref(self._model), hidden.data_ptr(), rows, cos.data_ptr(),
                                                   sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                                                   tables.stride(0), lens.data_ptr(),
                                                   None if lora_slots is None else lora_slots.data_ptr(),
-                                                  scratch.data_ptr(), torch.get_num_threads()), "decode step")
+                                                  scratch.data_ptr(), threads), "decode step")
         return hidden
 
     def _check_lora_slots(self, lora_slots: torch.Tensor, rows: int) -> None:

@@ -50,7 +50,7 @@ _SIGNATURES = {
     "ps_gemm_int4_s8_amx": [],
     "ps_gemm_int4_s8_vnni": [PTR, PTR, I64, I64, I64, I64, PTR, I64, PTR, ctypes.c_int],
     "ps_decode_step_max_rows": [],
-    "ps_decode_step_scratch": [PTR, I64],
+    "ps_decode_step_scratch": [PTR, I64, I64],
     "ps_decode_step": [PTR, PTR, I64, PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, ctypes.c_int],
     "ps_lora_bgmv": [PTR, PTR, PTR, I64, PTR, I64, PTR, PTR, PTR, I64, PTR, I64, I64, I64, ctypes.c_int],
     "ps_paged_decode": [PTR, PTR, PTR, ctypes.c_int, PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, ctypes.c_float,
@@ -110,6 +110,17 @@ def load(path: str) -> ctypes.CDLL:
         getattr(lib, name).argtypes = argtypes
     lib.ps_decode_step_scratch.restype = I64
     return lib
+
+
+# The forms of an int4 weight's group scales (kernels/csrc/gemv.h): bfloat16 scales alone (symmetric groups),
+# bfloat16 (scale, zero) pairs, or a K-quant's 8-bit codes under float16 super-scales of SZ_K_GROUPS groups.
+SZ_SCALES, SZ_PAIRS, SZ_K = 1, 2, 3
+SZ_K_GROUPS = 8
+
+
+def int4_sz_form(scales_and_zeros: torch.Tensor) -> int:
+    """The C kernels' sz_form of an int4 pack's scales: the K form is the one stored as int16 words."""
+    return SZ_K if scales_and_zeros.dtype == torch.int16 else scales_and_zeros.shape[-1]
 
 
 def threads_for(work: int, min_work_per_thread: int) -> int:

@@ -36,6 +36,7 @@ import torch
 from pagedserve.common import envs
 from pagedserve.common.dtype import cpu_has_amx_bf16, cpu_has_native_bf16
 from pagedserve.kernels import cpu_dequant, cpu_native
+from pagedserve.kernels.weight_kquant import k_form_scale_offset, k_form_scales
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 _INNER_K_TILES = 8          # CUDA tinygemm packing; K must be a multiple of 16 * this
@@ -78,11 +79,17 @@ GEMV_MIN_WEIGHTS_PER_THREAD = 1 << 16
 class Int4Weight:
     packed: torch.Tensor             # the kernel's own packed layout
     # bfloat16 [in // group_size, out, 2]: (scale, zero); [.., 1] on CPU for symmetric groups (zeros all 0, as
-    # GGUF Q4_0 has): a tenth of the bytes a token reads, which our C kernels skip (see pack_int4)
+    # GGUF Q4_0 has): a tenth of the bytes a token reads, which our C kernels skip (see pack_int4); or on CPU
+    # a K-quant's two-level scales, int16 (kernels/weight_kquant.py)
     scales_and_zeros: torch.Tensor
     group_size: int
     out_features: int
     in_features: int
+
+    @property
+    def sz_form(self) -> int:
+        """The scales' form as the C kernels name it (cpu_native.SZ_*)."""
+        return cpu_native.int4_sz_form(self.scales_and_zeros)
 
     @property
     def nbytes(self) -> int:
@@ -108,8 +115,10 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-              device: torch.device | str) -> Int4Weight:
-    """q uint8 [out, in] codes 0..15, scale/zero float [out, in // group_size] (w = (q - 8) * scale + zero)."""
+              device: torch.device | str, offset: torch.Tensor | None = None) -> Int4Weight:
+    """q uint8 [out, in] codes 0..15, scale/zero float [out, in // group_size] (w = (q - 8) * scale + zero).
+    offset: w = scale * q + offset too, given where the scales may be a K-quant's, which our CPU kernels then
+    keep in the K form (kernels/weight_kquant.py) if they factor exactly."""
     out, cols = q.shape
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 kernels take group sizes {INT4_GROUP_SIZES}, not {group_size}")
@@ -122,15 +131,32 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
         packed = torch._convert_weight_to_int4pack(nibbles.contiguous(), _INNER_K_TILES)
         return Int4Weight(packed, sz.to(device), group_size, out, cols)
     packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
-    if _native().gemv and _native().int4_gemm and not bool(sz[..., 1].any()):
-        sz = sz[..., :1].contiguous()
+    if _native().gemv and _native().int4_gemm:
+        if not bool(sz[..., 1].any()):                  # symmetric: scales alone, 4.5 bits a weight
+            return Int4Weight(packed, sz[..., :1].contiguous(), group_size, out, cols)
+        k_form = None if offset is None else k_form_scales(scale, offset)     # 4.625 bits, else pairs' 5
+        if k_form is not None:
+            return Int4Weight(packed, k_form, group_size, out, cols)
     return Int4Weight(packed, sz, group_size, out, cols)
 
 
-def _with_zeros(w: Int4Weight) -> torch.Tensor:
-    """The (scale, zero) pairs torch's own int4 kernel reads; symmetric packs store scales alone, and reach
-    torch's kernel only on calls our C kernels do not take (no native bfloat16 for the dense path)."""
+def scale_offset(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's (scale, offset) per output channel, float32 [groups, out]: w = scale * code + offset."""
+    if w.sz_form == cpu_native.SZ_K:
+        return k_form_scale_offset(w.scales_and_zeros, w.in_features // w.group_size)
+    sz = w.scales_and_zeros.float()
+    scale = sz[..., 0]
+    return scale, (sz[..., 1] if sz.shape[-1] == 2 else 0.0) - 8 * scale
+
+
+def scale_zero_pairs(w: Int4Weight) -> torch.Tensor:
+    """The bfloat16 (scale, zero) pairs [groups, out, 2] torch's own int4 kernel reads. Symmetric and K-form
+    packs store other forms, and reach torch's kernel only on calls our C kernels do not take (no native
+    bfloat16 for the dense path)."""
     sz = w.scales_and_zeros
+    if w.sz_form == cpu_native.SZ_K:
+        scale, offset = scale_offset(w)
+        return torch.stack((scale, offset + 8 * scale), -1).to(torch.bfloat16)
     return sz if sz.shape[-1] == 2 else torch.cat((sz, torch.zeros_like(sz)), -1)
 
 
@@ -185,7 +211,7 @@ def _int4_native(x2: torch.Tensor, w: Int4Weight, kernel: str) -> torch.Tensor:
     x2 = x2.to(torch.float32).contiguous()
     y = torch.empty(x2.shape[0], w.out_features, dtype=torch.float32)
     cpu_native.check(getattr(cpu_native.library(), kernel)(
-        w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), w.scales_and_zeros.shape[-1], w.out_features,
+        w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), w.sz_form, w.out_features,
         w.in_features, w.group_size,
         x2.data_ptr(), x2.shape[0], y.data_ptr(),
         cpu_native.threads_for(w.packed.numel() * 2, GEMV_MIN_WEIGHTS_PER_THREAD)), kernel)
@@ -239,7 +265,7 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
         y = torch.mm(x2, cpu_dequant.int4_to_bf16_t(w.packed, w.scales_and_zeros, w.out_features,
                                                     w.in_features, w.group_size))
     else:
-        y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), w.packed, w.group_size, _with_zeros(w))
+        y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), w.packed, w.group_size, scale_zero_pairs(w))
     y = y.to(dtype).reshape(*shape[:-1], w.out_features)
     return y if bias is None else y + bias
 
@@ -302,16 +328,14 @@ def int4_embedding(ids: torch.Tensor, w: Int4Weight, dtype: torch.dtype) -> torc
     if lib is not None:
         rows = torch.empty(flat.numel(), k, dtype=torch.float32)
         cpu_native.check(lib.ps_int4_rows(w.packed.data_ptr(), w.scales_and_zeros.data_ptr(),
-                                          w.scales_and_zeros.shape[-1], w.out_features, k, w.group_size,
+                                          w.sz_form, w.out_features, k, w.group_size,
                                           flat.data_ptr(), flat.numel(), rows.data_ptr()), "int4 embedding")
         return rows.to(dtype).reshape(*ids.shape, k)
     blocks = w.packed.view(-1, k, 32).index_select(0, flat // 64)                      # [T, k, 32]
     byte = blocks.gather(2, (flat % 32).view(-1, 1, 1).expand(-1, k, 1)).squeeze(2).to(torch.int32)
     q = torch.where((flat % 64 < 32).view(-1, 1), byte & 15, byte >> 4).float()
-    sz = w.scales_and_zeros.index_select(1, flat).float().transpose(0, 1)             # [T, groups, 1 | 2]
-    rows = (q - 8) * sz[..., 0].repeat_interleave(w.group_size, 1)
-    if sz.shape[-1] == 2:
-        rows = rows + sz[..., 1].repeat_interleave(w.group_size, 1)
+    scale, offset = (t.index_select(1, flat).t().repeat_interleave(w.group_size, 1) for t in scale_offset(w))
+    rows = q * scale + offset                                                        # [T, k]
     return rows.to(dtype).reshape(*ids.shape, k)
 
 

@@ -1,4 +1,4 @@
-/* What the CPU kernels share: bfloat16 conversions and a split of a loop over a few threads. */
+/* What the CPU kernels share: bfloat16 and half conversions and a split of a loop over a few threads. */
 #ifndef PAGEDSERVE_COMMON_H
 #define PAGEDSERVE_COMMON_H
 
@@ -17,6 +17,24 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
     memcpy(&u, &f, sizeof u);
     u += 0x7FFFu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+/* IEEE half to float, exactly (subnormals included); GGUF's super-scales are halves. */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t u;
+    if (exp == 0x1Fu) {
+        u = sign | 0x7F800000u | (man << 13);                        /* inf, nan */
+    } else if (exp) {
+        u = sign | ((exp + 112u) << 23) | (man << 13);              /* normal: rebias 15 -> 127 */
+    } else {                                                         /* zero or subnormal: man * 2^-24 */
+        float f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 #define MAX_THREADS 64

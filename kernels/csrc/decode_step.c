@@ -3,8 +3,9 @@
 At batch 1 the weights took ~6 ms of a ~16 ms CPU step; the rest was ~150 PyTorch ops per layer, the casts
 around torch's bfloat16-only weight-only kernels and the Python between them (docs/cpu_performance.md).
 Here one OpenMP team (torch's threads, see parallel.c) runs the whole step: each GEMV and the attention are
-split between its threads, the small ops run on one, and barriers separate the phases, so the team is
-formed once per step. Math as the PyTorch path does it: float32 activations, RMSNorm in
+split between its threads, the small ops run on every thread alike where one thread's result would need a
+barrier before the others read it (the norms) or on each thread's own share (rotary, SiLU), and barriers
+separate the phases that read other threads' outputs, so the team is formed once per step. Math as the PyTorch path does it: float32 activations, RMSNorm in
 float32, neox rotary, the same paged cache (written here, then read in place by decode_attention.c).
 LoRA rows (a step's rows each name an adapter slot, or -1) add their adapter's delta after each linear's GEMV
 (lora.c); a step without them passes no slots and runs exactly as before. */
@@ -25,7 +26,7 @@ typedef struct LinearDesc {
     const void *w;                          /* int4 / 5-6 bit pack or int8 codes (kernels/weight_*.py) */
     const uint16_t *scales;                 /* int4 / 5-6 bit scales_and_zeros or int8 scales, bfloat16 */
     const float *bias;                      /* [n] or NULL */
-    int64_t sz_stride;                      /* int4, 5-6 bit: GemvInt4.sz_stride */
+    int64_t sz_form;                      /* int4, 5-6 bit: GemvInt4.sz_form */
     int64_t bits;                           /* 5-6 bit: GemvIntN.bits */
     const struct LinearDesc *parts;         /* split: the parts' descriptions, side by side in y (no bias here) */
     int64_t num_parts;
@@ -94,7 +95,7 @@ static void split(int64_t total, int tid, int threads, int64_t *a, int64_t *b) {
 static void form_part(const LinearDesc *l, const float *x, int64_t rows, float *y, int tid, int threads,
                       int64_t *a, int64_t *b) {
     if (l->kind == LINEAR_INT4) {
-        const GemvInt4 w = {(const uint8_t *)l->w, l->scales, l->n, l->k, l->group, l->sz_stride};
+        const GemvInt4 w = {(const uint8_t *)l->w, l->scales, l->n, l->k, l->group, l->sz_form};
         split(l->n / 64, tid, threads, a, b);
         if (ps_gemm_int4_part(&w, x, rows, y, *a, *b))           /* 1 row without VBMI: the GEMV, 8 rows a call */
             for (int64_t t = 0; t < rows; t += GEMV_MAX_ROWS)
@@ -103,7 +104,7 @@ static void form_part(const LinearDesc *l, const float *x, int64_t rows, float *
         *a *= 64;
         *b *= 64;
     } else if (l->kind == LINEAR_INTN) {
-        const GemvIntN w = {(const uint8_t *)l->w, l->scales, l->n, l->k, l->group, l->sz_stride, l->bits};
+        const GemvIntN w = {(const uint8_t *)l->w, l->scales, l->n, l->k, l->group, l->sz_form, l->bits};
         split(l->n / 64, tid, threads, a, b);
         const int failed = ps_gemm_intn_part(&w, x, rows, y, *a, *b);
         *a *= 64;
@@ -178,36 +179,59 @@ static void write_row(void *cache, int bf16, int64_t row, const float *src, int6
     }
 }
 
-/* Rotary on q and k, then k and v into the cache: one thread, the whole step's rows. */
-static void rope_and_write(const StepJob *j, const LayerDesc *layer, float *qkv) {
+/* Row t's rotary on the q heads of KV head h's group and on k head h, k and v head h into the cache, and the
+   group's q heads copied out for the attention (decode_attention.c takes q [rows, hq, d] densely). */
+static void rope_task(const StepJob *j, const LayerDesc *layer, float *qkv, float *q, int64_t t, int64_t h) {
     const ModelDesc *m = j->m;
-    const int64_t d = m->head_dim, hq = m->num_heads, hkv = m->num_kv_heads, width = (hq + 2 * hkv) * d;
-    for (int64_t t = 0; t < j->rows; ++t) {
-        float *row = qkv + t * width;
-        const float *cos = j->cos + t * d, *sin = j->sin + t * d;
-        for (int64_t h = 0; h < hq; ++h) norm_rope(row + h * d, layer->q_norm, m->eps, cos, sin, d);
-        for (int64_t h = 0; h < hkv; ++h) norm_rope(row + (hq + h) * d, layer->k_norm, m->eps, cos, sin, d);
-        const int64_t block = j->slots[t] / m->block_size, offset = j->slots[t] % m->block_size;
-        for (int64_t h = 0; h < hkv; ++h) {
-            const int64_t cache_row = (block * hkv + h) * m->block_size + offset;
-            write_row(layer->k_cache, (int)m->cache_bf16, cache_row, row + (hq + h) * d, d);
-            write_row(layer->v_cache, (int)m->cache_bf16, cache_row, row + (hq + hkv + h) * d, d);
-        }
+    const int64_t d = m->head_dim, hq = m->num_heads, hkv = m->num_kv_heads, group = hq / hkv;
+    float *row = qkv + t * (hq + 2 * hkv) * d;
+    const float *cos = j->cos + t * d, *sin = j->sin + t * d;
+    for (int64_t g = h * group; g < (h + 1) * group; ++g) {
+        norm_rope(row + g * d, layer->q_norm, m->eps, cos, sin, d);
+        memcpy(q + (t * hq + g) * d, row + g * d, sizeof(float) * d);
+    }
+    norm_rope(row + (hq + h) * d, layer->k_norm, m->eps, cos, sin, d);
+    const int64_t block = j->slots[t] / m->block_size, offset = j->slots[t] % m->block_size;
+    const int64_t cache_row = (block * hkv + h) * m->block_size + offset;
+    write_row(layer->k_cache, (int)m->cache_bf16, cache_row, row + (hq + h) * d, d);
+    write_row(layer->v_cache, (int)m->cache_bf16, cache_row, row + (hq + hkv + h) * d, d);
+}
+
+/* Whether two rows may be tokens of one sequence (a verify pass, a short chunk): a row then attends to K/V
+   another row writes, so every row's must be in the cache first. Rows whose tables start with the same block
+   are taken for one sequence (prefix-sharing sequences too, which only costs them a barrier). */
+static int rows_share_a_sequence(const StepJob *j) {
+    for (int64_t t = 1; t < j->rows; ++t)
+        for (int64_t u = 0; u < t; ++u)
+            if (j->tables[t * j->table_stride] == j->tables[u * j->table_stride]) return 1;
+    return 0;
+}
+
+/* Rotary, cache writes and attention, this thread's share of the (row, KV head) tasks. Rows of distinct
+   sequences each write only what their own task reads, so one pass needs no barrier; rows that may share a
+   sequence write everything first (one thread), then a barrier. */
+static void attention_part(const StepJob *j, const LayerDesc *layer, float *qkv, float *q, float *out,
+                           int shared, int *sense) {
+    const ModelDesc *m = j->m;
+    const int64_t hkv = m->num_kv_heads, tasks = j->rows * hkv;
+    if (shared) {
+        if (j->tid == 0)
+            for (int64_t task = 0; task < tasks; ++task) rope_task(j, layer, qkv, q, task / hkv, task % hkv);
+        barrier_wait(j->barrier, j->threads, sense);
+    }
+    DecodeJob dj = {q, layer->k_cache, layer->v_cache, j->tables, j->lens, out, m->num_heads, hkv,
+                    m->block_size, m->head_dim, j->table_stride, 0, 0, m->scale, (int)m->cache_bf16};
+    int64_t a, b;
+    split(tasks, j->tid, j->threads, &a, &b);
+    for (int64_t task = a; task < b; ++task) {
+        if (!shared) rope_task(j, layer, qkv, q, task / hkv, task % hkv);
+        ps_decode_task(&dj, task / hkv, task % hkv);
     }
 }
 
-/* The attention reads q from the qkv rows in place: decode_attention.c takes q [rows, hq, d] densely, so
-   the q heads are first copied out (hq * d floats a row, nothing next to the GEMVs). */
-static void attention_part(const StepJob *j, const LayerDesc *layer, const float *q, float *out) {
-    const ModelDesc *m = j->m;
-    DecodeJob dj = {q, layer->k_cache, layer->v_cache, j->tables, j->lens, out, m->num_heads, m->num_kv_heads,
-                    m->block_size, m->head_dim, j->table_stride, 0, 0, m->scale, (int)m->cache_bf16};
-    int64_t a, b;
-    split(j->rows * m->num_kv_heads, j->tid, j->threads, &a, &b);
-    for (int64_t task = a; task < b; ++task) ps_decode_task(&dj, task / m->num_kv_heads, task % m->num_kv_heads);
-}
-
-/* residual += add, then dst = norm(residual) * weight, row by row (one thread: a row is a few KB). */
+/* residual += add, then dst = norm(residual) * weight, row by row. Every thread keeps its own residual and
+   normed rows and computes them alike (the same operations on the same inputs, so the same bits): a few KB a
+   row, cheaper than the barrier that one shared copy would need before the next linear reads it. */
 static void add_norm(const ModelDesc *m, int64_t rows, float *residual, const float *add, const float *weight,
                      float *dst) {
     const int64_t hd = m->hidden;
@@ -218,61 +242,97 @@ static void add_norm(const ModelDesc *m, int64_t rows, float *residual, const fl
     }
 }
 
-static void step_job(const StepJob *j) {
+/* act = silu(gate) * up for this thread's channels of every row: contiguous runs, so that gcc vectorizes
+   expf (libmvec), where one index over rows and channels kept it scalar (~13 cycles an element). */
+static void silu_part(const StepJob *j, const float *gate_up, float *act) {
+    const int64_t inter = j->m->inter;
+    int64_t a, b;
+    split(inter, j->tid, j->threads, &a, &b);
+    for (int64_t t = 0; t < j->rows; ++t) {
+        const float *restrict g = gate_up + t * 2 * inter, *restrict u = g + inter;
+        float *restrict o = act + t * inter;
+#pragma omp simd
+        for (int64_t c = a; c < b; ++c) o[c] = g[c] / (1.0f + expf(-g[c])) * u[c];
+    }
+}
+
+/* The step's buffers: shared ones, then each thread's residual and normed rows. */
+typedef struct {
+    float *residual, *h, *qkv, *q, *attn, *gate_up, *act, *out, *xa, *tmp;
+} StepBuffers;
+
+static int64_t widest_output(const ModelDesc *m) {
+    const int64_t width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+    const int64_t widest = width > 2 * m->inter ? width : 2 * m->inter;
+    return m->hidden > widest ? m->hidden : widest;
+}
+
+static int64_t shared_floats(const ModelDesc *m, int64_t rows) {
+    const int64_t qd = m->num_heads * m->head_dim, width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+    return rows * (m->hidden + width + 2 * qd + 3 * m->inter + m->lora_width + widest_output(m));
+}
+
+static StepBuffers step_buffers(const StepJob *j) {
     const ModelDesc *m = j->m;
     const int64_t rows = j->rows, hd = m->hidden, qd = m->num_heads * m->head_dim;
     const int64_t width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
-    float *residual = j->scratch, *h = residual + rows * hd, *qkv = h + rows * hd, *q = qkv + rows * width;
-    float *attn = q + rows * qd, *gate_up = attn + rows * qd, *act = gate_up + rows * 2 * m->inter;
-    float *out = act + rows * m->inter;      /* each layer's output (o_proj, then down_proj) */
-    float *xa = out + rows * hd;             /* LoRA rows' shrunk inputs [rows, lora_width] */
-    float *tmp = xa + rows * m->lora_width;  /* split linears' parts [rows, n] (linear_part) */
-    const int tid = j->tid, threads = j->threads;
-    int sense = 0;
-    if (tid == 0) memset(residual, 0, sizeof(float) * rows * hd);     /* layer 0 adds the embeddings to it */
-    for (int64_t li = 0; li < m->num_layers; ++li) {
-        const LayerDesc *layer = m->layers + li;
-        if (tid == 0) add_norm(m, rows, residual, li == 0 ? j->hidden : out, layer->in_norm, h);
-        barrier_wait(j->barrier, threads, &sense);
-        linear_part(&layer->qkv, h, rows, qkv, tmp, tid, threads);
-        lora_part(j, &layer->qkv_lora, h, hd, qkv, width, xa, &sense);
-        barrier_wait(j->barrier, threads, &sense);
-        if (tid == 0) {
-            rope_and_write(j, layer, qkv);
-            for (int64_t t = 0; t < rows; ++t) memcpy(q + t * qd, qkv + t * width, sizeof(float) * qd);
-        }
-        barrier_wait(j->barrier, threads, &sense);
-        attention_part(j, layer, q, attn);
-        barrier_wait(j->barrier, threads, &sense);
-        linear_part(&layer->o, attn, rows, out, tmp, tid, threads);
-        lora_part(j, &layer->o_lora, attn, qd, out, hd, xa, &sense);
-        barrier_wait(j->barrier, threads, &sense);
-        if (tid == 0) add_norm(m, rows, residual, out, layer->post_norm, h);
-        barrier_wait(j->barrier, threads, &sense);
-        linear_part(&layer->gate_up, h, rows, gate_up, tmp, tid, threads);
-        lora_part(j, &layer->gate_up_lora, h, hd, gate_up, 2 * m->inter, xa, &sense);
-        barrier_wait(j->barrier, threads, &sense);
-        int64_t a, b;
-        split(rows * m->inter, tid, threads, &a, &b);
-        for (int64_t i = a; i < b; ++i) {
-            const int64_t t = i / m->inter, c = i % m->inter;
-            const float g = gate_up[t * 2 * m->inter + c];
-            act[i] = g / (1.0f + expf(-g)) * gate_up[t * 2 * m->inter + m->inter + c];
-        }
-        barrier_wait(j->barrier, threads, &sense);
-        linear_part(&layer->down, act, rows, out, tmp, tid, threads);
-        lora_part(j, &layer->down_lora, act, m->inter, out, hd, xa, &sense);
-        barrier_wait(j->barrier, threads, &sense);
-    }
-    if (tid == 0) add_norm(m, rows, residual, out, m->final_norm, j->hidden);
+    StepBuffers s;
+    s.qkv = j->scratch;
+    s.q = s.qkv + rows * width;
+    s.attn = s.q + rows * qd;
+    s.gate_up = s.attn + rows * qd;
+    s.act = s.gate_up + rows * 2 * m->inter;
+    s.out = s.act + rows * m->inter;               /* each layer's output (o_proj, then down_proj) */
+    s.xa = s.out + rows * hd;                      /* LoRA rows' shrunk inputs [rows, lora_width] */
+    s.tmp = s.xa + rows * m->lora_width;           /* split linears' parts [rows, n] (linear_part) */
+    s.residual = j->scratch + shared_floats(m, rows) + j->tid * 2 * rows * hd;
+    s.h = s.residual + rows * hd;
+    return s;
 }
 
-/* Floats of scratch a step of `rows` sequences needs. */
-int64_t ps_decode_step_scratch(const ModelDesc *m, int64_t rows) {
-    const int64_t qd = m->num_heads * m->head_dim, width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
-    int64_t widest = width > 2 * m->inter ? width : 2 * m->inter;           /* a split linear's tmp */
-    if (m->hidden > widest) widest = m->hidden;
-    return rows * (3 * m->hidden + width + 2 * qd + 3 * m->inter + m->lora_width + widest);
+/* One layer. Barriers where a phase reads what other threads wrote: the qkv rows (attention), the attention
+   (o_proj), o_proj's output (the norm), gate_up (SiLU), SiLU (down_proj), down_proj's (the next layer). */
+static void layer_step(const StepJob *j, const LayerDesc *layer, const StepBuffers *s, const float *add,
+                       int shared, int *sense) {
+    const ModelDesc *m = j->m;
+    const int64_t rows = j->rows, hd = m->hidden, qd = m->num_heads * m->head_dim;
+    const int64_t width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+    const int tid = j->tid, threads = j->threads;
+    add_norm(m, rows, s->residual, add, layer->in_norm, s->h);
+    linear_part(&layer->qkv, s->h, rows, s->qkv, s->tmp, tid, threads);
+    lora_part(j, &layer->qkv_lora, s->h, hd, s->qkv, width, s->xa, sense);
+    barrier_wait(j->barrier, threads, sense);
+    attention_part(j, layer, s->qkv, s->q, s->attn, shared, sense);
+    barrier_wait(j->barrier, threads, sense);
+    linear_part(&layer->o, s->attn, rows, s->out, s->tmp, tid, threads);
+    lora_part(j, &layer->o_lora, s->attn, qd, s->out, hd, s->xa, sense);
+    barrier_wait(j->barrier, threads, sense);
+    add_norm(m, rows, s->residual, s->out, layer->post_norm, s->h);
+    linear_part(&layer->gate_up, s->h, rows, s->gate_up, s->tmp, tid, threads);
+    lora_part(j, &layer->gate_up_lora, s->h, hd, s->gate_up, 2 * m->inter, s->xa, sense);
+    barrier_wait(j->barrier, threads, sense);
+    silu_part(j, s->gate_up, s->act);
+    barrier_wait(j->barrier, threads, sense);
+    linear_part(&layer->down, s->act, rows, s->out, s->tmp, tid, threads);
+    lora_part(j, &layer->down_lora, s->act, m->inter, s->out, hd, s->xa, sense);
+    barrier_wait(j->barrier, threads, sense);
+}
+
+static void step_job(const StepJob *j) {
+    const ModelDesc *m = j->m;
+    const StepBuffers s = step_buffers(j);
+    const int shared = rows_share_a_sequence(j);
+    int sense = 0;
+    memset(s.residual, 0, sizeof(float) * j->rows * m->hidden);     /* layer 0 adds the embeddings to it */
+    for (int64_t li = 0; li < m->num_layers; ++li)
+        layer_step(j, m->layers + li, &s, li == 0 ? j->hidden : s.out, shared, &sense);
+    /* j->hidden was last read before layer 0's first barrier. */
+    if (j->tid == 0) add_norm(m, j->rows, s.residual, s.out, m->final_norm, j->hidden);
+}
+
+/* Floats of scratch a step of `rows` sequences on `threads` threads needs. */
+int64_t ps_decode_step_scratch(const ModelDesc *m, int64_t rows, int64_t threads) {
+    return shared_floats(m, rows) + (threads < 1 ? 1 : threads) * 2 * rows * m->hidden;
 }
 
 /* Rows a step takes: where the int4 GEMM is built (it takes any row count) up to DECODE_STEP_MAX_ROWS, so that

@@ -11,10 +11,9 @@ own packed layouts, so the weights are stored once. Built at first use by kernel
 
 typedef struct {
     const uint8_t *packed;    /* torch's CPU int4 pack: [n / 64, k, 32] bytes, low nibble row j, high row j + 32 */
-    const uint16_t *sz;       /* bfloat16 [k / group, n, stride]: scale, zero (stride 2; 0 where stride 1);
-                                 w = (q - 8) * scale + zero */
+    const uint16_t *sz;       /* group scales in form sz_form (gemv.h) */
     uint16_t *out;            /* bfloat16 [k, n]: the transposed weight, rows k0..k1 written by this job */
-    int64_t n, k, group, stride, k0, k1;
+    int64_t n, k, group, sz_form, k0, k1;
 } Int4Job;
 
 static void *int4_job(void *arg) {
@@ -26,7 +25,7 @@ static void *int4_job(void *arg) {
     for (int64_t kk = j->k0; kk < j->k1; ++kk) {
         int64_t g = kk / j->group;
         if (g != loaded) {    /* one group's scales serve `group` rows: widen them once */
-            const GemvInt4 w = {j->packed, j->sz, j->n, j->k, j->group, j->stride};
+            const GemvInt4 w = {j->packed, j->sz, j->n, j->k, j->group, j->sz_form};
             for (int64_t c = 0; c < j->n; ++c) ps_int4_scale_zero(&w, g, c, &scale[c], &zero[c]);
             loaded = g;
         }
@@ -99,21 +98,21 @@ static void int8_range(void *job, int64_t a, int64_t b) {
 }
 
 /* Returns 0 on success. n must be a multiple of 64 (the pack's block of output channels). */
-int ps_dequant_int4_t(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, uint16_t *out, int64_t n,
+int ps_dequant_int4_t(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, uint16_t *out, int64_t n,
                       int64_t k, int64_t group, int threads) {
-    if (n % 64 || group <= 0 || k % group || sz_stride < 1 || sz_stride > 2) return 2;
+    if (n % 64 || group <= 0 || k % group || !ps_int4_sz_takes(sz_form, k, group)) return 2;
     Int4Job jobs[MAX_THREADS];
-    for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (Int4Job){packed, sz, out, n, k, group, sz_stride, 0, 0};
+    for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (Int4Job){packed, sz, out, n, k, group, sz_form, 0, 0};
     return ps_run_split(threads, k, jobs, sizeof(Int4Job), int4_job, int4_range);
 }
 
 /* Output channels ids[0..t-1] of an int4 pack, widened to float32 rows of out [t, k]: the lookups of an
    embedding table kept in the pack its tied head's GEMV streams (4-bit sources). Returns 2 for an id outside
    0..n-1 or shapes the pack does not have. */
-int ps_int4_rows(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k,
+int ps_int4_rows(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t n, int64_t k,
                  int64_t group, const int64_t *ids, int64_t t, float *out) {
-    if (n % 64 || group <= 0 || k % group || sz_stride < 1 || sz_stride > 2) return 2;
-    const GemvInt4 w = {packed, sz, n, k, group, sz_stride};
+    if (n % 64 || group <= 0 || k % group || !ps_int4_sz_takes(sz_form, k, group)) return 2;
+    const GemvInt4 w = {packed, sz, n, k, group, sz_form};
     for (int64_t r = 0; r < t; ++r) {
         const int64_t c = ids[r];
         if (c < 0 || c >= n) return 2;

@@ -57,7 +57,8 @@ void ps_round_rows(const Rounded *in, int64_t k, int64_t group, int64_t a, int64
 }
 
 static int takes(const GemvInt4 *w, int64_t rows) {
-    return rows >= 1 && w->n % 64 == 0 && (w->sz_stride == 1 || w->sz_stride == 2) && w->group >= 2 && w->group / 2 <= MAX_GROUP_PAIRS && w->k % w->group == 0;
+    return rows >= 1 && w->n % 64 == 0 && w->group >= 2 && w->group / 2 <= MAX_GROUP_PAIRS && w->k % w->group == 0
+           && ps_int4_sz_takes(w->sz_form, w->k, w->group);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -279,9 +280,9 @@ int ps_rounded_threads(RoundedGemm g, const float *x, int64_t k, int64_t group, 
     return rc;
 }
 
-int ps_gemm_int4(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k, int64_t group,
+int ps_gemm_int4(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t n, int64_t k, int64_t group,
                  const float *x, int64_t rows, float *y, int threads) {
-    const GemvInt4 w = {packed, sz, n, k, group, sz_stride};
+    const GemvInt4 w = {packed, sz, n, k, group, sz_form};
     if (!GEMM_INT4_BUILT || !takes(&w, rows)) return 2;
     return ps_rounded_threads((RoundedGemm){&w, {NULL, NULL, NULL, NULL}, y, rows, 0, 0, blocks}, x, k, group, n / 64,
                               threads);

@@ -55,7 +55,7 @@ int ps_gemm_int4_part(const GemvInt4 *w, const float *x, int64_t rows, float *y,
 
 /* The whole product for any number of rows, on `threads` OpenMP threads: 0 on success, 2 where it does not
    apply (the caller keeps its other paths), 1 when out of memory. */
-int ps_gemm_int4(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k, int64_t group,
+int ps_gemm_int4(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t n, int64_t k, int64_t group,
                  const float *x, int64_t rows, float *y, int threads);
 
 #endif

@@ -259,32 +259,32 @@ static int gemm_s8(const GemvInt4 *w, const float *x, int64_t rows, float *y, in
     return rc;
 }
 
-static int takes_s8(int64_t n, int64_t k, int64_t group, int64_t sz_stride, int64_t rows) {
-    return rows >= 1 && n % 64 == 0 && (sz_stride == 1 || sz_stride == 2) && group >= 16 && group % 16 == 0
-           && group / 4 <= MAX_GROUP_QUADS && k % group == 0;
+static int takes_s8(int64_t n, int64_t k, int64_t group, int64_t sz_form, int64_t rows) {
+    return rows >= 1 && n % 64 == 0 && group >= 16 && group % 16 == 0 && group / 4 <= MAX_GROUP_QUADS && k % group == 0
+           && ps_int4_sz_takes(sz_form, k, group);
 }
 
-int ps_gemm_int4_s8(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k,
+int ps_gemm_int4_s8(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t n, int64_t k,
                     int64_t group, const float *x, int64_t rows, float *y, int threads) {
-    const GemvInt4 w = {packed, sz, n, k, group, sz_stride};
-    return takes_s8(n, k, group, sz_stride, rows) ? gemm_s8(&w, x, rows, y, threads, 1) : 2;
+    const GemvInt4 w = {packed, sz, n, k, group, sz_form};
+    return takes_s8(n, k, group, sz_form, rows) ? gemm_s8(&w, x, rows, y, threads, 1) : 2;
 }
 
-int ps_gemm_int4_s8_vnni(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k,
+int ps_gemm_int4_s8_vnni(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t n, int64_t k,
                          int64_t group, const float *x, int64_t rows, float *y, int threads) {
-    const GemvInt4 w = {packed, sz, n, k, group, sz_stride};
-    return takes_s8(n, k, group, sz_stride, rows) ? gemm_s8(&w, x, rows, y, threads, 0) : 2;
+    const GemvInt4 w = {packed, sz, n, k, group, sz_form};
+    return takes_s8(n, k, group, sz_form, rows) ? gemm_s8(&w, x, rows, y, threads, 0) : 2;
 }
 #else
-int ps_gemm_int4_s8(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k,
+int ps_gemm_int4_s8(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t n, int64_t k,
                     int64_t group, const float *x, int64_t rows, float *y, int threads) {
-    (void)packed, (void)sz, (void)sz_stride, (void)n, (void)k, (void)group, (void)x, (void)rows, (void)y, (void)threads;
+    (void)packed, (void)sz, (void)sz_form, (void)n, (void)k, (void)group, (void)x, (void)rows, (void)y, (void)threads;
     return 2;
 }
 
-int ps_gemm_int4_s8_vnni(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k,
+int ps_gemm_int4_s8_vnni(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t n, int64_t k,
                          int64_t group, const float *x, int64_t rows, float *y, int threads) {
-    return ps_gemm_int4_s8(packed, sz, sz_stride, n, k, group, x, rows, y, threads);
+    return ps_gemm_int4_s8(packed, sz, sz_form, n, k, group, x, rows, y, threads);
 }
 
 #endif

@@ -11,14 +11,14 @@ int ps_gemm_int4_s8_built(void);
    per row and group (max |x| / 127 each, round to nearest even), on `threads` OpenMP threads: 0 on success,
    2 for shapes it does not take (or no build), 1 when out of memory. A row's outputs depend on that row
    alone: the 1-3-row form and the tile sum every row in one order, whatever `rows` is. */
-int ps_gemm_int4_s8(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k,
+int ps_gemm_int4_s8(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t n, int64_t k,
                     int64_t group, const float *x, int64_t rows, float *y, int threads);
 
 /* 1 where ps_gemm_int4_s8 multiplies AMX_MIN_ROWS rows and more on AMX tiles (gemm_int4_amx.h). */
 int ps_gemm_int4_s8_amx(void);
 
 /* ps_gemm_int4_s8 on the VNNI tiles alone, for any rows: the AMX tile's reference, bit for bit. */
-int ps_gemm_int4_s8_vnni(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k,
+int ps_gemm_int4_s8_vnni(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t n, int64_t k,
                          int64_t group, const float *x, int64_t rows, float *y, int threads);
 
 #endif

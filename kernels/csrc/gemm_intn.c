@@ -33,14 +33,14 @@ typedef struct {
 } WidenJob;
 
 static int takes(const GemvIntN *w) {
-    return w->n % 64 == 0 && (w->bits == 5 || w->bits == 6) && (w->sz_stride == 1 || w->sz_stride == 2)
+    return w->n % 64 == 0 && (w->bits == 5 || w->bits == 6) && (w->sz_form == SZ_SCALES || w->sz_form == SZ_PAIRS)
            && w->group >= 2 && w->group % 2 == 0 && w->k % w->group == 0;
 }
 
 #if GEMM_INTN_BUILT
 /* Channels 16c.. of group g: scale, and zero - 2^(bits-1) * scale (the codes' offset folded in). */
 static inline void scale_zero16(const GemvIntN *w, int64_t g, int64_t c0, __m512 *scale, __m512 *zero) {
-    const GemvInt4 s = {NULL, w->sz, w->n, w->k, w->group, w->sz_stride};
+    const GemvInt4 s = {NULL, w->sz, w->n, w->k, w->group, w->sz_form};
     ps_int4_scale_zero16(&s, g, c0, scale, zero);           /* zero - 8 * scale */
     *zero = _mm512_fmadd_ps(_mm512_set1_ps(8.0f - (float)(1 << (w->bits - 1))), *scale, *zero);
 }
@@ -64,7 +64,7 @@ static inline __attribute__((always_inline)) void block_rows(const IntNJob *j, i
     const PairShuffle sh = pair_shuffle();
     const uint8_t *p = w->packed + nb * (k / 2) * rec;
     const int16_t *xq = j->in.xq + r0 * k;
-    const GemvInt4 sz = {NULL, w->sz, w->n, k, group, w->sz_stride};
+    const GemvInt4 sz = {NULL, w->sz, w->n, k, group, w->sz_form};
     for (int r = 0; r < R; ++r) memset(j->y + (r0 + r) * w->n + nb * 64, 0, 64 * sizeof(float));
     for (int64_t g = 0; g < SCALE_PREFETCH_GROUPS && g < groups; ++g) ps_int4_prefetch_scales(&sz, g, nb);
     for (int64_t g = 0; g < groups; ++g) {
@@ -156,9 +156,9 @@ int ps_gemm_intn_part(const GemvIntN *w, const float *x, int64_t rows, float *y,
 }
 
 /* y [rows, n] = x [rows, k] @ w^T on `threads` OpenMP threads: 0 on success, 2 for what it does not take. */
-int ps_gemm_intn(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t bits, int64_t n, int64_t k,
+int ps_gemm_intn(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t bits, int64_t n, int64_t k,
                  int64_t group, const float *x, int64_t rows, float *y, int threads) {
-    const GemvIntN w = {packed, sz, n, k, group, sz_stride, bits};
+    const GemvIntN w = {packed, sz, n, k, group, sz_form, bits};
     if (!GEMM_INTN_BUILT || rows < 1 || !takes(&w)) return 2;
     return ps_rounded_threads((RoundedGemm){&w, {NULL, NULL, NULL, NULL}, y, rows, 0, 0, blocks}, x, k, group, n / 64,
                               threads);
@@ -172,9 +172,9 @@ static void *widen_job(void *arg) {
 static void widen_range(void *job, int64_t a, int64_t b) { ((WidenJob *)job)->a = a; ((WidenJob *)job)->b = b; }
 
 /* The weight widened and transposed: out bfloat16 [k, n]. 0 on success, 2 for what it does not take. */
-int ps_dequant_intn_t(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t bits, uint16_t *out,
+int ps_dequant_intn_t(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t bits, uint16_t *out,
                       int64_t n, int64_t k, int64_t group, int threads) {
-    const GemvIntN w = {packed, sz, n, k, group, sz_stride, bits};
+    const GemvIntN w = {packed, sz, n, k, group, sz_form, bits};
     if (!GEMM_INTN_BUILT || !takes(&w)) return 2;
     WidenJob jobs[MAX_THREADS];
     for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (WidenJob){&w, out, 0, 0};

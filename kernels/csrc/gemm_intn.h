@@ -10,11 +10,11 @@
    plane per further bit, four little-endian uint32 each, word c's bit 2j + t being that bit of channel
    16c + j at column 2i + t: the order in which vpdpwssd's operands hold the pair's int16 codes, so one masked
    add puts a plane's bit in place. w = (q - 2^(bits-1)) * scale + zero per group of input columns, the scales
-   as the int4 pack's ([k / group, n, sz_stride] bfloat16, zero stored where sz_stride is 2). */
+   as the int4 pack's ([k / group, n, sz_form] bfloat16, zero stored where sz_form is SZ_PAIRS; no SZ_K). */
 typedef struct {
     const uint8_t *packed;
     const uint16_t *sz;
-    int64_t n, k, group, sz_stride, bits;
+    int64_t n, k, group, sz_form, bits;
 } GemvIntN;
 
 static inline int64_t ps_intn_record_bytes(int64_t bits) { return 64 + 16 * (bits - 4); }

@@ -30,9 +30,7 @@ static inline __attribute__((always_inline)) void int4_rows_avx512(const GemvInt
         float sum[4] = {0};
         for (int r = 0; r < R; ++r) for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
         const uint8_t *p = w->packed + (nb * k + g0) * 32;
-        const uint16_t *szn = w->sz + ((g0 / group + PF4_GROUPS) * n + nb * 64) * w->sz_stride;
-        if (g0 + PF4_GROUPS * group < k)
-            for (int j = 0; j < 2 * w->sz_stride; ++j) _mm_prefetch((const char *)(szn + 32 * j), _MM_HINT_T0);
+        if (g0 + PF4_GROUPS * group < k) ps_int4_prefetch_scales(w, g0 / group + PF4_GROUPS, nb);
         for (int64_t kk = g0; kk < g0 + group; ++kk, p += 32) {
             if (!(kk & 1)) _mm_prefetch((const char *)(p + PF4_BYTES), _MM_HINT_T0);
             __m512i d0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
@@ -135,10 +133,10 @@ static int run_gemv(const GemvInt4 *i4, const GemvInt8 *i8, const float *x, int6
 }
 
 /* y [rows, n] = x [rows, k] @ w^T; 0 on success, 2 for shapes these kernels do not take. */
-int ps_gemv_int4(const uint8_t *packed, const uint16_t *sz, int64_t sz_stride, int64_t n, int64_t k, int64_t group,
+int ps_gemv_int4(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t n, int64_t k, int64_t group,
                  const float *x, int64_t rows, float *y, int threads) {
-    if (n % 64 || group <= 0 || k % group || sz_stride < 1 || sz_stride > 2) return 2;
-    GemvInt4 w = {packed, sz, n, k, group, sz_stride};
+    if (n % 64 || group <= 0 || k % group || !ps_int4_sz_takes(sz_form, k, group)) return 2;
+    GemvInt4 w = {packed, sz, n, k, group, sz_form};
     return run_gemv(&w, NULL, x, rows, y, n / 64, threads);
 }
 

@@ -55,6 +55,29 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, cols // 256 * 210)
 
 
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """Q4_K blocks of a float [rows, cols] (cols a multiple of 256) as llama.cpp's reference quantizer lays them
+    out, which gguf-py cannot write: per 32 weights a 6-bit scale and min of the block's float16 d and dmin (the
+    largest of each gets code 63), codes 0..15, w = d * sc * q - dmin * m."""
+    rows, cols = w.shape
+    v = w.astype(np.float32).reshape(-1, 8, 32)
+    low = np.minimum(v.min(-1), 0)                                              # [blocks, 8], <= 0
+    scale = (v.max(-1) - low) / 15
+    d = (scale.max(-1, keepdims=True) / 63).astype(np.float16)
+    dmin = (-low.min(-1, keepdims=True) / 63).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d > 0, np.round(scale / d.astype(np.float32)), 0).clip(0, 63).astype(np.uint8)
+        m = np.where(dmin > 0, np.round(-low / dmin.astype(np.float32)), 0).clip(0, 63).astype(np.uint8)
+        step = (d.astype(np.float32) * sc)[..., None]
+        q = np.where(step > 0, np.round((v + (dmin.astype(np.float32) * m)[..., None]) / step), 0)
+    q = q.clip(0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)                  # 64-weight runs: low, high nibbles
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    packed = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], -1)   # ggml's get_scale_min_k4, inverted
+    blocks = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed, qs], -1)
+    return blocks.reshape(rows, cols // 256 * 144)
+
+
 def write_tiny_gguf(hf_dir: str, path: str, types: dict[str, str], default: str = "Q4_0") -> str:
     """hf_dir's float Llama as a GGUF file at path. types: GGUF name suffix ("ffn_down.weight",
     "token_embd.weight") -> ggml type; other 2-D tensors take `default`, 1-D ones stay F32."""
@@ -86,7 +109,8 @@ def write_tiny_gguf(hf_dir: str, path: str, types: dict[str, str], default: str 
             writer.add_tensor(name, np.ascontiguousarray(w))
         else:
             kind = gguf.GGMLQuantizationType[qtype]
-            blocks = quantize_q6_k(w) if qtype == "Q6_K" else gguf.quants.quantize(w, kind)
+            own = {"Q6_K": quantize_q6_k, "Q4_K": quantize_q4_k}.get(qtype)
+            blocks = own(w) if own is not None else gguf.quants.quantize(w, kind)
             writer.add_tensor(name, blocks, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -94,7 +94,8 @@ def decode_gguf_tensor(data: np.ndarray, qtype: Any, shape: tuple[int, int]) -> 
     q, scale, offset, bits, group = _DECODERS[name](raw.reshape(n_blocks, block_bytes))
     return GroupQuantWeight(torch.from_numpy(q.reshape(rows, cols)),
                             torch.from_numpy(scale.reshape(rows, cols // group)),
-                            torch.from_numpy(offset.reshape(rows, cols // group)), bits, group)
+                            torch.from_numpy(offset.reshape(rows, cols // group)), bits, group,
+                            k_quant=name in ("Q4_K", "Q5_K"))
 
 
 def reverse_permute_rows(w: GroupQuantWeight, n_head: int) -> GroupQuantWeight:
@@ -107,7 +108,8 @@ def reverse_permute_rows(w: GroupQuantWeight, n_head: int) -> GroupQuantWeight:
         raise ValueError(f"n_head {n_head}: the {rows} rows must split into n_head heads of two rotary halves")
     # Same index arithmetic as model_loader.reverse_permute, applied to row numbers.
     order = torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(rows)
-    return GroupQuantWeight(w.q[order], w.scale[order], w.offset[order], w.bits, w.group_size)
+    return GroupQuantWeight(w.q[order], w.scale[order], w.offset[order], w.bits, w.group_size,
+                            k_quant=w.k_quant)
 
 
 # ---------------------------------------------------------------- bit unpacking

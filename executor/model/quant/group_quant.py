@@ -33,6 +33,9 @@ class GroupQuantWeight:
     group_size: int
     perm: torch.Tensor | None = None   # int64 [in]: column j of q is checkpoint column perm[j] (act-order)
     inputs: int | None = None          # x's width where perm has padding (entries == inputs read zero)
+    # scale and offset are a K-quant's 8-bit codes under a float16 base per 8 groups (GGUF Q4_K/Q5_K): the
+    # int4 CPU pack may keep them in that form (kernels/weight_kquant.py); a hint, each block is checked
+    k_quant: bool = False
 
     def __post_init__(self) -> None:
         out, cols = self.q.shape
@@ -56,7 +59,7 @@ class GroupQuantWeight:
         if dim == 0:
             return GroupQuantWeight(self.q.narrow(0, start, length), self.scale.narrow(0, start, length),
                                     self.offset.narrow(0, start, length), self.bits, self.group_size, self.perm,
-                                    self.inputs)
+                                    self.inputs, self.k_quant)
         if self.perm is not None:
             if (start, length) == (0, self.q.shape[1]) and self.inputs is None:
                 return self
@@ -66,7 +69,8 @@ class GroupQuantWeight:
             raise ValueError(f"cannot split a weight quantized in groups of {g} columns at column {start} "
                              f"(+{length}): the tensor-parallel split must fall on group boundaries")
         return GroupQuantWeight(self.q.narrow(1, start, length), self.scale.narrow(1, start // g, length // g),
-                                self.offset.narrow(1, start // g, length // g), self.bits, g)
+                                self.offset.narrow(1, start // g, length // g), self.bits, g,
+                                k_quant=self.k_quant)
 
     def _act_order_columns(self, start: int, length: int) -> GroupQuantWeight:
         """Checkpoint columns start..start+length of an act-order weight (see the module docstring)."""

@@ -103,7 +103,11 @@ def _int4(parts: list[GroupQuantWeight], rows: int, device: torch.device) -> Int
     # Our form is w = scale * q + offset; the kernel's is (q - 8) * scale + zero.
     q, scale, zero = _stack_pieces(parts, rows, 8, [p.scale for p in parts],
                                    [p.offset + 8 * p.scale for p in parts])
-    packed = pack_int4(q, scale, zero, parts[0].group_size, device)
+    offset = None
+    if all(p.k_quant for p in parts):       # exact offsets too (zero - 8 * scale may round): two-level scales
+        offset = torch.cat([p.offset for p in parts], 0)
+        offset = torch.cat((offset, offset.new_zeros(scale.shape[0] - offset.shape[0], offset.shape[1])), 0)
+    packed = pack_int4(q, scale, zero, parts[0].group_size, device, offset)
     perm = parts[0].perm
     return packed if perm is None else PermutedInput(packed, perm.to(device), parts[0].inputs is not None)
 
