@@ -26,7 +26,16 @@ static void *int4_job(void *arg) {
         int64_t g = kk / j->group;
         if (g != loaded) {    /* one group's scales serve `group` rows: widen them once */
             const GemvInt4 w = {j->packed, j->sz, j->n, j->k, j->group, j->sz_form};
-            for (int64_t c = 0; c < j->n; ++c) ps_int4_scale_zero(&w, g, c, &scale[c], &zero[c]);
+            int64_t c = 0;
+#ifdef __AVX512F__
+            for (; c < j->n; c += 16) {      /* n % 64 == 0; the vector form: SZ_K's halves widen 16 at a time */
+                __m512 s, z;
+                ps_int4_scale_zero16(&w, g, c, &s, &z);
+                _mm512_storeu_ps(scale + c, s);
+                _mm512_storeu_ps(zero + c, z);
+            }
+#endif
+            for (; c < j->n; ++c) ps_int4_scale_zero(&w, g, c, &scale[c], &zero[c]);
             loaded = g;
         }
         uint16_t *o = j->out + kk * j->n;
