@@ -3,10 +3,11 @@
 At batch 1 the weights took ~6 ms of a ~16 ms CPU step; the rest was ~150 PyTorch ops per layer, the casts
 around torch's bfloat16-only weight-only kernels and the Python between them (docs/cpu_performance.md).
 Here one OpenMP team (torch's threads, see parallel.c) runs the whole step: each GEMV and the attention are
-split between its threads, the small ops run on every thread alike where one thread's result would need a
-barrier before the others read it (the norms) or on each thread's own share (rotary, SiLU), and barriers
-separate the phases that read other threads' outputs, so the team is formed once per step. Math as the PyTorch path does it: float32 activations, RMSNorm in
-float32, neox rotary, the same paged cache (written here, then read in place by decode_attention.c).
+split between its threads; the norms run on every thread alike (one thread's result would need a barrier
+before the others read it), rotary and SiLU on each thread's own share; barriers separate only the phases
+that read other threads' outputs, and the team is formed once per step. Math as the PyTorch path does it:
+float32 activations, RMSNorm in float32, neox rotary, the same paged cache (written here, then read in place
+by decode_attention.c).
 LoRA rows (a step's rows each name an adapter slot, or -1) add their adapter's delta after each linear's GEMV
 (lora.c); a step without them passes no slots and runs exactly as before. */
 #include <math.h>
@@ -26,7 +27,7 @@ typedef struct LinearDesc {
     const void *w;                          /* int4 / 5-6 bit pack or int8 codes (kernels/weight_*.py) */
     const uint16_t *scales;                 /* int4 / 5-6 bit scales_and_zeros or int8 scales, bfloat16 */
     const float *bias;                      /* [n] or NULL */
-    int64_t sz_form;                      /* int4, 5-6 bit: GemvInt4.sz_form */
+    int64_t sz_form;                        /* int4, 5-6 bit: GemvInt4.sz_form */
     int64_t bits;                           /* 5-6 bit: GemvIntN.bits */
     const struct LinearDesc *parts;         /* split: the parts' descriptions, side by side in y (no bias here) */
     int64_t num_parts;
