@@ -70,7 +70,15 @@ typedef struct {
    thread yields: on a busy machine the thread it waits for may be off its core. */
 enum { SPINS_BEFORE_YIELD = 1 << 14 };
 
-static void barrier_wait(Barrier *b, int threads, int *sense) {
+/* The bytes of the weights a thread reads next that a wait at a barrier may pull into L2 ahead of the GEMV
+   (next: where they start; left: how many are not yet asked for). */
+typedef struct {
+    const char *next;
+    int64_t left;
+    const void *target;        /* the LinearDesc they belong to */
+} Ahead;
+
+static void barrier_wait_ahead(Barrier *b, int threads, int *sense, Ahead *ahead) {
     if (threads == 1) return;
     const int mine = *sense = !*sense;
     if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == threads) {
@@ -79,17 +87,45 @@ static void barrier_wait(Barrier *b, int threads, int *sense) {
         return;
     }
     for (int spins = 0; __atomic_load_n(&b->sense, __ATOMIC_ACQUIRE) != mine; ++spins) {
-        if (spins > SPINS_BEFORE_YIELD) sched_yield();
+        if (ahead && ahead->left > 0) {
+            for (int i = 0; i < 4; ++i) __builtin_prefetch(ahead->next + 64 * i, 0, 2);
+            ahead->next += 256;
+            ahead->left -= 256;
+        } else if (spins > SPINS_BEFORE_YIELD) {
+            sched_yield();
+        }
 #if defined(__x86_64__)
         else __builtin_ia32_pause();
 #endif
     }
 }
 
+static void barrier_wait(Barrier *b, int threads, int *sense) { barrier_wait_ahead(b, threads, sense, NULL); }
+
 static void split(int64_t total, int tid, int threads, int64_t *a, int64_t *b) {
     const int64_t step = (total + threads - 1) / threads;
     *a = tid * step < total ? tid * step : total;
     *b = *a + step < total ? *a + step : total;
+}
+
+enum { AHEAD_MAX_BYTES = 1 << 20 };
+
+/* Points `ahead` at the start of this thread's share of l's weights (its first part's, for a split linear). */
+static void aim(Ahead *ahead, const LinearDesc *l, int tid, int threads) {
+    if (!ahead || ahead->target == l) return;
+    ahead->target = l;
+    if (l->kind == LINEAR_SPLIT) l = l->parts;
+    int64_t a, b, unit, bytes;
+    if (l->kind == LINEAR_INT4 || l->kind == LINEAR_INTN) {
+        split(l->n / 64, tid, threads, &a, &b);
+        unit = l->kind == LINEAR_INT4 ? l->k * 32 : l->k / 2 * ps_intn_record_bytes(l->bits);
+    } else {
+        split(l->n, tid, threads, &a, &b);
+        unit = l->group;                   /* int8: a row of the first chunk plane */
+    }
+    bytes = (b - a) * unit;
+    ahead->next = (const char *)l->w + a * unit;
+    ahead->left = bytes < AHEAD_MAX_BYTES ? bytes : AHEAD_MAX_BYTES;
 }
 
 /* This thread's share of y [rows, n] = x [rows, k] @ W^T + bias, for one kernel form: its columns a..b. */
@@ -293,8 +329,8 @@ static StepBuffers step_buffers(const StepJob *j) {
 
 /* One layer. Barriers where a phase reads what other threads wrote: the qkv rows (attention), the attention
    (o_proj), o_proj's output (the norm), gate_up (SiLU), SiLU (down_proj), down_proj's (the next layer). */
-static void layer_step(const StepJob *j, const LayerDesc *layer, const StepBuffers *s, const float *add,
-                       int shared, int *sense) {
+static void layer_step(const StepJob *j, const LayerDesc *layer, const LayerDesc *next, const StepBuffers *s,
+                       const float *add, int shared, int *sense, Ahead *ahead) {
     const ModelDesc *m = j->m;
     const int64_t rows = j->rows, hd = m->hidden, qd = m->num_heads * m->head_dim;
     const int64_t width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
@@ -302,21 +338,25 @@ static void layer_step(const StepJob *j, const LayerDesc *layer, const StepBuffe
     add_norm(m, rows, s->residual, add, layer->in_norm, s->h);
     linear_part(&layer->qkv, s->h, rows, s->qkv, s->tmp, tid, threads);
     lora_part(j, &layer->qkv_lora, s->h, hd, s->qkv, width, s->xa, sense);
-    barrier_wait(j->barrier, threads, sense);
+    aim(ahead, &layer->o, tid, threads);
+    barrier_wait_ahead(j->barrier, threads, sense, ahead);
     attention_part(j, layer, s->qkv, s->q, s->attn, shared, sense);
-    barrier_wait(j->barrier, threads, sense);
+    barrier_wait_ahead(j->barrier, threads, sense, ahead);
     linear_part(&layer->o, s->attn, rows, s->out, s->tmp, tid, threads);
     lora_part(j, &layer->o_lora, s->attn, qd, s->out, hd, s->xa, sense);
-    barrier_wait(j->barrier, threads, sense);
+    aim(ahead, &layer->gate_up, tid, threads);
+    barrier_wait_ahead(j->barrier, threads, sense, ahead);
     add_norm(m, rows, s->residual, s->out, layer->post_norm, s->h);
     linear_part(&layer->gate_up, s->h, rows, s->gate_up, s->tmp, tid, threads);
     lora_part(j, &layer->gate_up_lora, s->h, hd, s->gate_up, 2 * m->inter, s->xa, sense);
-    barrier_wait(j->barrier, threads, sense);
+    aim(ahead, &layer->down, tid, threads);
+    barrier_wait_ahead(j->barrier, threads, sense, ahead);
     silu_part(j, s->gate_up, s->act);
-    barrier_wait(j->barrier, threads, sense);
+    barrier_wait_ahead(j->barrier, threads, sense, ahead);
     linear_part(&layer->down, s->act, rows, s->out, s->tmp, tid, threads);
     lora_part(j, &layer->down_lora, s->act, m->inter, s->out, hd, s->xa, sense);
-    barrier_wait(j->barrier, threads, sense);
+    if (next) aim(ahead, &next->qkv, tid, threads);
+    barrier_wait_ahead(j->barrier, threads, sense, next ? ahead : NULL);
 }
 
 static void step_job(const StepJob *j) {
@@ -325,8 +365,10 @@ static void step_job(const StepJob *j) {
     const int shared = rows_share_a_sequence(j);
     int sense = 0;
     memset(s.residual, 0, sizeof(float) * j->rows * m->hidden);     /* layer 0 adds the embeddings to it */
+    Ahead ahead = {NULL, 0, NULL};
     for (int64_t li = 0; li < m->num_layers; ++li)
-        layer_step(j, m->layers + li, &s, li == 0 ? j->hidden : s.out, shared, &sense);
+        layer_step(j, m->layers + li, li + 1 < m->num_layers ? m->layers + li + 1 : NULL, &s,
+                   li == 0 ? j->hidden : s.out, shared, &sense, &ahead);
     /* j->hidden was last read before layer 0's first barrier. */
     if (j->tid == 0) add_norm(m, j->rows, s.residual, s.out, m->final_norm, j->hidden);
 }

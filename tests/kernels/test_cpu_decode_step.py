@@ -49,11 +49,12 @@ def test_int4_gemv_matches_the_weights(rows, out, cols, group, symmetric):
 @needs_c_step
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 13, 15])
 @pytest.mark.parametrize("out,cols,chunk", [(80, 64, 32), (37, 200, None), (1000, 96, 32), (96, 128, 16),
-                                            (48, 48, 16)])
+                                            (48, 48, 16), (1100, 64, 16)])
 def test_int8_gemv_matches_the_weights(rows, out, cols, chunk):
-    """Chunked (a Q8_0 head; Q6_K's 16-column chunks, read in pairs, and an odd count of them) and whole-row
-    int8; channel counts with a tail past the blocks of 16; decode batches past GEMV_MAX_ROWS, below
-    weight_only.INT8_DENSE_MIN_ROWS."""
+    """Chunked (a Q8_0 head; Q6_K's 16-column chunks, read in pairs, and an odd count of them; one row reads
+    pairs in tiles of 256 channels: 550 a thread are two tiles, a partial one and a tail past the blocks of 16)
+    and whole-row int8; channel counts with a tail past the blocks of 16; decode batches past GEMV_MAX_ROWS,
+    below weight_only.INT8_DENSE_MIN_ROWS."""
     w, dense = _int8_case(out, cols, chunk, seed=rows + out)
     x = torch.randn(rows, cols)
     _close(weight_only.int8_linear(x, w), x, dense, int16_inputs=True)
@@ -72,7 +73,8 @@ def test_int8_whole_rows_reach_their_largest_sums(rows, cols):
 
 
 @needs_c_step
-@pytest.mark.parametrize("out,cols,chunk", [(80, 64, 32), (1000, 96, 32), (37, 200, None), (96, 128, 16)])
+@pytest.mark.parametrize("out,cols,chunk", [(80, 64, 32), (1000, 96, 32), (37, 200, None), (96, 128, 16),
+                                            (1100, 64, 16)])
 def test_int8_gemv_gives_a_row_the_same_bits_whatever_rows_run_beside_it(out, cols, chunk):
     """A speculative verify pass's logits, and a decode batch's: rows share each widened code, and each still
     sums exactly as a one-row call does."""
