@@ -73,7 +73,7 @@ class LayerWeights:
     post_norm: torch.Tensor
     qkv: WeightOnly
     o: WeightOnly
-    gate_up: WeightOnly                      # [gate | up] rows
+    gate_up: WeightOnly                  # [gate | up] rows
     down: WeightOnly
     kv_cache: torch.Tensor               # [2, num_blocks, num_kv_heads, block_size, head_dim]
     q_norm: torch.Tensor | None = None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.cpu_native import check, int4_sz_form, library, threads_for
+from pagedserve.kernels.cpu_native import SZ_K, check, int4_sz_form, library, threads_for
 
 # Weights per thread below which a second thread does not pay (measured: a 576x576 int4 weight widens in
 # 0.065 ms on one thread and 0.086 on two; 576x3072 in 0.34 and 0.27; measured on the pthread pool that
@@ -27,14 +27,14 @@ def int4_to_bf16_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_fea
     if lib is None:
         raise RuntimeError("cpu kernels are unavailable (no C compiler)")
     _expect(packed, torch.uint8, "packed")
-    _expect(scales_and_zeros, torch.int16 if scales_and_zeros.dtype == torch.int16 else torch.bfloat16,
-            "scales_and_zeros")
+    form = int4_sz_form(scales_and_zeros)
+    _expect(scales_and_zeros, torch.int16 if form == SZ_K else torch.bfloat16, "scales_and_zeros")
     if out is None:
         out = torch.empty(in_features, out_features, dtype=torch.bfloat16)
     _expect(out, torch.bfloat16, "out")
     if packed.numel() != out_features * in_features // 2 or out.numel() != out_features * in_features:
         raise ValueError(f"int4 widening: sizes do not match a [{out_features}, {in_features}] weight")
-    check(lib.ps_dequant_int4_t(packed.data_ptr(), scales_and_zeros.data_ptr(), int4_sz_form(scales_and_zeros),
+    check(lib.ps_dequant_int4_t(packed.data_ptr(), scales_and_zeros.data_ptr(), form,
                                  out.data_ptr(), out_features, in_features, group_size, threads_for(out.numel(), MIN_WEIGHTS_PER_THREAD)),
           "int4 widening")
     return out

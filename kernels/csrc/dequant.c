@@ -10,37 +10,37 @@ own packed layouts, so the weights are stored once. Built at first use by kernel
 #include "gemv.h"
 
 typedef struct {
-    const uint8_t *packed;    /* torch's CPU int4 pack: [n / 64, k, 32] bytes, low nibble row j, high row j + 32 */
-    const uint16_t *sz;       /* group scales in form sz_form (gemv.h) */
+    GemvInt4 w;               /* torch's CPU int4 pack ([n / 64, k, 32] bytes, low nibble row j, high row j + 32) */
     uint16_t *out;            /* bfloat16 [k, n]: the transposed weight, rows k0..k1 written by this job */
-    int64_t n, k, group, sz_form, k0, k1;
+    int64_t k0, k1;
 } Int4Job;
 
 static void *int4_job(void *arg) {
     const Int4Job *j = (const Int4Job *)arg;
-    float *scale = malloc(sizeof(float) * 2 * j->n);
+    const GemvInt4 *w = &j->w;
+    const int64_t n = w->n;
+    float *scale = malloc(sizeof(float) * 2 * n);
     if (!scale) return (void *)1;
-    float *zero = scale + j->n;
+    float *zero = scale + n;
     int64_t loaded = -1;
     for (int64_t kk = j->k0; kk < j->k1; ++kk) {
-        int64_t g = kk / j->group;
+        int64_t g = kk / w->group;
         if (g != loaded) {    /* one group's scales serve `group` rows: widen them once */
-            const GemvInt4 w = {j->packed, j->sz, j->n, j->k, j->group, j->sz_form};
             int64_t c = 0;
 #ifdef __AVX512F__
-            for (; c < j->n; c += 16) {      /* n % 64 == 0; the vector form: SZ_K's halves widen 16 at a time */
+            for (; c < n; c += 16) {      /* n % 64 == 0; the vector form: SZ_K's halves widen 16 at a time */
                 __m512 s, z;
-                ps_int4_scale_zero16(&w, g, c, &s, &z);
+                ps_int4_scale_zero16(w, g, c, &s, &z);
                 _mm512_storeu_ps(scale + c, s);
                 _mm512_storeu_ps(zero + c, z);
             }
 #endif
-            for (; c < j->n; ++c) ps_int4_scale_zero(&w, g, c, &scale[c], &zero[c]);
+            for (; c < n; ++c) ps_int4_scale_zero(w, g, c, &scale[c], &zero[c]);
             loaded = g;
         }
-        uint16_t *o = j->out + kk * j->n;
-        for (int64_t nb = 0; nb < j->n / 64; ++nb) {
-            const uint8_t *p = j->packed + (nb * j->k + kk) * 32;
+        uint16_t *o = j->out + kk * n;
+        for (int64_t nb = 0; nb < n / 64; ++nb) {
+            const uint8_t *p = w->packed + (nb * w->k + kk) * 32;
             const float *s = scale + nb * 64, *z = zero + nb * 64;
             uint16_t *ob = o + nb * 64;
             for (int i = 0; i < 32; ++i) {
@@ -111,7 +111,7 @@ int ps_dequant_int4_t(const uint8_t *packed, const uint16_t *sz, int64_t sz_form
                       int64_t k, int64_t group, int threads) {
     if (n % 64 || group <= 0 || k % group || !ps_int4_sz_takes(sz_form, k, group)) return 2;
     Int4Job jobs[MAX_THREADS];
-    for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (Int4Job){packed, sz, out, n, k, group, sz_form, 0, 0};
+    for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (Int4Job){{packed, sz, n, k, group, sz_form}, out, 0, 0};
     return ps_run_split(threads, k, jobs, sizeof(Int4Job), int4_job, int4_range);
 }
 

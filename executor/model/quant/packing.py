@@ -87,16 +87,18 @@ def _dense(parts: list, rows: int, dtype: torch.dtype) -> torch.Tensor:
     return w.to(dtype)
 
 
+def _pad_rows(t: torch.Tensor, rows: int, value: int | float = 0) -> torch.Tensor:
+    """t [r, c] with rows r..rows-1 (vocabulary padding past the last piece) filled with value."""
+    pad = rows - t.shape[0]
+    return torch.cat((t, t.new_full((pad, t.shape[1]), value)), 0) if pad > 0 else t
+
+
 def _stack_pieces(parts: Sequence[GroupQuantWeight], rows: int, pad_code: int, scales: Sequence[torch.Tensor],
                   zeros: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pieces' codes and (scale, zero) per group stacked in row order; rows past the last piece (vocabulary
     padding) read code pad_code with scale and zero 0: zero rows."""
-    q, scale, zero = torch.cat([p.q for p in parts], 0), torch.cat(list(scales), 0), torch.cat(list(zeros), 0)
-    pad = rows - q.shape[0]
-    if pad > 0:
-        q = torch.cat((q, q.new_full((pad, q.shape[1]), pad_code)), 0)
-        scale, zero = (torch.cat((t, t.new_zeros(pad, t.shape[1])), 0) for t in (scale, zero))
-    return q, scale, zero
+    q = _pad_rows(torch.cat([p.q for p in parts], 0), rows, pad_code)
+    return q, _pad_rows(torch.cat(list(scales), 0), rows), _pad_rows(torch.cat(list(zeros), 0), rows)
 
 
 def _int4(parts: list[GroupQuantWeight], rows: int, device: torch.device) -> Int4Weight | PermutedInput:
@@ -105,8 +107,7 @@ def _int4(parts: list[GroupQuantWeight], rows: int, device: torch.device) -> Int
                                    [p.offset + 8 * p.scale for p in parts])
     offset = None
     if all(p.k_quant for p in parts):       # exact offsets too (zero - 8 * scale may round): two-level scales
-        offset = torch.cat([p.offset for p in parts], 0)
-        offset = torch.cat((offset, offset.new_zeros(scale.shape[0] - offset.shape[0], offset.shape[1])), 0)
+        offset = _pad_rows(torch.cat([p.offset for p in parts], 0), rows)
     packed = pack_int4(q, scale, zero, parts[0].group_size, device, offset)
     perm = parts[0].perm
     return packed if perm is None else PermutedInput(packed, perm.to(device), parts[0].inputs is not None)
