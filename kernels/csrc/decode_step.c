@@ -12,13 +12,13 @@ LoRA rows (a step's rows each name an adapter slot, or -1) add their adapter's d
 (lora.c); a step without them passes no slots and runs exactly as before. */
 #include <math.h>
 #include <omp.h>
-#include <sched.h>
 #include <stdlib.h>
 
 #include "decode_attention.h"
 #include "gemm_int4.h"
 #include "gemm_intn.h"
 #include "lora.h"
+#include "step_barrier.h"
 
 enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_INTN = 3, LINEAR_SPLIT = 4 };
 
@@ -49,10 +49,6 @@ typedef struct {
 } ModelDesc;
 
 typedef struct {
-    int count, sense;
-} Barrier;
-
-typedef struct {
     const ModelDesc *m;
     float *hidden;                /* [rows, hidden]: the embeddings in, the final-normed states out */
     int64_t rows, table_stride;
@@ -64,43 +60,6 @@ typedef struct {
     Barrier *barrier;
     int threads, tid;
 } StepJob;
-
-/* A sense-reversing spin barrier: the team's threads are busy with this step alone, and libgomp's own
-   barrier cost ~1 ms more per step at batch 1 (270 barriers a step). Past SPINS_BEFORE_YIELD a waiting
-   thread yields: on a busy machine the thread it waits for may be off its core. */
-enum { SPINS_BEFORE_YIELD = 1 << 14 };
-
-/* The bytes of the weights a thread reads next that a wait at a barrier may pull into L2 ahead of the GEMV
-   (next: where they start; left: how many are not yet asked for). */
-typedef struct {
-    const char *next;
-    int64_t left;
-    const void *target;        /* the LinearDesc they belong to */
-} Ahead;
-
-static void barrier_wait_ahead(Barrier *b, int threads, int *sense, Ahead *ahead) {
-    if (threads == 1) return;
-    const int mine = *sense = !*sense;
-    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == threads) {
-        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&b->sense, mine, __ATOMIC_RELEASE);
-        return;
-    }
-    for (int spins = 0; __atomic_load_n(&b->sense, __ATOMIC_ACQUIRE) != mine; ++spins) {
-        if (ahead && ahead->left > 0) {
-            for (int i = 0; i < 4; ++i) __builtin_prefetch(ahead->next + 64 * i, 0, 2);
-            ahead->next += 256;
-            ahead->left -= 256;
-        } else if (spins > SPINS_BEFORE_YIELD) {
-            sched_yield();
-        }
-#if defined(__x86_64__)
-        else __builtin_ia32_pause();
-#endif
-    }
-}
-
-static void barrier_wait(Barrier *b, int threads, int *sense) { barrier_wait_ahead(b, threads, sense, NULL); }
 
 static void split(int64_t total, int tid, int threads, int64_t *a, int64_t *b) {
     const int64_t step = (total + threads - 1) / threads;
