@@ -67,6 +67,7 @@ static void split(int64_t total, int tid, int threads, int64_t *a, int64_t *b) {
     *b = *a + step < total ? *a + step : total;
 }
 
+/* Half this CPU's 2 MiB L2: what a wait reads ahead is still there when its GEMV starts. */
 enum { AHEAD_MAX_BYTES = 1 << 20 };
 
 /* Points `ahead` at the start of this thread's share of l's weights (its first part's, for a split linear). */

@@ -153,9 +153,9 @@ static void int8_block16_i16(const GemvInt8 *w, const int16_t *x, float x_scale,
 
 /* Paired chunks of 16 (int8_paired) at one input row, channels r0..r1 (a multiple of 16) in tiles of INT8_TILE:
    each chunk plane is read as one run of 4 KiB per tile, where 16 channels at a time read 128 runs of 256 bytes
-   from planes 786 KB apart (the 1.7B model's Q6_K head, 49152 x 2048, warm in L3 or not: 7.1 ms a call, against
-   5.9 so, on 2 threads). The tile's sums stay in L1; each channel takes int8_block16_i16's FMAs in its order, so
-   a row gets the bits the other paths give it. */
+   from planes 786 KB apart (the 1.7B model's Q6_K head, 49152 x 2048, streamed from memory on 2 threads: 7.1 ms
+   a call that way, 6.1 in tiles). The tile's sums stay in L1; each channel takes int8_block16_i16's FMAs in its
+   order, so a row gets the bits the other paths give it. */
 enum { INT8_TILE = 256 };
 static void int8_tiles_i16(const GemvInt8 *w, const int16_t *x, float x_scale, float *y, int64_t r0, int64_t r1) {
     const int64_t chunks = w->chunks, n = w->n;
