@@ -51,7 +51,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower()
     in ("1", "true"),
     # vLLM's switch for the development routes RL trainers use: /sleep, /wake_up, /is_sleeping,
-    # /reset_prefix_cache, /collective_rpc (frontend/dev_routes.py).
+    # /reset_prefix_cache, /collective_rpc (frontend/rl/dev_routes.py).
     "VLLM_SERVER_DEV_MODE": lambda: os.environ.get("VLLM_SERVER_DEV_MODE", "0").lower() in ("1", "true"),
     # "torch" runs the PyTorch kernels on CUDA too (A/B checks against the Triton ones).
     "PAGEDSERVE_KERNELS": _choice("PAGEDSERVE_KERNELS", "triton", ("triton", "torch")),
@@ -69,7 +69,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     or os.path.join(_cache_dir(), "llama.cpp"),
     # Set by torchrun on every node: the rank's GPU on its own machine.
     "LOCAL_RANK": lambda: int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else None,
-    # The C compiler that builds kernels/csrc (unset: cc, else gcc).
+    # The C compiler that builds kernels/cpu/csrc (unset: cc, else gcc).
     "CC": lambda: os.environ.get("CC") or None,
 }
 

@@ -10,7 +10,7 @@ QUANTIZATION_CHOICES = ("none", "gguf", "int8", "fp8", "awq", "gptq")
 # Methods a checkpoint's quantization_config may name (the others are applied at load or are file formats).
 CHECKPOINT_METHODS = ("awq", "gptq", "fp8")
 _SPEC_METHODS = ("gguf", "int8", "fp8", "awq", "gptq")
-# Methods whose weights run in the weight-only int4/int8 kernels (kernels/weight_only.py).
+# Methods whose weights run in the weight-only int4/int8 kernels (kernels/weights/weight_only.py).
 WEIGHT_ONLY_METHODS = ("gguf", "int8", "awq", "gptq")
 _BITS = {"awq": (4,), "gptq": (4, 8), "int8": (8,), "fp8": (8,)}
 _GPTQ_FORMATS = ("gptq", "gptq_v2")

@@ -11,7 +11,7 @@ from collections.abc import Container, Iterable, Sequence
 from typing import Any, Optional
 
 from pagedserve.common.errors import EngineOverloadedError, RequestError
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.params.sampling_params import SamplingParams
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 

@@ -9,18 +9,18 @@ from typing import Any, Protocol
 
 import msgspec
 
-from pagedserve.core.block_hash import BlockHasher
-from pagedserve.common.config import EngineArgs, EngineConfig
+from pagedserve.core.kv_cache.block_hash import BlockHasher
+from pagedserve.common.config.engine_args import EngineArgs, EngineConfig
 from pagedserve.common.errors import RequestError
-from pagedserve.common.model_files import tokenizer_folder
+from pagedserve.common.model.model_files import tokenizer_folder
 from pagedserve.common.request_checks import (check_request, check_request_id, check_waiting_room,
                                               generation_budget)
-from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
-from pagedserve.core.lora_registry import LoRARegistry
-from pagedserve.core.pooling_requests import check_runner, pooling_info
+from pagedserve.core.kv_cache.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.lora.registry import LoRARegistry
+from pagedserve.core.pooling.requests import check_runner, pooling_info
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.rl_control import RLControl
-from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.rl.control import RLControl
+from pagedserve.core.sched.scheduler import Scheduler
 from pagedserve.core.structured_output.setup import check_structured_outputs, make_structured_output_manager
 from pagedserve.ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo,
                                      ModelRunnerOutput, SchedulerOutput)
@@ -75,7 +75,7 @@ class EngineCore:
         self.batch_queue_size = config.scheduler.batch_queue_size
         self._batch_queue: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self._info: EngineInfo | None = None
-        # collective_rpc, weight reloads, sleep (core/rl_control.py)
+        # collective_rpc, weight reloads, sleep (core/rl/control.py)
         self.rl = RLControl(self.executor, config.rl, self.reset_prefix_cache, self.settle)
         logger.info("engine core ready in %.1f s: %d KV blocks", time.perf_counter() - start, self.num_blocks)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from pagedserve.common.config import CLIENT_EXPIRY_S, CORE_HEARTBEAT_INTERVAL_S, EngineArgs, EngineConfig
+from pagedserve.common.config.engine_args import CLIENT_EXPIRY_S, CORE_HEARTBEAT_INTERVAL_S, EngineArgs, EngineConfig
 from pagedserve.core.engine_core import EngineCore, ExecutorLike
 from pagedserve.common.process_utils import describe_exception, setup_child_process
 from pagedserve.common.throttled_log import ThrottledLog

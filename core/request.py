@@ -5,9 +5,9 @@ import enum
 import time
 from typing import Any
 
-from pagedserve.core.block_hash import BlockHasher
-from pagedserve.common.pooling_params import PoolingParams
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.core.kv_cache.block_hash import BlockHasher
+from pagedserve.common.params.pooling_params import PoolingParams
+from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.ipc.messages import LogprobsEntry, PromptLogprobsChunk
 
 
@@ -66,7 +66,7 @@ class Request:
         self.structured: Any = None
         self.num_prompt_logprobs_sent = 0   # prompt positions already reported (a preempted request rescores)
         self.spec_token_ids: list[int] = []  # a draft model's proposals for the next step (method draft_model)
-        # Its recent draft positions verified and accepted, decayed (core/spec_decode.py SpecDecodeState.acceptance)
+        # Its recent draft positions verified and accepted, decayed (core/spec_decode/state.py SpecDecodeState.acceptance)
         self.spec_hits = self.spec_trials = 0.0
         self.lora_int_id = lora_int_id          # 0: the base model
         self._lora_digest = lora_digest         # the adapter's identity in the prefix cache

@@ -8,16 +8,16 @@ import signal
 import stat
 import sys
 
-from pagedserve.common.arg_utils import dataclass_from, dataclass_parser
-from pagedserve.common.config import EngineArgs
+from pagedserve.common.config.arg_utils import dataclass_from, dataclass_parser
+from pagedserve.common.config.engine_args import EngineArgs
 from pagedserve.frontend.server_args import ServerArgs
-from pagedserve.frontend.tokenizer import load_chat_template
+from pagedserve.frontend.client.tokenizer import load_chat_template
 
 logger = logging.getLogger("pagedserve.serve")
 
 
 def make_parser() -> argparse.ArgumentParser:
-    """Every flag comes from a field of EngineArgs or ServerArgs (common/arg_utils.py)."""
+    """Every flag comes from a field of EngineArgs or ServerArgs (common/config/arg_utils.py)."""
     p = dataclass_parser({"engine": EngineArgs, "server": ServerArgs}, prog="engine-serve",
                          description="Serve a model over an OpenAI-compatible API.")
     p.add_argument("model_tag", nargs="?", default=None, help="the model, as with --model")
@@ -39,7 +39,7 @@ def check_flags(args: EngineArgs, server: ServerArgs) -> None:
     args.validate()
     if (server.lora_modules or server.allow_runtime_lora_updating) and not args.enable_lora:
         raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
-    from pagedserve.frontend.dp_launch import check_data_parallel_flags
+    from pagedserve.frontend.dp.launch import check_data_parallel_flags
     check_data_parallel_flags(args, server)
 
 
@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> None:
 def serve(args: EngineArgs, server: ServerArgs, level: int, chat_template: str | None) -> None:
     import uvicorn
 
-    from pagedserve.frontend.api_server import build_app
-    from pagedserve.frontend.async_client import AsyncEngineClient
-    from pagedserve.frontend.dp_launch import serve_headless, start_engines
+    from pagedserve.frontend.openai.api_server import build_app
+    from pagedserve.frontend.client.async_client import AsyncEngineClient
+    from pagedserve.frontend.dp.launch import serve_headless, start_engines
 
     if server.headless:
         serve_headless(args, server, level)

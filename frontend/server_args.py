@@ -4,9 +4,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pagedserve.common.arg_utils import setting
-from pagedserve.frontend.dp_router import ROUTING_POLICIES
-from pagedserve.frontend.tool_parsers import TOOL_PARSERS
+from pagedserve.common.config.arg_utils import setting
+from pagedserve.frontend.dp.router import ROUTING_POLICIES
+from pagedserve.frontend.openai.tool_parsers import TOOL_PARSERS
 
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
 TOOL_PARSER_NAMES = tuple(TOOL_PARSERS)
@@ -107,7 +107,7 @@ class ServerArgs:
 
     def validate(self) -> None:
         """ValueError, naming the flag, for values the server cannot start with."""
-        from pagedserve.frontend.lora_serving import parse_lora_modules
+        from pagedserve.frontend.lora.serving import parse_lora_modules
         parse_lora_modules(self.lora_modules)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")

@@ -6,8 +6,8 @@ from typing import Any, Optional, Union
 import msgspec
 
 from pagedserve.common.errors import error_field, error_kind
-from pagedserve.common.pooling_params import PoolingParams
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.params.pooling_params import PoolingParams
+from pagedserve.common.params.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- frontend -> engine core
 

@@ -1,7 +1,7 @@
 """The fused elementwise ops and the MoE experts, one entry point each: Triton on CUDA, PyTorch elsewhere.
 
 Linears and attention are not here: a linear layer's method (executor/model/layers/linear_method.py) and an
-attention layer's backend (kernels/attention_backends.py) are picked once, at load. These ops are cheap to
+attention layer's backend (kernels/attention/backends.py) are picked once, at load. These ops are cheap to
 route (one device test) and shared by every model family, so they route per call.
 `PAGEDSERVE_KERNELS=torch` forces PyTorch on CUDA too (for A/B checks against the kernels).
 """
@@ -35,14 +35,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """norm(x) * weight, or with a residual (norm(x + residual) * weight, x + residual)."""
     if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
-        from pagedserve.kernels import triton_fused
+        from pagedserve.kernels.triton import fused as triton_fused
         return triton_fused.rms_norm(x, weight, eps, residual)
     return torch_fused.rms_norm(x, weight, eps, residual)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
-        from pagedserve.kernels import triton_fused
+        from pagedserve.kernels.triton import fused as triton_fused
         return triton_fused.silu_and_mul(x)
     return torch_fused.silu_and_mul(x)
 
@@ -53,7 +53,7 @@ def qk_norm_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_h
     """qk [T, Hq + Hkv, D]: optional per-head RMSNorm (q heads, then k heads), then rotary."""
     dim = qk.shape[-1]
     if use_triton(qk) and qk.stride(-1) == 1 and dim % 2 == 0 and dim & (dim - 1) == 0:
-        from pagedserve.kernels import triton_fused
+        from pagedserve.kernels.triton import fused as triton_fused
         return triton_fused.qk_norm_rope(qk, cos, sin, num_q_heads, q_weight, k_weight, eps)
     return torch_fused.qk_norm_rope(qk, cos, sin, num_q_heads, q_weight, k_weight, eps)
 
@@ -67,6 +67,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor) -> torch.Tensor:
     """Weighted sum of each token's chosen experts (SiLU-gated MLPs, stacked weights); x [T, H] -> [T, H]."""
     if use_triton(x) and x.dim() == 2:
-        from pagedserve.kernels import triton_moe
+        from pagedserve.kernels.triton import moe as triton_moe
         return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
     return torch_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)

@@ -1,5 +1,5 @@
 """The fused elementwise ops in plain PyTorch (RMSNorm with residual, SiLU*mul, q/k norm + rotary): the path
-on CPU, and the oracle for kernels/triton_fused.py."""
+on CPU, and the oracle for kernels/triton/fused.py."""
 from __future__ import annotations
 
 import torch

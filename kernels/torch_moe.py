@@ -1,6 +1,6 @@
 """Mixture-of-experts in PyTorch: the router's top-k and a grouped expert MLP that computes only the chosen experts.
 
-The CPU path and the oracle for kernels/triton_moe.py. Expert weights are stacked: w13 [E, 2*I, H] holds each
+The CPU path and the oracle for kernels/triton/moe.py. Expert weights are stacked: w13 [E, 2*I, H] holds each
 expert's gate rows then up rows, w2 [E, H, I] its down projection (HF's own stacked layout).
 """
 from __future__ import annotations

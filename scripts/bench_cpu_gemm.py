@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from pagedserve.common.dtype import cpuinfo_field
+from pagedserve.common.config.dtype import cpuinfo_field
 from pagedserve.frontend.bench.results import append_result, run_metadata
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels.cpu import native as cpu_native
 
 SHAPES = {"1.7b": [(2048, 2048), (16384, 2048), (2048, 8192)], "360m": [(960, 960), (5120, 960), (960, 2560)]}
 

@@ -133,8 +133,8 @@ def measure(engine: str, cfg: dict, bound: float) -> dict:
 def serve_flags(options: dict) -> list[str]:
     """EngineArgs overrides as `pagedserve serve` flags (bools as --x / --no-x); an unset (None) is left to
     the server's default, which is what unset means there too."""
-    from pagedserve.common.arg_utils import add_dataclass_args
-    from pagedserve.common.config import EngineArgs
+    from pagedserve.common.config.arg_utils import add_dataclass_args
+    from pagedserve.common.config.engine_args import EngineArgs
     parser = argparse.ArgumentParser(add_help=False)
     add_dataclass_args(parser, EngineArgs)
     actions = {a.dest: a for a in parser._actions}

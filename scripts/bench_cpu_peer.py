@@ -83,8 +83,8 @@ def parse_engine(text: str) -> dict:
 
 def engine_args_overrides(name: str, options: dict[str, str]) -> dict:
     """`options` typed and checked the way engine-serve's flags are (the same parser, from EngineArgs)."""
-    from pagedserve.common.arg_utils import add_dataclass_args
-    from pagedserve.common.config import EngineArgs
+    from pagedserve.common.config.arg_utils import add_dataclass_args
+    from pagedserve.common.config.engine_args import EngineArgs
     parser = argparse.ArgumentParser(add_help=False)
     add_dataclass_args(parser, EngineArgs)
     actions = {a.dest: a for a in parser._actions}
@@ -110,7 +110,7 @@ def engine_args_overrides(name: str, options: dict[str, str]) -> dict:
 
 
 def default_engines() -> list[str]:
-    from pagedserve.common.config import EngineArgs
+    from pagedserve.common.config.engine_args import EngineArgs
     engines = [PEER, "hf", "pagedserve"]
     if "quantization" in EngineArgs.field_names():
         engines.append("pagedserve-int8:quantization=int8")

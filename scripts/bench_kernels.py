@@ -17,8 +17,13 @@ import sys
 import torch
 import triton
 
-from pagedserve.kernels import cpu_attention, torch_fused, triton_attention, triton_cache, triton_fused, triton_gemm
-from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels import torch_fused
+from pagedserve.kernels.attention import cpu_paged as cpu_attention
+from pagedserve.kernels.attention import triton_paged as triton_attention
+from pagedserve.kernels.attention import triton_cache
+from pagedserve.kernels.triton import fused as triton_fused
+from pagedserve.kernels.triton import gemm as triton_gemm
+from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 HQ, HKV, D, BS = 16, 8, 128, 16
 DT = torch.bfloat16

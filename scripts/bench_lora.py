@@ -39,7 +39,7 @@ def convert_for_llama(folder: str, adapter: str) -> str:
         return out
     from transformers import AutoConfig
 
-    from pagedserve.common.model_files import embedded_model_path
+    from pagedserve.common.model.model_files import embedded_model_path
     gguf = embedded_model_path()
     config = AutoConfig.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
     config.architectures = ["LlamaForCausalLM"]
@@ -60,7 +60,7 @@ def run_llama(cfg: dict) -> dict:
     from llama_server_peer import LlamaServer
 
     from pagedserve.common import envs
-    from pagedserve.common.model_files import embedded_model_path
+    from pagedserve.common.model.model_files import embedded_model_path
     from pagedserve.frontend.bench.datasets import w1
     binary = os.path.join(envs.PAGEDSERVE_LLAMA_CPP_DIR, "build", "bin", "llama-server")
     extra = ["--lora", cfg["llama_lora"]] if cfg["name"] == "llama-lora" else []
@@ -79,7 +79,7 @@ def make_adapters(folder: str) -> list[str]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from pagedserve.common.model_files import embedded_model_path
+    from pagedserve.common.model.model_files import embedded_model_path
     paths = [os.path.join(folder, f"a{i}") for i in range(NUM_ADAPTERS)]
     if all(os.path.exists(os.path.join(p, "adapter_config.json")) for p in paths):
         return paths

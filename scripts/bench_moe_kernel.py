@@ -1,4 +1,4 @@
-"""The fused-MoE Triton kernel (kernels/triton_moe.py) on a GPU against its bandwidth and FLOP floors.
+"""The fused-MoE Triton kernel (kernels/triton/moe.py) on a GPU against its bandwidth and FLOP floors.
 
     python scripts/bench_moe_kernel.py --out benchmarks/moe_kernel_gpu.md
 
@@ -16,7 +16,8 @@ import torch
 
 from bench_kernels import bench, bench_launched, ceilings  # scripts/ is on sys.path when a script runs
 
-from pagedserve.kernels import torch_moe, triton_moe
+from pagedserve.kernels import torch_moe
+from pagedserve.kernels.triton import moe as triton_moe
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 1024, 64, 8
 DT = torch.bfloat16

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from pagedserve.executor.worker.weight_sync import WeightSyncGroup
-from pagedserve.frontend.llm import LLM
+from pagedserve.executor.worker.rl.weight_sync import WeightSyncGroup
+from pagedserve.frontend.offline.llm import LLM
 from pagedserve.tests.helpers.server import free_port
 from pagedserve.tests.helpers.tiny_models import make_tiny_model
 

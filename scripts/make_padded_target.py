@@ -85,8 +85,8 @@ def save_padded(model: Any, tokenizer: Any, folder: str, extra_layers: int) -> N
 
 def write_padded_hf(gguf: str, folder: str, extra_layers: int) -> None:
     """Step 1: the padded HF folder of `gguf`, with its tokenizer (same vocabulary and chat template)."""
-    from pagedserve.common.model_files import resolve_model, tokenizer_folder
-    from pagedserve.frontend.tokenizer import load_tokenizer
+    from pagedserve.common.model.model_files import resolve_model, tokenizer_folder
+    from pagedserve.frontend.client.tokenizer import load_tokenizer
     save_padded(load_gguf_model(gguf), load_tokenizer(tokenizer_folder(resolve_model(gguf))), folder, extra_layers)
 
 

@@ -21,9 +21,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pagedserve.common.arg_utils import dataclass_from, dataclass_parser, setting
-from pagedserve.common.config import EngineArgs
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.config.arg_utils import dataclass_from, dataclass_parser, setting
+from pagedserve.common.config.engine_args import EngineArgs
+from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.frontend.server_args import LOG_LEVELS
 
 
@@ -80,7 +80,7 @@ def main() -> None:
 
 
 def _run_frontend(engine_args: EngineArgs, launch: LaunchArgs) -> None:
-    from pagedserve.frontend.llm import LLM
+    from pagedserve.frontend.offline.llm import LLM
     llm = LLM(**dataclasses.asdict(engine_args))
     prompts: list = list(launch.prompt) + [[int(t) for t in ids.split(",")] for ids in launch.prompt_ids]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=launch.max_tokens), use_tqdm=False)

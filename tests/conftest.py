@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from pagedserve.common.model_files import embedded_model_path
+from pagedserve.common.model.model_files import embedded_model_path
 
 # Two cores: keep torch from oversubscribing when tests start engine processes.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -16,10 +16,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from pagedserve.common.config import StructuredOutputsConfig
+from pagedserve.common.config.engine_args import StructuredOutputsConfig
 from pagedserve.common.errors import RequestError
 from pagedserve.common.reasoning import REASONING_PARSERS
-from pagedserve.common.structured_outputs import StructuredOutputsParams
+from pagedserve.common.params.structured_outputs import StructuredOutputsParams
 from pagedserve.core.structured_output.backend_xgrammar import XgrammarBackend
 from pagedserve.core.structured_output.request import StructuredOutputRequest, fill_draft_masks
 from pagedserve.ipc.messages import GrammarBitmask

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from pagedserve.common.errors import RequestError
-from pagedserve.common.structured_outputs import StructuredOutputsParams
+from pagedserve.common.params.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from pagedserve.common.structured_outputs import StructuredOutputsParams
+from pagedserve.common.params.structured_outputs import StructuredOutputsParams
 from pagedserve.core.structured_output.backend_xgrammar import Matcher
 
 

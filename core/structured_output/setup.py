@@ -4,10 +4,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagedserve.common.config import EngineConfig
+from pagedserve.common.config.engine_args import EngineConfig
 from pagedserve.common.errors import RequestError
-from pagedserve.common.model_files import tokenizer_folder
-from pagedserve.common.structured_outputs import StructuredOutputsParams
+from pagedserve.common.model.model_files import tokenizer_folder
+from pagedserve.common.params.structured_outputs import StructuredOutputsParams
 from pagedserve.core.structured_output import StructuredOutputManager
 
 

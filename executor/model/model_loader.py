@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from pagedserve.common.config import ModelConfig
+from pagedserve.common.config.engine_args import ModelConfig
 from pagedserve.executor.model.layers.rotary import engine_max_model_len
 from pagedserve.executor.model.models import get_model_class
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup

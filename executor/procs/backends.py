@@ -6,7 +6,7 @@ process that only launches an engine core (the API server) stays free of torch.
 """
 from __future__ import annotations
 
-from pagedserve.common.config import EXECUTOR_BACKENDS
+from pagedserve.common.config.engine_args import EXECUTOR_BACKENDS
 from pagedserve.executor.procs.executor import Executor
 
 

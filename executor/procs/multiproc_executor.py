@@ -17,8 +17,8 @@ import msgspec
 import zmq
 
 from pagedserve.common import envs
-from pagedserve.common.config import EngineConfig
-from pagedserve.common.config_wire import config_to_builtins
+from pagedserve.common.config.engine_args import EngineConfig
+from pagedserve.common.config.wire import config_to_builtins
 from pagedserve.common.process_utils import ModuleProcess, stop_at_exit
 from pagedserve.common.throttled_log import ThrottledLog
 from pagedserve.executor.procs.executor import Executor, OutputToCome

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from pagedserve.common.config import EngineConfig
+from pagedserve.common.config.engine_args import EngineConfig
 from pagedserve.common.ray_utils import (RAY_NAMESPACE, actor_resources, connect_ray, forwarded_env, import_ray,
                                          place, release, unique_name)
 from pagedserve.executor.procs.multiproc_executor import MultiProcExecutor, WorkerGroup

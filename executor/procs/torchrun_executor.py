@@ -2,7 +2,7 @@
 
 Control messages (scheduler outputs, calls) go from rank 0 to every rank as msgpack bytes over a gloo
 broadcast, so multi-node works through torchrun's own rendezvous and needs no extra sockets. The first
-broadcast is the EngineConfig rank 0 resolved (JSON, common/config_wire.py): the other ranks never read a
+broadcast is the EngineConfig rank 0 resolved (JSON, common/config/wire.py): the other ranks never read a
 model config or ask the Hub.
 
 Liveness: torchrun's agent ends the job when a rank exits. A rank that is stopped or hung instead leaves
@@ -19,8 +19,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from pagedserve.common.config import EngineConfig
-from pagedserve.common.config_wire import decode_engine_config, encode_engine_config
+from pagedserve.common.config.engine_args import EngineConfig
+from pagedserve.common.config.wire import decode_engine_config, encode_engine_config
 from pagedserve.executor.procs.executor import Executor
 from pagedserve.executor.procs.worker_proc import answer_call
 from pagedserve.executor.worker.worker import worker_class

@@ -4,7 +4,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.common.config import EngineConfig
+from pagedserve.common.config.engine_args import EngineConfig
 from pagedserve.executor.procs.executor import Executor
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
 

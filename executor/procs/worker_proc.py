@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
-from pagedserve.common.config_wire import config_from_builtins
+from pagedserve.common.config.wire import config_from_builtins
 from pagedserve.common.process_utils import (describe_exception, exit_without_teardown, read_launch_payload,
                                              setup_child_process)
 from pagedserve.common.throttled_log import ThrottledLog
@@ -36,7 +36,7 @@ _bad_frame_log = ThrottledLog(logger)
 
 class WorkerLaunch(msgspec.Struct, frozen=True):
     """Everything a worker process needs, written by the executor to its stdin (see ModuleProcess)."""
-    # The resolved EngineConfig (common/config_wire.py): the worker reads no model config or Hub to rebuild it.
+    # The resolved EngineConfig (common/config/wire.py): the worker reads no model config or Hub to rebuild it.
     engine_config: dict[str, Any]
     rank: int
     init_method: str                 # torch.distributed rendezvous

@@ -10,26 +10,26 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from pagedserve.common.config import EngineConfig
+from pagedserve.common.config.engine_args import EngineConfig
 from pagedserve.executor.model.parallel_state import PPGroup
 from pagedserve.executor.worker.cuda_graphs import CudaGraphRunner, capture_sizes
-from pagedserve.executor.worker.draft_proposer import DraftModelProposer, bind_draft_cache
-from pagedserve.executor.worker.eagle_proposer import EagleProposer
-from pagedserve.executor.worker.grammar_mask import grammar_rows
+from pagedserve.executor.worker.spec_decode.draft_proposer import DraftModelProposer, bind_draft_cache
+from pagedserve.executor.worker.spec_decode.eagle_proposer import EagleProposer
+from pagedserve.executor.worker.sample.grammar_mask import grammar_rows
 from pagedserve.executor.worker.input_prep import prepare_inputs
-from pagedserve.executor.worker.lora_manager import LoRAManager
+from pagedserve.executor.worker.lora.manager import LoRAManager
 from pagedserve.executor.worker.pooling_step import pooling_output, token_type_ids
-from pagedserve.executor.worker.prompt_logprobs import compute_prompt_logprobs
-from pagedserve.executor.worker.rejection_sampler import verify_drafts
+from pagedserve.executor.worker.sample.prompt_logprobs import compute_prompt_logprobs
+from pagedserve.executor.worker.spec_decode.rejection_sampler import verify_drafts
 from pagedserve.executor.worker.request_state import CachedRequestState
-from pagedserve.executor.worker.sampler import Sampler
-from pagedserve.executor.worker.sampling_inputs import build_sampling_metadata
+from pagedserve.executor.worker.sample.sampler import Sampler
+from pagedserve.executor.worker.sample.sampling_inputs import build_sampling_metadata
 from pagedserve.executor.worker.step_buffers import PreparedBatch, StepBuffers
 from pagedserve.executor.worker.step_output import PendingStep, PinnedPool
 from pagedserve.ipc.messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
-from pagedserve.kernels.attention_backends import get_attn_backend
-from pagedserve.kernels.kv_quant import kv_cache_torch_dtype
-from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.attention.backends import get_attn_backend
+from pagedserve.kernels.attention.kv_quant import kv_cache_torch_dtype
+from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

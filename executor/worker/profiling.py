@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedserve.executor.worker.sampling_metadata import SamplingMetadata
+from pagedserve.executor.worker.sample.sampling_metadata import SamplingMetadata
 from pagedserve.executor.worker.step_buffers import HostBatch
 
 

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from pagedserve.common.pooling_params import PoolingParams
-from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.executor.worker.logit_constraints import RowConstraints
+from pagedserve.common.params.pooling_params import PoolingParams
+from pagedserve.common.params.sampling_params import SamplingParams
+from pagedserve.executor.worker.sample.logit_constraints import RowConstraints
 from pagedserve.ipc.messages import NewRequestData
 
 _MASK63 = (1 << 63) - 1

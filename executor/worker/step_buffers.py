@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedserve.kernels.attention_interface import AttentionMetadataBuilder
-from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.attention.interface import AttentionMetadataBuilder
+from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from pagedserve.executor.worker.step_output import PendingStep

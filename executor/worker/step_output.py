@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.executor.worker.request_state import CachedRequestState
-from pagedserve.executor.worker.sampling_metadata import SamplerOutput
+from pagedserve.executor.worker.sample.sampling_metadata import SamplerOutput
 from pagedserve.ipc.messages import LogprobsEntry, ModelRunnerOutput, PromptLogprobsChunk
 
 

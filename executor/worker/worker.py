@@ -8,14 +8,14 @@ from typing import Any, ClassVar
 import torch
 
 from pagedserve.common import envs
-from pagedserve.common.config import EngineConfig
+from pagedserve.common.config.engine_args import EngineConfig
 from pagedserve.executor.worker.extension import checked_result, extend
 from pagedserve.executor.worker.model_runner import ModelRunner
 from pagedserve.executor.worker.step_output import PendingStep
-from pagedserve.executor.worker.weight_updates import WeightUpdateMethods
+from pagedserve.executor.worker.rl.weight_updates import WeightUpdateMethods
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
-from pagedserve.kernels.kv_quant import check_fp8_kv_device, kv_cache_torch_dtype
+from pagedserve.kernels.attention.kv_quant import check_fp8_kv_device, kv_cache_torch_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class Worker(WeightUpdateMethods):
     # What an executor may call by name, from a message (WorkerCall) or in process; nothing else is reachable
-    # (besides RL_METHODS, executor/worker/weight_updates.py, and a worker_extension_cls's methods).
+    # (besides RL_METHODS, executor/worker/rl/weight_updates.py, and a worker_extension_cls's methods).
     REMOTE_METHODS: ClassVar[frozenset[str]] = frozenset({"determine_num_blocks", "initialize_cache", "ping",
                                                                "add_lora", "remove_lora"})
     EXTENSION_METHODS: ClassVar[frozenset[str]] = frozenset()

@@ -5,8 +5,8 @@ import argparse
 import dataclasses
 from typing import Any
 
-from pagedserve.common.arg_utils import add_dataclass_args
-from pagedserve.common.config import EngineArgs
+from pagedserve.common.config.arg_utils import add_dataclass_args
+from pagedserve.common.config.engine_args import EngineArgs
 from pagedserve.frontend.bench.models import MODELS, make_model
 
 
@@ -38,7 +38,7 @@ def prepare_model(args: argparse.Namespace) -> None:
 
 def make_llm(args: argparse.Namespace) -> Any:
     """pagedserve's offline LLM for the flags (ValueError from EngineArgs' checks passes through)."""
-    from pagedserve.frontend.llm import LLM
+    from pagedserve.frontend.offline.llm import LLM
     kwargs = engine_kwargs(args)
     return LLM(kwargs.pop("model"), multiprocess_core=args.multiprocess_core, **kwargs)
 

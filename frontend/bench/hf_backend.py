@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pagedserve.common.model_files import resolve_model
+from pagedserve.common.model.model_files import resolve_model
 
 
 def load_hf_model(model_path: str | None, dtype_name: str, device_arg: str) -> tuple[Any, str]:

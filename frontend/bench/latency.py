@@ -91,7 +91,7 @@ def _prompts(vocab_size: int, batch: int, input_len: int, seed: int) -> list[dic
 
 
 def run_batch(llm: Any, args: argparse.Namespace, batch: int) -> dict[str, Any]:
-    from pagedserve.common.sampling_params import SamplingParams
+    from pagedserve.common.params.sampling_params import SamplingParams
     prompts = _prompts(llm.info.vocab_size, batch, args.input_len, args.seed)
 
     def timed(n: int) -> float:
@@ -172,7 +172,7 @@ def profile_batch(llm: Any, args: argparse.Namespace, batch: int) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from pagedserve.common.sampling_params import SamplingParams
+    from pagedserve.common.params.sampling_params import SamplingParams
     prompts = _prompts(llm.info.vocab_size, batch, args.input_len, args.seed)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:

@@ -94,8 +94,8 @@ def constrained(i: int, ratio: float) -> bool:
 
 
 def run_pagedserve(args: argparse.Namespace, schema: dict[str, Any] | None) -> dict[str, Any]:
-    from pagedserve.common.sampling_params import SamplingParams
-    from pagedserve.common.structured_outputs import StructuredOutputsParams
+    from pagedserve.common.params.sampling_params import SamplingParams
+    from pagedserve.common.params.structured_outputs import StructuredOutputsParams
 
     llm = make_llm(args)
     try:
@@ -135,7 +135,7 @@ def _check_lengths(reqs: list[datasets.SampleRequest], outs: list[Any], params: 
 def compile_times(llm: Any, schema: dict[str, Any]) -> dict[str, float]:
     """The schema's grammar compiled cold (a spec never seen: a marker key makes it new) and from the cache,
     in the engine's own compiler; in-process engines only."""
-    from pagedserve.common.structured_outputs import StructuredOutputsParams
+    from pagedserve.common.params.structured_outputs import StructuredOutputsParams
     if llm.engine is None:
         return {}
     spec = StructuredOutputsParams(json={**schema, "x-bench": time.time_ns()})

@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pagedserve.common.model_files import resolve_model, tokenizer_folder
-from pagedserve.frontend.tokenizer import load_tokenizer
+from pagedserve.common.model.model_files import resolve_model, tokenizer_folder
+from pagedserve.frontend.client.tokenizer import load_tokenizer
 
 
 def load_bench_tokenizer(spec: str | None) -> Any:

@@ -14,10 +14,10 @@ import textwrap
 import pytest
 import torch
 
-from pagedserve.common.config import EngineArgs, EngineConfig
-from pagedserve.common.config_wire import (config_from_builtins, config_to_builtins, decode_engine_config,
+from pagedserve.common.config.engine_args import EngineArgs, EngineConfig
+from pagedserve.common.config.wire import (config_from_builtins, config_to_builtins, decode_engine_config,
                                            encode_engine_config, hf_config_from_dict)
-from pagedserve.common.model_files import rope_max_positions, rope_settings
+from pagedserve.common.model.model_files import rope_max_positions, rope_settings
 from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.tests.helpers.hub_cache import add_snapshot, offline_env
@@ -130,7 +130,7 @@ _DECODE_SCRIPT = textwrap.dedent("""
         if event == "open" and isinstance(args[0], str) and args[0].startswith(watched):
             opened.append(args[0])
     sys.addaudithook(audit)
-    from pagedserve.common.config_wire import decode_engine_config
+    from pagedserve.common.config.wire import decode_engine_config
     with open(sys.argv[1], "rb") as f:
         config = decode_engine_config(f.read())
     print(json.dumps({"opened": opened, "hf_config": config.model.hf_config.to_dict(),
@@ -153,8 +153,8 @@ def test_worker_side_decode_needs_no_model_files_and_no_hub(folders, tmp_path):
     cache = tmp_path / "hub"
     add_snapshot(str(cache), "org/tiny", folders["qwen2_yarn_legacy_type"])
     env = offline_env(HF_HUB_CACHE=str(cache))
-    script = ("import sys; from pagedserve.common.config import EngineArgs; "
-              "from pagedserve.common.config_wire import encode_engine_config; "
+    script = ("import sys; from pagedserve.common.config.engine_args import EngineArgs; "
+              "from pagedserve.common.config.wire import encode_engine_config; "
               "sys.stdout.buffer.write(encode_engine_config(EngineArgs(model='org/tiny', dtype='float32', "
               "device='cpu').create_engine_config()))")
     made = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=300)

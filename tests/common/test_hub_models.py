@@ -15,7 +15,7 @@ import sys
 import httpx
 import pytest
 
-from pagedserve.common.hub import looks_like_hub_id
+from pagedserve.common.model.hub import looks_like_hub_id
 from pagedserve.tests.helpers.hub_cache import HF_ENV, add_snapshot, commit_hash, offline_env
 from pagedserve.tests.helpers.server import Server
 from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model

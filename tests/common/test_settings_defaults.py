@@ -17,8 +17,8 @@ import pytest
 
 import pagedserve
 from pagedserve.common import envs
-from pagedserve.common.arg_utils import add_dataclass_args, dataclass_from, setting
-from pagedserve.common.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+from pagedserve.common.config.arg_utils import add_dataclass_args, dataclass_from, setting
+from pagedserve.common.config.engine_args import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                       DEFAULT_TORCHRUN_COLLECTIVE_TIMEOUT_S, DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S,
                                       CacheConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig,
                                       RLConfig, SchedulerConfig, StructuredOutputsConfig)
@@ -125,8 +125,8 @@ def test_max_waiting_requests_is_4096_unless_set(tiny_llama_dir):
 
 
 def test_client_heartbeat_defaults_are_engine_args():
-    from pagedserve.frontend.async_client import AsyncEngineClient
-    from pagedserve.frontend.core_client import AsyncMPClient, SyncMPClient
+    from pagedserve.frontend.client.async_client import AsyncEngineClient
+    from pagedserve.frontend.client.core_client import AsyncMPClient, SyncMPClient
     for fn in (SyncMPClient.__init__, AsyncMPClient.__init__, AsyncEngineClient.connect):
         assert inspect.signature(fn).parameters["heartbeat_timeout_s"].default == DEFAULTS.engine_heartbeat_timeout
 
@@ -141,7 +141,8 @@ def test_structured_output_manager_takes_its_settings_from_the_config():
 def test_every_cli_takes_its_engine_flags_from_engine_args(command):
     """The flags are EngineArgs' own (no flag of a command's own shares a name), and none given means
     EngineArgs' defaults (torchrun's launcher picks its backend)."""
-    from pagedserve.frontend import cli, generate
+    from pagedserve.frontend import cli
+    from pagedserve.frontend.offline import generate
     module = {"engine-serve": cli, "generate": generate, "torchrun_launch": load_script("torchrun_launch")}[command]
     dests = {a.dest for a in module.make_parser()._actions}
     assert EngineArgs.field_names() <= dests
@@ -158,7 +159,7 @@ def test_every_cli_takes_its_engine_flags_from_engine_args(command):
 
 
 def test_generate_runs_with_engine_flags(tiny_serving_model):
-    cmd = [sys.executable, "-m", "pagedserve.frontend.generate", "--model", tiny_serving_model, "--dtype", "float32",
+    cmd = [sys.executable, "-m", "pagedserve.frontend.offline.generate", "--model", tiny_serving_model, "--dtype", "float32",
            "--kv-cache-memory", "0.02", "--seed", "3", "--max-tokens", "4", "--prompt", "Hello", "--prompt", "Hi"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

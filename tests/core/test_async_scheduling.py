@@ -12,8 +12,8 @@ from functools import partial
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.common.arg_utils import add_dataclass_args, dataclass_from
-from pagedserve.common.config import EngineArgs
+from pagedserve.common.config.arg_utils import add_dataclass_args, dataclass_from
+from pagedserve.common.config.engine_args import EngineArgs
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.ipc.messages import EngineCoreRequest
 from pagedserve.tests.helpers.fake_executor import EOS, FakeExecutor, expected_tokens

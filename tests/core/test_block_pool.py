@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from pagedserve.core.block_pool import BlockPool, KVCacheBlock
+from pagedserve.core.kv_cache.block_pool import BlockPool, KVCacheBlock
 
 
 def ids(blocks) -> list[int]:

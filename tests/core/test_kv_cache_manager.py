@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.core.block_hash import BlockHasher
-from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.common.params.sampling_params import SamplingParams
+from pagedserve.core.kv_cache.block_hash import BlockHasher
+from pagedserve.core.kv_cache.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request
 
 BS = 4

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import struct
 
-from pagedserve.common.config import SchedulerConfig
-from pagedserve.common.pooling_params import PoolingParams
-from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.common.config.engine_args import SchedulerConfig
+from pagedserve.common.params.pooling_params import PoolingParams
+from pagedserve.common.params.sampling_params import SamplingParams
+from pagedserve.core.kv_cache.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request
-from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.sched.scheduler import Scheduler
 from pagedserve.ipc.messages import ModelRunnerOutput
 
 VECTOR = struct.pack("<2f", 0.6, 0.8)

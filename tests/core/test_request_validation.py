@@ -10,14 +10,14 @@ import pytest
 
 from pagedserve import LLM
 from pagedserve.common.errors import RequestError
-from pagedserve.common.model_files import resolve_model, tokenizer_folder
-from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.common.structured_outputs import StructuredOutputsParams
-from pagedserve.frontend.api_server import response_for
-from pagedserve.frontend.input_processor import InputProcessor, ProcessedPrompt
-from pagedserve.frontend.protocol import ChatCompletionRequest
-from pagedserve.frontend.serving import error_body
-from pagedserve.frontend.tokenizer import load_tokenizer
+from pagedserve.common.model.model_files import resolve_model, tokenizer_folder
+from pagedserve.common.params.sampling_params import SamplingParams
+from pagedserve.common.params.structured_outputs import StructuredOutputsParams
+from pagedserve.frontend.openai.api_server import response_for
+from pagedserve.frontend.client.input_processor import InputProcessor, ProcessedPrompt
+from pagedserve.frontend.openai.protocol import ChatCompletionRequest
+from pagedserve.frontend.openai.serving import error_body
+from pagedserve.frontend.client.tokenizer import load_tokenizer
 from pagedserve.ipc import messages as m
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.core.block_hash import BlockHasher
-from pagedserve.common.config import SchedulerConfig
-from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.kv_cache.block_hash import BlockHasher
+from pagedserve.common.config.engine_args import SchedulerConfig
+from pagedserve.core.kv_cache.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.core.scheduler import Scheduler
+from pagedserve.common.params.sampling_params import SamplingParams
+from pagedserve.core.sched.scheduler import Scheduler
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
 
 BS = 4

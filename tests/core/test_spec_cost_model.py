@@ -1,4 +1,4 @@
-"""The speculative step cost model (core/spec_cost_model.py) on synthetic step timings: what it learns of a step's
+"""The speculative step cost model (core/spec_decode/cost_model.py) on synthetic step timings: what it learns of a step's
 time by row count, and the draft lengths it picks: none where verify rows cost more than they return (a busy,
 compute-bound batch, or drafts rarely accepted), the most at one stream with drafts mostly accepted, and more for
 the requests whose drafts are accepted more often. Then the scheduler taking its choice."""
@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.common.config import SchedulerConfig
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.config.engine_args import SchedulerConfig
+from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.common.speculative import parse_speculative_config
-from pagedserve.core.block_hash import BlockHasher
-from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.kv_cache.block_hash import BlockHasher
+from pagedserve.core.kv_cache.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request
-from pagedserve.core.scheduler import Scheduler
-from pagedserve.core.spec_cost_model import (FORGET_AFTER, StepCostModel, expected_tokens, plan_draft_lengths,
+from pagedserve.core.sched.scheduler import Scheduler
+from pagedserve.core.spec_decode.cost_model import (FORGET_AFTER, StepCostModel, expected_tokens, plan_draft_lengths,
                                              sure_draft_pays)
 from pagedserve.ipc.messages import ModelRunnerOutput
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.common.config import EngineArgs, SchedulerConfig
+from pagedserve.common.config.engine_args import EngineArgs, SchedulerConfig
 from pagedserve.common.speculative import DEFAULT_PROMPT_LOOKUP, parse_speculative_config
-from pagedserve.core.block_hash import BlockHasher
-from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.ngram_proposer import propose_ngram
+from pagedserve.core.kv_cache.block_hash import BlockHasher
+from pagedserve.core.kv_cache.kv_cache_manager import KVCacheManager
+from pagedserve.core.spec_decode.ngram_proposer import propose_ngram
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.scheduler import Scheduler
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.core.sched.scheduler import Scheduler
+from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.frontend.cli import parse_args
 from pagedserve.ipc.messages import ModelRunnerOutput
 

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from pagedserve import LLM, SamplingParams, StructuredOutputsParams
-from pagedserve.common.config import EngineArgs, StructuredOutputsConfig
+from pagedserve.common.config.engine_args import EngineArgs, StructuredOutputsConfig
 from pagedserve.tests.helpers.schemas import SCHEMAS
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from pagedserve import LLM, BeamSearchParams
-from pagedserve.frontend.beam_search import output_text_ids
+from pagedserve.frontend.beam_search.search import output_text_ids
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]

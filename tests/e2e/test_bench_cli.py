@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from pagedserve.common import envs
-from pagedserve.common.model_files import embedded_model_path
+from pagedserve.common.model.model_files import embedded_model_path
 from pagedserve.frontend.bench.datasets import random_dataset
 from pagedserve.frontend.bench.results import read_results
 from pagedserve.tests.helpers.server import API_KEY, SMALL_KV, Server

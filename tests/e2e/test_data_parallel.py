@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pagedserve.frontend.dp_router import PrefixRouter
+from pagedserve.frontend.dp.router import PrefixRouter
 from pagedserve.tests.helpers.server import Server
 from pagedserve.tests.helpers.traffic import start_streams
 
@@ -83,8 +83,8 @@ def test_router_prefers_the_prefix_holder_until_it_is_clearly_busier():
 
 def test_one_engine_apis_refuse_data_parallelism(tiny_serving_model):
     from pagedserve import LLM
-    from pagedserve.common.config import EngineArgs
-    from pagedserve.frontend.async_client import AsyncEngineClient
+    from pagedserve.common.config.engine_args import EngineArgs
+    from pagedserve.frontend.client.async_client import AsyncEngineClient
     from pagedserve.frontend.cli import main
     with pytest.raises(ValueError, match="data_parallel_size"):
         LLM(tiny_serving_model, data_parallel_size=2)

@@ -6,7 +6,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from pagedserve.frontend.dev_routes import add_dev_routes
+from pagedserve.frontend.rl.dev_routes import add_dev_routes
 from pagedserve.tests.helpers.server import Server
 from pagedserve.tests.helpers.tiny_models import make_tiny_model, random_prompts
 

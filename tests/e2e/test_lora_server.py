@@ -120,7 +120,7 @@ def test_runtime_routes_need_the_switch_and_bad_modules_stop_the_start(tiny_serv
 
 def test_lora_modules_take_both_of_vllms_forms():
     from pagedserve.frontend.cli import parse_args
-    from pagedserve.frontend.lora_serving import LoRAModule, parse_lora_modules
+    from pagedserve.frontend.lora.serving import LoRAModule, parse_lora_modules
     _, server = parse_args(["m", "--enable-lora", "--lora-modules", "a=/x", '{"name": "b", "path": "org/b"}',
                             "--lora-modules", "c=/z"])
     assert parse_lora_modules(server.lora_modules) == [LoRAModule("a", "/x"), LoRAModule("b", "org/b"),

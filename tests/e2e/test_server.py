@@ -181,7 +181,7 @@ def test_malformed_json_and_auth(server):
 CONNECT_SCRIPT = """
 import asyncio, json, sys
 from pagedserve import SamplingParams
-from pagedserve.frontend.async_client import AsyncEngineClient
+from pagedserve.frontend.client.async_client import AsyncEngineClient
 async def main():
     client = await AsyncEngineClient.connect(sys.argv[1], token=sys.argv[2])
     final = None

@@ -11,9 +11,9 @@ import httpx
 import pytest
 import torch
 
-from pagedserve.common.config import EngineArgs
-from pagedserve.common.dtype import checkpoint_dtype, resolve_dtype, resolve_kv_cache_dtype
-from pagedserve.common.model_files import load_hf_config, resolve_model
+from pagedserve.common.config.engine_args import EngineArgs
+from pagedserve.common.config.dtype import checkpoint_dtype, resolve_dtype, resolve_kv_cache_dtype
+from pagedserve.common.model.model_files import load_hf_config, resolve_model
 from pagedserve.tests.helpers.metrics import parse_metrics
 from pagedserve.tests.helpers.server import SMALL_KV, Server
 
@@ -248,8 +248,8 @@ def test_half_runs_on_cpu_and_matches_transformers(tmp_path):
 def test_output_processor_reports_each_inter_token_interval_and_the_queue_time():
     import time
 
-    from pagedserve.common.sampling_params import SamplingParams
-    from pagedserve.frontend.output_processor import OutputProcessor
+    from pagedserve.common.params.sampling_params import SamplingParams
+    from pagedserve.frontend.client.output_processor import OutputProcessor
     from pagedserve.ipc.messages import EngineCoreOutput
     from pagedserve.tests.helpers.tiny_models import synthetic_tokenizer
     processor = OutputProcessor(synthetic_tokenizer(64))

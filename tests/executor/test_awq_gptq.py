@@ -281,7 +281,7 @@ def test_quantized_checkpoint_runs_like_its_dequantized_twin(tmp_path, method, d
     from pagedserve.executor.model.parallel_state import TPGroup
     from pagedserve.executor.model.quant.loading import begin_packed, finish_packed
     from pagedserve.executor.model.quant.packing import PermutedInput
-    from pagedserve.kernels.weight_only import Int4Weight
+    from pagedserve.kernels.weights.weight_only import Int4Weight
     from pagedserve.tests.helpers.quant_checkpoints import write_quantized_checkpoint
     from pagedserve.tests.helpers.tiny_models import make_tiny_model, prefill_logits
     float_dir = make_tiny_model(str(tmp_path / "float"), tokenizer="synthetic", hidden_size=128,

@@ -8,7 +8,7 @@ import torch
 
 from pagedserve import LLM, BeamSearchParams
 from pagedserve.common.errors import RequestError
-from pagedserve.frontend.beam_search import BeamSearchOutput, beam_search_score
+from pagedserve.frontend.beam_search.search import BeamSearchOutput, beam_search_score
 from pagedserve.tests.helpers.tiny_models import random_prompts
 
 # (beam width, max tokens, length_penalty, early_stopping)

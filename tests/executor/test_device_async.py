@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedserve import SamplingParams
-from pagedserve.common.config import EngineArgs, EngineConfig
+from pagedserve.common.config.engine_args import EngineArgs, EngineConfig
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.executor.procs.uniproc_executor import UniProcExecutor
 from pagedserve.executor.worker.step_buffers import StepBuffers

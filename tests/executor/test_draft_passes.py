@@ -5,7 +5,7 @@ are accepted. The greedy output is the output without drafts either way."""
 from __future__ import annotations
 
 from pagedserve import SamplingParams
-from pagedserve.common.config import EngineArgs
+from pagedserve.common.config.engine_args import EngineArgs
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.executor.procs.uniproc_executor import UniProcExecutor
 from pagedserve.ipc.messages import EngineCoreRequest

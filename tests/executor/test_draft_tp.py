@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.common.config import EngineArgs
+from pagedserve.common.config.engine_args import EngineArgs
 from pagedserve.tests.helpers.spec_costs import FixedStepCosts
 
 PROMPTS = [{"prompt_token_ids": [21, 22, 23, 24, 25, 26] * 4}, {"prompt_token_ids": [300, 301, 302] * 6}]

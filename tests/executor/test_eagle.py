@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.common.config import EngineArgs
+from pagedserve.common.config.engine_args import EngineArgs
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.executor.procs.uniproc_executor import UniProcExecutor
 from pagedserve.ipc.messages import EngineCoreRequest

@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
-from pagedserve.common.model_files import embedded_model_path
+from pagedserve.common.model.model_files import embedded_model_path
 from pagedserve.executor.model.model_loader import _tensor_reader, reverse_permute
 from pagedserve.executor.model.quant.gguf_blocks import (GGUF_QUANT_TYPES, decode_gguf_tensor,
                                                          reverse_permute_rows)

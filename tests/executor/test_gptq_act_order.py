@@ -19,7 +19,7 @@ from pagedserve.executor.model.quant.awq_gptq import gptq_to_group_quant
 from pagedserve.executor.model.quant.group_quant import GroupQuantWeight
 from pagedserve.executor.model.layers.linear_method import apply_linear
 from pagedserve.executor.model.quant.packing import PermutedInput
-from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
+from pagedserve.kernels.weights.weight_only import Int4Weight, Int8Weight
 from pagedserve.tests.helpers.quant_packers import pack_gptq
 from pagedserve.tests.helpers.tp_ranks import gloo_rank, run_ranks
 
@@ -133,8 +133,8 @@ def test_row_parallel_plain_g_idx_splits_by_group():
 
 
 def _act_order_config(path: str):
-    from pagedserve.common.config import ModelConfig
-    from pagedserve.common.model_files import load_hf_config, resolve_model
+    from pagedserve.common.config.engine_args import ModelConfig
+    from pagedserve.common.model.model_files import load_hf_config, resolve_model
     from pagedserve.common.quantization import checkpoint_quant_spec, resolve_quantization
     source = resolve_model(path)
     hf_config = load_hf_config(source)

@@ -1,5 +1,5 @@
 """A tied embedding table from a 4-bit GGUF source stays int4 (executor/model/quant/packing.py): lookups widen
-its rows from the pack (kernels/csrc/dequant.c) and the tied head streams the same pack at the file's 4.5 bits a
+its rows from the pack (kernels/cpu/csrc/dequant.c) and the tied head streams the same pack at the file's 4.5 bits a
 weight, half what the int8 table took. Through the real GGUF loader, against the same file dequantized at load:
 the same table rows (up to the bfloat16 scales) and the same greedy tokens (the tiny model's peaky logits have
 no near-ties)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve import LLM
-from pagedserve.kernels.weight_only import Int4Weight
+from pagedserve.kernels.weights.weight_only import Int4Weight
 from pagedserve.tests.helpers.gguf_models import write_tiny_gguf
 from pagedserve.tests.helpers.tiny_models import make_tiny_model
 from pagedserve.tests.helpers.weight_update_cases import PROMPTS, greedy

@@ -19,7 +19,7 @@ from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.executor.model.quant.fp8 import Fp8Weight, fp8_linear, quantize_fp8
 from pagedserve.executor.model.quant.packing import PermutedInput
-from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
+from pagedserve.kernels.weights.weight_only import Int4Weight, Int8Weight
 from pagedserve.tests.helpers.parity import model_config
 
 _METHOD_OF = {Int4Weight: Int4LinearMethod, PermutedInput: ActOrderInt4LinearMethod, Int8Weight: Int8LinearMethod}

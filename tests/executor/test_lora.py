@@ -192,10 +192,10 @@ def test_int4_gguf_base_with_a_float_adapter(smollm2_path, smol_lora):
 
 def test_int4_gguf_single_stream_decodes_through_the_c_step(smollm2_path, smol_lora, monkeypatch):
     """One request with an adapter over the kept-quantized GGUF: its decode steps are the one-call C step (the
-    adapter's deltas inside it, kernels/csrc/lora.c), not the layers; the tokens it picks have PEFT's logprobs
+    adapter's deltas inside it, kernels/cpu/csrc/lora.c), not the layers; the tokens it picks have PEFT's logprobs
     over the dequantized model: their mean within the bar above, each token's near (0.017 nats apart on average
     when this was written: the int4 GEMVs' rounded inputs), while the base model's are far (0.8-1.0)."""
-    from pagedserve.kernels import cpu_decode_step
+    from pagedserve.kernels.cpu import decode_step as cpu_decode_step
     path, peft_model = smol_lora
     calls = []
     real_call = cpu_decode_step.CpuDecodeStep.__call__
@@ -219,7 +219,7 @@ def test_int4_gguf_single_stream_decodes_through_the_c_step(smollm2_path, smol_l
 
 
 def test_settings_that_cannot_take_adapters_are_refused(base, tmp_path):
-    from pagedserve.common.config import EngineArgs
+    from pagedserve.common.config.engine_args import EngineArgs
     phi = make_tiny_model(str(tmp_path / "phi"), arch="phi3", tokenizer="synthetic", pad_token_id=0)
     for kw, match in [(dict(model=phi), "model type 'phi3' does not take LoRA adapters"),
                       (dict(model=base, pipeline_parallel_size=2), "pipeline_parallel_size"),

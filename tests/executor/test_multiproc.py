@@ -11,8 +11,8 @@ import psutil
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.common.config import EngineArgs
-from pagedserve.frontend.core_client import CoreProcess, EngineDeadError, SyncMPClient
+from pagedserve.common.config.engine_args import EngineArgs
+from pagedserve.frontend.client.core_client import CoreProcess, EngineDeadError, SyncMPClient
 from pagedserve.ipc.messages import EngineCoreRequest
 from pagedserve.tests.helpers.tiny_models import random_prompts
 

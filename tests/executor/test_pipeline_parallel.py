@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.common.config import EngineArgs
+from pagedserve.common.config.engine_args import EngineArgs
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.executor.procs.multiproc_executor import MultiProcExecutor
-from pagedserve.frontend.core_client import EngineDeadError
+from pagedserve.frontend.client.core_client import EngineDeadError
 from pagedserve.ipc.messages import EngineCoreRequest
 from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model, random_prompts
 

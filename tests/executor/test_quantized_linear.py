@@ -19,8 +19,9 @@ from pagedserve.executor.model.quant.awq_gptq import awq_to_group_quant, gptq_to
 from pagedserve.executor.model.quant.group_quant import GroupQuantWeight
 from pagedserve.executor.model.layers.linear_method import apply_linear
 from pagedserve.executor.model.quant.packing import pack_embedding, pack_linear
-from pagedserve.kernels import cpu_native, weight_only
-from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
+from pagedserve.kernels.cpu import native as cpu_native
+from pagedserve.kernels.weights import weight_only
+from pagedserve.kernels.weights.weight_only import Int4Weight, Int8Weight
 from pagedserve.tests.helpers.gguf_blocks import random_gguf_weight
 from pagedserve.tests.helpers.quant_packers import pack_awq, pack_gptq
 

@@ -16,7 +16,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.executor.model.quant.loading import num_weights, weight_bytes
-from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
+from pagedserve.kernels.weights.weight_only import Int4Weight, Int8Weight
 from pagedserve.tests.helpers.prompts import LIGHTHOUSE_TEXT as TEXT
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "How do I make a cup of tea?",

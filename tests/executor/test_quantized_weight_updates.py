@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from pagedserve.executor.model.quant.gguf_blocks import GGUFBlocks, gguf_nbytes
-from pagedserve.frontend.llm import LLM
+from pagedserve.frontend.offline.llm import LLM
 from pagedserve.tests.helpers.gguf_models import gguf_update, write_tiny_gguf
 from pagedserve.tests.helpers.quant_checkpoints import write_quantized_checkpoint
 from pagedserve.tests.helpers.weight_push import Trainer

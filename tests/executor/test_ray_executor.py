@@ -20,10 +20,10 @@ from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.common.config import EngineArgs
+from pagedserve.common.config.engine_args import EngineArgs
 from pagedserve.common.ray_utils import RAY_NAMESPACE
 from pagedserve.executor.procs.ray_executor import RayDistributedExecutor
-from pagedserve.frontend.core_client import EngineDeadError
+from pagedserve.frontend.client.core_client import EngineDeadError
 from pagedserve.tests.helpers.ray_cluster import two_node_cluster
 from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model, random_prompts
 

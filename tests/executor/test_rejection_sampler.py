@@ -1,15 +1,15 @@
-"""The rejection sampler (executor/worker/rejection_sampler.py): greedy drafts accepted exactly while they are
+"""The rejection sampler (executor/worker/spec_decode/rejection_sampler.py): greedy drafts accepted exactly while they are
 the argmax, and sampled rows distributed as the target model, checked statistically with a bound that a
 biased sampler fails."""
 from __future__ import annotations
 
 import torch
 
-from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.executor.worker import rejection_sampler
-from pagedserve.executor.worker.rejection_sampler import verify_drafts
+from pagedserve.common.params.sampling_params import SamplingParams
+from pagedserve.executor.worker.spec_decode import rejection_sampler
+from pagedserve.executor.worker.spec_decode.rejection_sampler import verify_drafts
 from pagedserve.executor.worker.request_state import CachedRequestState
-from pagedserve.executor.worker.sampler import exponential_race
+from pagedserve.executor.worker.sample.sampler import exponential_race
 
 V = 8
 
@@ -72,8 +72,8 @@ def test_sampled_rows_follow_the_target_distribution():
     torch.manual_seed(0)
     logits = torch.randn(3, V) * 1.5
     params = SamplingParams(temperature=0.8, top_k=6)
-    from pagedserve.executor.worker.sampler import sampling_probs
-    from pagedserve.executor.worker.sampling_inputs import build_sampling_metadata
+    from pagedserve.executor.worker.sample.sampler import sampling_probs
+    from pagedserve.executor.worker.sample.sampling_inputs import build_sampling_metadata
     target = sampling_probs(logits, build_sampling_metadata([_state(params)] * 3, (0,), torch.device("cpu")))
     draft = [int(target[0].argsort()[-2]), int(target[1].argmax())]   # a likely but not certain first draft
     first, second = _first_tokens(draft, logits, params)
@@ -112,7 +112,7 @@ def test_a_seeded_row_draws_the_same_whatever_the_batch():
 
 
 def test_a_seeded_row_gets_the_same_tokens_whatever_its_drafts():
-    """The engine picks a step's draft lengths from timings (core/spec_cost_model.py): a seeded request's tokens
+    """The engine picks a step's draft lengths from timings (core/spec_decode/cost_model.py): a seeded request's tokens
     must not depend on them. Every draft length, accepted or not, emits a prefix of the one sequence that
     one-token steps sample."""
     torch.manual_seed(3)

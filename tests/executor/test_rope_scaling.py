@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.common.model_files import rope_max_positions
+from pagedserve.common.model.model_files import rope_max_positions
 from pagedserve.executor.model.layers.rotary import get_rope
 
 HEAD_DIM = 16
@@ -159,7 +159,7 @@ def test_unknown_rope_type_names_the_supported_ones():
 def test_max_model_len_reaches_the_scaled_length():
     """YaRN and dynamic NTK configs keep the pre-training length in max_position_embeddings: as vLLM, the
     engine may serve up to that length times the factor (our table covers it), and no further."""
-    from pagedserve.common.config_rules import resolve_max_model_len as _resolve_max_model_len
+    from pagedserve.common.config.rules import resolve_max_model_len as _resolve_max_model_len
     yarn = _qwen2(max_position_embeddings=ORIGINAL, rope_scaling=dict(YARN_CASES["qwen2.5_style"]))
     assert _resolve_max_model_len(None, yarn) == 4 * ORIGINAL
     assert get_rope(yarn, HEAD_DIM).cos_cache.shape == (4 * ORIGINAL, HEAD_DIM)

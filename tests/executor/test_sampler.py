@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.executor.worker.request_state import CachedRequestState
-from pagedserve.executor.worker.sampler import Sampler, apply_penalties, sampling_probs
-from pagedserve.executor.worker.sampling_inputs import build_sampling_metadata
-from pagedserve.executor.worker.sampling_metadata import SamplerOutput, SamplingMetadata
+from pagedserve.executor.worker.sample.sampler import Sampler, apply_penalties, sampling_probs
+from pagedserve.executor.worker.sample.sampling_inputs import build_sampling_metadata
+from pagedserve.executor.worker.sample.sampling_metadata import SamplerOutput, SamplingMetadata
 from pagedserve.ipc.messages import NewRequestData
 
 V = 50

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from pagedserve.common.config import EngineArgs
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.config.engine_args import EngineArgs
+from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.executor.procs.backends import get_executor_class
-from pagedserve.frontend.llm import LLM
+from pagedserve.frontend.offline.llm import LLM
 from pagedserve.ipc.messages import EngineCoreRequest
 from pagedserve.tests.helpers.tiny_models import make_tiny_model, random_prompts
 

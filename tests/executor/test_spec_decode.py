@@ -108,7 +108,7 @@ def test_tiny_model_same_greedy_tokens_with_drafts(tiny_llama_dir, engine_kw):
 def test_the_step_cost_model_drafts_only_where_drafts_pay(tiny_llama_dir):
     """The engine times its own steps into the cost model, which then picks each step's drafts; told that verify
     rows cost seconds, it drafts nothing (nor probes). The greedy tokens are those of no drafts either way."""
-    from pagedserve.core.spec_cost_model import StepCostModel
+    from pagedserve.core.spec_decode.cost_model import StepCostModel
     prompts = _repetitive_prompts(3, seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     with LLM(tiny_llama_dir, dtype="float32", max_model_len=512) as llm:
@@ -203,7 +203,7 @@ def test_draft_model_sampled_runs_repeat_with_a_seed(tiny_llama_dir, tiny_draft_
 
 
 def test_draft_model_shares_the_cache_memory_and_bad_drafts_are_refused(tiny_llama_dir, tiny_draft_dir, tmp_path):
-    from pagedserve.common.config import EngineArgs
+    from pagedserve.common.config.engine_args import EngineArgs
     from pagedserve.tests.helpers.tiny_models import make_tiny_model
     with LLM(tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=0.01) as llm:
         alone = llm.engine.num_blocks
@@ -265,7 +265,7 @@ def test_a_quantized_draft_runs_in_its_own_c_step(smollm2_path):
     """The embedded Q4 GGUF drafting for itself: its one-token passes and the step's catch-up pass take its own C
     decode step; its proposals are the ones its PyTorch layers make, and the greedy output is the output
     without drafts."""
-    from pagedserve.common.config import EngineArgs
+    from pagedserve.common.config.engine_args import EngineArgs
     from pagedserve.core.engine_core import EngineCore
     from pagedserve.executor.procs.uniproc_executor import UniProcExecutor
     prompt = _repetitive_prompts(1, seed=2)[0]["prompt_token_ids"]

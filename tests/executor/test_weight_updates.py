@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagedserve.frontend.llm import LLM
+from pagedserve.frontend.offline.llm import LLM
 from pagedserve.tests.helpers.parity import hf_model
 from pagedserve.tests.helpers.rl_trainer import trainer_main
 from pagedserve.tests.helpers.server import free_port

@@ -15,8 +15,8 @@ import pytest
 
 from pagedserve.tests.helpers.tiny_models import random_prompts
 from pagedserve import LLM, SamplingParams
-from pagedserve.common.arg_utils import add_dataclass_args, dataclass_from, setting
-from pagedserve.common.config import EngineArgs
+from pagedserve.common.config.arg_utils import add_dataclass_args, dataclass_from, setting
+from pagedserve.common.config.engine_args import EngineArgs
 from pagedserve.frontend.cli import main, make_parser, parse_args
 from pagedserve.frontend.server_args import ServerArgs
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.common.model_files import resolve_model, tokenizer_folder
-from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
-from pagedserve.frontend.output_processor import OutputProcessor
-from pagedserve.frontend.tokenizer import load_tokenizer
+from pagedserve.common.model.model_files import resolve_model, tokenizer_folder
+from pagedserve.common.params.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.frontend.client.output_processor import OutputProcessor
+from pagedserve.frontend.client.tokenizer import load_tokenizer
 from pagedserve.ipc.messages import EngineCoreOutput
 
 REPLACEMENT = "\ufffd"
@@ -83,7 +83,7 @@ def test_fast_decoder_matches_tokenizer_decode(tokenizer, skip_special):
     """The detokenizer decodes through the Rust tokenizer directly; it must give transformers' text."""
     import random
 
-    from pagedserve.frontend.detokenizer import fast_decoder
+    from pagedserve.frontend.client.detokenizer import fast_decoder
     decode = fast_decoder(tokenizer)
     rng = random.Random(0)
     specials = list(tokenizer.all_special_ids)

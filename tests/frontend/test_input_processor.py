@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 from pagedserve.tests.helpers.tiny_models import synthetic_tokenizer
 
-from pagedserve.common.config import EngineArgs
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.config.engine_args import EngineArgs
+from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.executor.procs.backends import get_executor_class
-from pagedserve.frontend.input_processor import InputProcessor, ProcessedPrompt
+from pagedserve.frontend.client.input_processor import InputProcessor, ProcessedPrompt
 from pagedserve.ipc.messages import EngineCoreRequest, EngineInfo
 
 VOCAB = 64

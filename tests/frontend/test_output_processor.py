@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.common.errors import INVALID
-from pagedserve.common.sampling_params import RequestOutputKind, SamplingParams
-from pagedserve.frontend.output_processor import OutputProcessor
-from pagedserve.frontend.outputs import Logprob, RequestOutput
+from pagedserve.common.params.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.frontend.client.output_processor import OutputProcessor
+from pagedserve.frontend.client.outputs import Logprob, RequestOutput
 from pagedserve.ipc.messages import EngineCoreOutput, LogprobsEntry
 from pagedserve.tests.helpers.tiny_models import embedded_tokenizer, synthetic_tokenizer
 

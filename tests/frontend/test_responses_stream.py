@@ -10,12 +10,12 @@ from openai.types.responses import Response
 
 from pagedserve.common.errors import RequestError
 from pagedserve.common.reasoning import REASONING_PARSERS
-from pagedserve.frontend.chat_output import ChatOutputParser, RequiredCallsParser
-from pagedserve.frontend.reasoning_parser import ReasoningParser
-from pagedserve.frontend.responses_items import ResponseEnvelope, output_items, usage
-from pagedserve.frontend.responses_protocol import ResponsesRequest, chat_messages, responses_field
-from pagedserve.frontend.responses_store import ResponseNotFoundError, ResponsesStore, StoredResponse
-from pagedserve.frontend.responses_stream import ResponseEvents
+from pagedserve.frontend.openai.chat_output import ChatOutputParser, RequiredCallsParser
+from pagedserve.frontend.openai.reasoning_parser import ReasoningParser
+from pagedserve.frontend.responses.items import ResponseEnvelope, output_items, usage
+from pagedserve.frontend.responses.protocol import ResponsesRequest, chat_messages, responses_field
+from pagedserve.frontend.responses.store import ResponseNotFoundError, ResponsesStore, StoredResponse
+from pagedserve.frontend.responses.stream import ResponseEvents
 from pagedserve.tests.helpers.openai_types import validate_event
 
 

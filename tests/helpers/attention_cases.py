@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 
 def make_batch(seqs: list[tuple[int, int]], block_size: int, hkv: int, d: int, gen: torch.Generator,

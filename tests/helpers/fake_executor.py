@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.common.config import EngineConfig
+from pagedserve.common.config.engine_args import EngineConfig
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
 
 EOS = 2

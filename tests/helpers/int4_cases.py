@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels import weight_only
+from pagedserve.kernels.weights import weight_only
 
 
 def int4_case(out: int, cols: int, group: int, seed: int,

@@ -1,10 +1,10 @@
-"""The 5/6-bit pack (kernels/weight_intn.py) read back in PyTorch: the reference the tests hold the C kernels
+"""The 5/6-bit pack (kernels/weights/weight_intn.py) read back in PyTorch: the reference the tests hold the C kernels
 and the pack to."""
 from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.weight_intn import IntNWeight
+from pagedserve.kernels.weights.weight_intn import IntNWeight
 
 
 def intn_dequantize(w: IntNWeight) -> torch.Tensor:

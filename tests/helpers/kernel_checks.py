@@ -9,8 +9,8 @@ import math
 
 import torch
 
-from pagedserve.kernels import attention_reference
-from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.attention import reference as attention_reference
+from pagedserve.kernels.attention.metadata import AttentionMetadata
 from pagedserve.tests.helpers.attention_cases import make_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,7 +28,7 @@ def to_device(meta: AttentionMetadata) -> AttentionMetadata:
 
 def run_both(seqs, block_size, hq, hkv, d, seed, num_splits=None, share_prefix=0, dtype=torch.float32,
              window=None, softcap=None):
-    from pagedserve.kernels import triton_attention
+    from pagedserve.kernels.attention import triton_paged as triton_attention
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, _, meta = make_batch(seqs, block_size, hkv, d, gen, dtype, share_prefix)
     # Query as a strided view into a wider buffer, the way the model hands it over (a slice of qkv).

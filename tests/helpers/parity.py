@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.common.config import ModelConfig
-from pagedserve.common.model_files import load_hf_config, resolve_model
+from pagedserve.common.config.engine_args import ModelConfig
+from pagedserve.common.model.model_files import load_hf_config, resolve_model
 from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.tests.helpers.tiny_models import hf_greedy, prefill_logits, random_prompts

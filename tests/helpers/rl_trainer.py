@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.executor.worker.weight_sync import WeightSyncGroup
+from pagedserve.executor.worker.rl.weight_sync import WeightSyncGroup
 from pagedserve.tests.helpers.tiny_models import hf_greedy
 
 SGD_STEPS, LR = 3, 0.05

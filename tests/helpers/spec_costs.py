@@ -1,5 +1,5 @@
 """A step cost curve for speculative decoding tests whose drafts must not hinge on how fast this machine ran a
-step (core/spec_cost_model.py learns the engine's own step timings; a busy test machine makes them anything)."""
+step (core/spec_decode/cost_model.py learns the engine's own step timings; a busy test machine makes them anything)."""
 from __future__ import annotations
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 # initializer_range 0.2 (HF default 0.02): peaky logits, so greedy argmax has no near-ties.
 _DEFAULTS: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -63,8 +63,8 @@ def make_tiny_serving_model(path: str) -> str:
 
 def embedded_tokenizer() -> Any:
     """The embedded SmolLM2's tokenizer (converted from its GGUF once, then read from a cache)."""
-    from pagedserve.common.model_files import resolve_model, tokenizer_folder
-    from pagedserve.frontend.tokenizer import load_tokenizer
+    from pagedserve.common.model.model_files import resolve_model, tokenizer_folder
+    from pagedserve.frontend.client.tokenizer import load_tokenizer
     return load_tokenizer(tokenizer_folder(resolve_model(None)))
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from pagedserve.executor.model.quant.gguf_blocks import GGUFBlocks
-from pagedserve.executor.worker.weight_sync import WeightSyncGroup
+from pagedserve.executor.worker.rl.weight_sync import WeightSyncGroup
 from pagedserve.tests.helpers.server import free_port
 
 

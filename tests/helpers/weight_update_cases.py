@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.frontend.llm import LLM
+from pagedserve.common.params.sampling_params import SamplingParams
+from pagedserve.frontend.offline.llm import LLM
 from pagedserve.tests.helpers.tiny_models import make_tiny_model, random_prompts
 
 NEW_TOKENS = 6

@@ -14,7 +14,7 @@ import pytest
 import torch
 import zmq
 
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.ipc import messages as m
 from pagedserve.ipc.broadcast import BroadcastOverflowError, BroadcastReader, BroadcastWriter
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from pagedserve.executor.model.layers.attention import PagedAttention
-from pagedserve.kernels import cpu_native
-from pagedserve.kernels.attention_backends import (CpuAttentionBackend, CpuAttentionImpl, ReferenceAttentionImpl,
+from pagedserve.kernels.cpu import native as cpu_native
+from pagedserve.kernels.attention.backends import (CpuAttentionBackend, CpuAttentionImpl, ReferenceAttentionImpl,
                                                   TorchReferenceAttentionBackend, TritonAttentionBackend,
                                                   get_attn_backend)
-from pagedserve.kernels.attention_interface import AttentionMetadataBuilder
-from pagedserve.kernels.kv_quant import FP8_KV_DTYPE
+from pagedserve.kernels.attention.interface import AttentionMetadataBuilder
+from pagedserve.kernels.attention.kv_quant import FP8_KV_DTYPE
 from pagedserve.kernels.ops import triton_usable
 from pagedserve.tests.helpers.attention_cases import dense_attention, gather
 
@@ -94,7 +94,7 @@ def test_multi_token_decodes_match_dense(backend, case, window, softcap):
 @pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler on this machine")
 def test_one_token_decodes_still_take_the_c_kernel():
     """The C decode kernel serves one-token decodes only; a verify step's decodes go the chunk path."""
-    from pagedserve.kernels import cpu_attention
+    from pagedserve.kernels.attention import cpu_paged as cpu_attention
     gen = torch.Generator().manual_seed(5)
     for draft, taken in ((0, True), (2, False)):
         kv, _, _, meta = _verify_batch([30, 12], draft, [], 8, 2, 64, gen)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from pagedserve.kernels import attention_reference as reference
+from pagedserve.kernels.attention import reference
 from pagedserve.tests.helpers.attention_cases import dense_attention, gather, make_batch
 
 

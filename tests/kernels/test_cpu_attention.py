@@ -1,6 +1,6 @@
-"""The in-place CPU paged attention (kernels/cpu_attention.py) against the plain formulas: stacked and
+"""The in-place CPU paged attention (kernels/attention/cpu_paged.py) against the plain formulas: stacked and
 separate K/V caches, GQA, block boundaries, masks, slot -1, and the per-step plans reused across layers.
-Decodes run through the C kernel (kernels/csrc/decode_attention.c) where it builds, and through SDPA
+Decodes run through the C kernel (kernels/cpu/csrc/decode_attention.c) where it builds, and through SDPA
 (`native=False`: the path without it) in the same cases."""
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import math
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_attention, cpu_native, torch_fused
+from pagedserve.kernels import torch_fused
+from pagedserve.kernels.attention import cpu_paged as cpu_attention
+from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.tests.helpers.attention_cases import dense_attention, gather, make_batch
 
 

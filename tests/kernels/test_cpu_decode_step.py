@@ -1,4 +1,4 @@
-"""The C GEMVs (kernels/csrc/gemv.c) and the one-call decode step (kernels/csrc/decode_step.c).
+"""The C GEMVs (kernels/cpu/csrc/gemv.c) and the one-call decode step (kernels/cpu/csrc/decode_step.c).
 
 GEMVs: against a float64 matmul of the exact weights the packed forms hold, for every row count they take,
 through the AVX-512 build (where the CPU has it) and a portable build of the same sources.
@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.kernels import cpu_decode_step, cpu_native, weight_only
+from pagedserve.kernels.cpu import decode_step as cpu_decode_step
+from pagedserve.kernels.cpu import native as cpu_native
+from pagedserve.kernels.weights import weight_only
 from pagedserve.tests.helpers.int4_cases import assert_float64_close as _close, int4_case as _int4_case
 from pagedserve.tests.helpers.tiny_models import make_tiny_model, random_prompts
 

@@ -1,4 +1,4 @@
-"""The one-call C decode step with LoRA rows (kernels/csrc/lora.c called from kernels/csrc/decode_step.c)
+"""The one-call C decode step with LoRA rows (kernels/cpu/csrc/lora.c called from kernels/cpu/csrc/decode_step.c)
 against the PyTorch layers with the same adapters on the same int8 base (PAGEDSERVE_CPU_DECODE_STEP=0): the same
 greedy tokens and logprobs up to float32 summation order, for rows of the base, of an adapter of rank 8 on some
 pieces of the merged layers (q and v of qkv, gate of gate_up, no o) and of a rank-16 adapter on every linear,
@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from pagedserve import LLM, LoRARequest, SamplingParams
-from pagedserve.kernels import cpu_decode_step, cpu_native
+from pagedserve.kernels.cpu import decode_step as cpu_decode_step
+from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.tests.helpers.lora_adapters import ALL_LINEAR, make_lora
 from pagedserve.tests.helpers.tiny_models import make_tiny_model, random_prompts
 

@@ -1,4 +1,4 @@
-"""The CPU widen-then-dense path for many-row steps (kernels/csrc/dequant.c, kernels/weight_only.py).
+"""The CPU widen-then-dense path for many-row steps (kernels/cpu/csrc/dequant.c, kernels/weights/weight_only.py).
 
 Widening must reproduce the packed kernels' own weights bit for bit (the int4 kernel's weight read back
 through an identity input; int8 codes times their bfloat16 scale), and a layer that takes the dense path
@@ -14,12 +14,13 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
-from pagedserve.common.dtype import cpu_has_native_bf16
+from pagedserve.common.config.dtype import cpu_has_native_bf16
 from pagedserve.executor.model.quant.gguf_blocks import decode_gguf_tensor
 from pagedserve.executor.model.layers.linear_method import apply_linear
 from pagedserve.executor.model.quant.packing import pack_linear
-from pagedserve.kernels import cpu_dequant, cpu_native
-from pagedserve.kernels.weight_only import (INT4_NEVER_DENSE, INT8_DENSE_BLOCK_ROWS, INT8_DENSE_MIN_ROWS, Int4Weight,
+from pagedserve.kernels.cpu import dequant as cpu_dequant
+from pagedserve.kernels.cpu import native as cpu_native
+from pagedserve.kernels.weights.weight_only import (INT4_NEVER_DENSE, INT8_DENSE_BLOCK_ROWS, INT8_DENSE_MIN_ROWS, Int4Weight,
                                             Int8Weight, dense_path, int4_dense_min_rows, int4_linear, int8_linear,
                                             pack_int4, quantize_int8)
 

@@ -1,5 +1,5 @@
-"""The integer int4 GEMM (kernels/csrc/gemm_int4.c): int16 inputs, AVX512-VNNI dot products; and its int8-input
-form for many rows (kernels/csrc/gemm_int4_s8.c: int8 steps of max|x| / 127 per row and group).
+"""The integer int4 GEMM (kernels/cpu/csrc/gemm_int4.c): int16 inputs, AVX512-VNNI dot products; and its int8-input
+form for many rows (kernels/cpu/csrc/gemm_int4_s8.c: int8 steps of max|x| / 127 per row and group).
 
 Against a float64 matmul of the exact weights the int4 pack holds: with the inputs as the kernel rounds them
 (to int16 steps of max|x| / 32767 per row) the only error left is float32 summation; with the inputs as
@@ -13,8 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.common.dtype import cpu_has_amx_bf16
-from pagedserve.kernels import cpu_dequant, cpu_native, weight_only
+from pagedserve.common.config.dtype import cpu_has_amx_bf16
+from pagedserve.kernels.cpu import dequant as cpu_dequant
+from pagedserve.kernels.cpu import native as cpu_native
+from pagedserve.kernels.weights import weight_only
 from pagedserve.tests.helpers.int4_cases import assert_float64_close as _close, code_offsets, int4_case as _int4_case
 
 LIB = cpu_native.library()

@@ -1,4 +1,4 @@
-"""The 5- and 6-bit pack (kernels/weight_intn.py) and its kernels (kernels/csrc/gemm_intn.c).
+"""The 5- and 6-bit pack (kernels/weights/weight_intn.py) and its kernels (kernels/cpu/csrc/gemm_intn.c).
 
 The pack: read back in PyTorch it gives the codes and bfloat16 scales it was made of, bit for bit.
 The integer GEMM: against a float64 matmul of those exact weights, with the inputs as it rounds them (int16
@@ -18,9 +18,9 @@ from gguf import GGMLQuantizationType as T
 from pagedserve import LLM
 from pagedserve.executor.model.layers.linear_method import apply_linear
 from pagedserve.executor.model.quant.packing import pack_linear
-from pagedserve.kernels import weight_intn
-from pagedserve.kernels.weight_intn import IntNWeight, intn_built, intn_linear, pack_intn
-from pagedserve.kernels.weight_only import Int8Weight
+from pagedserve.kernels.weights import weight_intn
+from pagedserve.kernels.weights.weight_intn import IntNWeight, intn_built, intn_linear, pack_intn
+from pagedserve.kernels.weights.weight_only import Int8Weight
 from pagedserve.tests.helpers.gguf_blocks import random_gguf_weight
 from pagedserve.tests.helpers.gguf_models import write_tiny_gguf
 from pagedserve.tests.helpers.int4_cases import assert_float64_close as _close

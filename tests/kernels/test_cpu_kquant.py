@@ -1,4 +1,4 @@
-"""The K form of int4 group scales (kernels/weight_kquant.py; SZ_K in kernels/csrc/gemv.h): a GGUF Q4_K's
+"""The K form of int4 group scales (kernels/weights/weight_kquant.py; SZ_K in kernels/cpu/csrc/gemv.h): a GGUF Q4_K's
 two-level scales kept at 4.625 bits a weight, exactly, in every CPU int4 kernel.
 
 Q4_K pieces (random bytes: every sub-scale code, so the largest need not be 63; and llama.cpp's reference
@@ -18,8 +18,10 @@ from gguf import GGMLQuantizationType as T
 from pagedserve import LLM
 from pagedserve.executor.model.quant.gguf_blocks import decode_gguf_tensor
 from pagedserve.executor.model.quant.packing import pack_linear
-from pagedserve.kernels import cpu_dequant, cpu_native, weight_only
-from pagedserve.kernels.weight_kquant import k_form_scale_offset, k_form_scales
+from pagedserve.kernels.cpu import dequant as cpu_dequant
+from pagedserve.kernels.cpu import native as cpu_native
+from pagedserve.kernels.weights import weight_only
+from pagedserve.kernels.weights.weight_kquant import k_form_scale_offset, k_form_scales
 from pagedserve.tests.helpers.gguf_blocks import random_gguf_weight
 from pagedserve.tests.helpers.gguf_models import quantize_q4_k, write_tiny_gguf
 from pagedserve.tests.helpers.int4_cases import assert_float64_close

@@ -1,4 +1,4 @@
-"""The C library of CPU kernels (kernels/cpu_native.py): a fresh build in an empty cache folder loads, and
+"""The C library of CPU kernels (kernels/cpu/native.py): a fresh build in an empty cache folder loads, and
 loading it leaves the process's floating point alone (a -ffast-math link once turned on flush-to-zero for
 the whole process, which broke hypothesis in the HTTP fuzz tests and fp8 subnormals)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels.cpu import native as cpu_native
 
 PROBE = """
 import glob, os, sys

@@ -1,4 +1,4 @@
-"""Merged layers whose pieces keep different forms (kernels/weight_split.py, packing._row_split).
+"""Merged layers whose pieces keep different forms (kernels/weights/weight_split.py, packing._row_split).
 
 A Q4_K_M file stores q and k beside a v of another format (Q5_0 + Q8_0 at the 360M ladder model, Q4_K +
 Q6_K at 1.7B). Through pack_linear such pieces become a RowSplitWeight of each run's own form (int4, the
@@ -19,9 +19,9 @@ from gguf import GGMLQuantizationType as T
 from pagedserve import LLM
 from pagedserve.executor.model.layers.linear_method import apply_linear
 from pagedserve.executor.model.quant.packing import pack_linear
-from pagedserve.kernels.weight_intn import IntNWeight, intn_built
-from pagedserve.kernels.weight_only import Int4Weight, Int8Weight
-from pagedserve.kernels.weight_split import RowSplitWeight
+from pagedserve.kernels.weights.weight_intn import IntNWeight, intn_built
+from pagedserve.kernels.weights.weight_only import Int4Weight, Int8Weight
+from pagedserve.kernels.weights.weight_split import RowSplitWeight
 from pagedserve.tests.helpers.gguf_blocks import random_gguf_weight
 from pagedserve.tests.helpers.gguf_models import write_tiny_gguf
 from pagedserve.tests.helpers.tiny_models import make_tiny_model

@@ -18,8 +18,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")      # before the kernel modules are imported
 
-from pagedserve.kernels import attention_reference as reference  # noqa: E402
-from pagedserve.kernels.kv_quant import FP8_KV_DTYPE, dequantize_kv, quantize_kv  # noqa: E402
+from pagedserve.kernels.attention import reference  # noqa: E402
+from pagedserve.kernels.attention.kv_quant import FP8_KV_DTYPE, dequantize_kv, quantize_kv  # noqa: E402
 from pagedserve.tests.helpers.attention_cases import make_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -97,7 +97,7 @@ def test_reference_write_divides_by_the_scale():
 
 
 def _write_both(key, value, slots, k_scale, v_scale, blocks=5, bs=8):
-    from pagedserve.kernels import triton_cache
+    from pagedserve.kernels.attention import triton_cache
     shape = (blocks, key.shape[1], bs, key.shape[2])
     ref_k, ref_v = (torch.zeros(shape, dtype=FP8_KV_DTYPE) for _ in range(2))
     reference.write_kv_cache(key, value, ref_k, ref_v, slots, k_scale=k_scale, v_scale=v_scale)
@@ -146,7 +146,7 @@ def test_triton_write_kv_cache_fp8_rounds_as_torch():
 @pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.02, 0.5)])
 def test_triton_attention_fp8_cache_equals_reference(num_splits, k_scale, v_scale):
     pytest.importorskip("triton")
-    from pagedserve.kernels import triton_attention
+    from pagedserve.kernels.attention import triton_paged as triton_attention
     from pagedserve.tests.helpers.kernel_checks import to_device
     seqs = SEQS if num_splits == 1 else [(n, 1) for n in (1, 17, 64, 100)]
     k32, v32, k8, v8, meta, gen = _fp8_batch(seqs, 16, 2, 32, 4, k_scale, v_scale)
@@ -164,7 +164,7 @@ def test_triton_attention_fp8_cache_with_a_half_precision_query():
     """fp16 queries: the e4m3 tiles are converted to fp16 (exact) for the dot products. (bf16 dots are wrong
     under the interpreter, see test_kernels.py; the GPU test covers bf16.)"""
     pytest.importorskip("triton")
-    from pagedserve.kernels import triton_attention
+    from pagedserve.kernels.attention import triton_paged as triton_attention
     from pagedserve.tests.helpers.kernel_checks import to_device
     _, _, k8, v8, meta, gen = _fp8_batch(SEQS, 16, 2, 32, 6, 0.05, 0.1)
     q = (torch.randn(meta.query_start_loc_cpu[-1], 4, 32, generator=gen) / 1.5).half()
@@ -177,7 +177,7 @@ def test_triton_attention_fp8_cache_with_a_half_precision_query():
 
 def test_triton_attention_ignores_scales_for_a_float_cache():
     pytest.importorskip("triton")
-    from pagedserve.kernels import triton_attention
+    from pagedserve.kernels.attention import triton_paged as triton_attention
     from pagedserve.tests.helpers.kernel_checks import to_device
     k32, v32, _, _, meta, gen = _fp8_batch(SEQS, 16, 2, 32, 5, 1.0, 1.0)
     q = torch.randn(meta.query_start_loc_cpu[-1], 4, 32, generator=gen) / 30
@@ -191,7 +191,7 @@ def test_triton_attention_ignores_scales_for_a_float_cache():
 
 
 def test_kv_cache_dtype_setting():
-    from pagedserve.common.config import EngineArgs
+    from pagedserve.common.config.engine_args import EngineArgs
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineArgs(kv_cache_dtype="int8").validate()
     EngineArgs(kv_cache_dtype="fp8_e4m3").validate()

@@ -11,8 +11,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from pagedserve.kernels import attention_reference, torch_fused  # noqa: E402
-from pagedserve.kernels import triton_attention, triton_cache, triton_fused, triton_gemm  # noqa: E402
+from pagedserve.kernels import torch_fused
+from pagedserve.kernels.attention import reference as attention_reference  # noqa: E402
+from pagedserve.kernels.attention import triton_paged as triton_attention
+from pagedserve.kernels.attention import triton_cache
+from pagedserve.kernels.triton import fused as triton_fused
+from pagedserve.kernels.triton import gemm as triton_gemm  # noqa: E402
 from pagedserve.tests.helpers.attention_cases import make_batch  # noqa: E402
 from pagedserve.tests.helpers.kernel_checks import DEVICE, rel_err, run_both, to_device  # noqa: E402
 

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from pagedserve.executor.model.layers.lora import LoRAContext, LoRASlots, pack_pieces  # noqa: E402
-from pagedserve.kernels.triton_lora import lora_delta  # noqa: E402
+from pagedserve.kernels.triton.lora import lora_delta  # noqa: E402
 from pagedserve.tests.helpers.kernel_checks import DEVICE  # noqa: E402
 
 IN, OUT, MAX_RANK, SLOTS = 40, 24, 8, 3
@@ -74,9 +74,9 @@ def test_a_cleared_slot_adds_nothing_in_the_kernels():
 
 
 def test_c_kernel_matches_per_token_on_interleaved_rows_and_long_runs():
-    """The CPU's one-call delta (kernels/csrc/lora.c) as LoRAManager sets it up (cpu_kernel): rows of several
+    """The CPU's one-call delta (kernels/cpu/csrc/lora.c) as LoRAManager sets it up (cpu_kernel): rows of several
     slots interleaved and a long run of one slot, every adapter token in one call, sorted by slot."""
-    from pagedserve.kernels.cpu_native import library
+    from pagedserve.kernels.cpu.native import library
     if library() is None:
         pytest.skip("no C compiler here")
     slots = [0, 2, 1, -1, 0, 2] + [1] * 12            # six decode rows, then a 12-token prefill run of slot 1
@@ -92,7 +92,7 @@ def test_bfloat16_slots_match_per_token_on_their_rounded_weights():
     """bfloat16 slots (LoRAManager's pool_dtype over a quantized CPU base): the C kernel widens the weights and
     keeps x and the sums in float32, so it matches the float32 reference on the rounded weights as closely as
     float32 slots do; torch's matmuls (no C kernel) also round x and x A^T to bfloat16 (2^-9 of the delta)."""
-    from pagedserve.kernels.cpu_native import library
+    from pagedserve.kernels.cpu.native import library
     if library() is None:
         pytest.skip("no C compiler here")
     slots = [0, 2, 1, -1, 0, 2] + [1] * 12
@@ -119,7 +119,7 @@ def test_portable_build_of_the_c_kernel_matches(dtype, tmp_path):
     import platform
     import shutil
 
-    from pagedserve.kernels import cpu_native
+    from pagedserve.kernels.cpu import native as cpu_native
     if cpu_native.library() is None or platform.machine() != "x86_64" or shutil.which("cc") is None:
         pytest.skip("needs the C compiler on x86-64")
     sources = [s for s in glob.glob(os.path.join(cpu_native._SOURCES, "*.c")) if os.path.basename(s) in

@@ -11,7 +11,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from pagedserve.kernels import torch_moe, triton_moe  # noqa: E402
+from pagedserve.kernels import torch_moe
+from pagedserve.kernels.triton import moe as triton_moe  # noqa: E402
 from pagedserve.tests.helpers.kernel_checks import DEVICE, rel_err  # noqa: E402
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels.cpu import native as cpu_native
 
 LIB = cpu_native.library()
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.kernels.attention_backends import get_attn_backend
-from pagedserve.kernels.attention_interface import AttentionBackend, AttentionImpl
-from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.attention.backends import get_attn_backend
+from pagedserve.kernels.attention.interface import AttentionBackend, AttentionImpl
+from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 
 class PagedAttention(nn.Module):
     """Holds no weights. `kv_cache` is bound by the model runner after the cache is allocated:
     a tensor [2, num_blocks, num_kv_heads, block_size, head_dim] (index 0 = K, 1 = V). Binding it picks the
     layer's attention backend for the cache's device and dtype and makes the layer's impl, once
-    (kernels/attention_backends.py); forward only calls it.
+    (kernels/attention/backends.py); forward only calls it.
 
     sliding_window: this layer's window (None = global attention). Only the attention math applies it: the KV
     cache keeps every block of a sequence, also those that fell out of every layer's window, so a block is

@@ -9,7 +9,7 @@ from pagedserve.executor.model.layers.linear_method import LinearMethod, dense_l
 from pagedserve.executor.model.layers.packed_pieces import PackedPieces
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.executor.model.quant.packing import Packed, Piece, pack_embedding, pack_linear
-from pagedserve.kernels.weight_only import Int4Weight, Int8Weight, int4_embedding, int8_embedding
+from pagedserve.kernels.weights.weight_only import Int4Weight, Int8Weight, int4_embedding, int8_embedding
 
 
 class VocabParallelEmbedding(PackedPieces, nn.Module):

@@ -1,13 +1,13 @@
 """Encoder self-attention (BERT family): bidirectional, with no KV cache. The backend for the device is
-picked as for paged attention (kernels/attention_backends.py); its impl's forward_encoder attends."""
+picked as for paged attention (kernels/attention/backends.py); its impl's forward_encoder attends."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from pagedserve.kernels.attention_backends import get_attn_backend
-from pagedserve.kernels.attention_interface import AttentionImpl
-from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.attention.backends import get_attn_backend
+from pagedserve.kernels.attention.interface import AttentionImpl
+from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 
 class EncoderAttention(nn.Module):

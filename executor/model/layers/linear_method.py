@@ -7,7 +7,7 @@ bias)` runs it, with no test of the weight's type per call. The method is picked
 a dense layer's when it is built (on the device it is built on), a quantized layer's when its pieces are
 packed (LinearBase.finish_packed_load); a GGUF file mixes formats per layer (Q4_K beside Q6_K), so only then is the
 form known. What one method chooses by the number of input rows (GEMV, integer GEMM, widen + dense GEMM) is
-the kernels' own business (kernels/weight_only.py: measured crossovers).
+the kernels' own business (kernels/weights/weight_only.py: measured crossovers).
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from pagedserve.executor.model.quant.fp8 import Fp8Weight, fp8_linear
 from pagedserve.executor.model.quant.packing import Packed, PermutedInput
 from pagedserve.kernels.ops import triton_usable
-from pagedserve.kernels.weight_intn import IntNWeight, intn_linear
-from pagedserve.kernels.weight_only import Int4Weight, Int8Weight, int4_linear, int8_linear
-from pagedserve.kernels.weight_split import RowSplitWeight
+from pagedserve.kernels.weights.weight_intn import IntNWeight, intn_linear
+from pagedserve.kernels.weights.weight_only import Int4Weight, Int8Weight, int4_linear, int8_linear
+from pagedserve.kernels.weights.weight_split import RowSplitWeight
 
 
 class LinearWeights(Protocol):
@@ -51,11 +51,11 @@ class UnquantizedLinearMethod(LinearMethod):
 
 class SkinnyGemmLinearMethod(LinearMethod):
     """A dense weight on CUDA: decode-sized batches (up to 16 rows) take the skinny Triton GEMM for the
-    shapes where it measured faster than cuBLAS (kernels/triton_gemm.py), the rest F.linear."""
+    shapes where it measured faster than cuBLAS (kernels/triton/gemm.py), the rest F.linear."""
     name = "unquantized_triton"
 
     def __init__(self) -> None:
-        from pagedserve.kernels import triton_gemm            # imports triton: CUDA only
+        from pagedserve.kernels.triton import gemm as triton_gemm  # imports triton: CUDA only
         self._chooser, self._skinny = triton_gemm.SkinnyGemmChooser(), triton_gemm.skinny_gemm
 
     def apply(self, layer: LinearWeights, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -67,7 +67,7 @@ class SkinnyGemmLinearMethod(LinearMethod):
 
 
 class Int4LinearMethod(LinearMethod):
-    """Group-affine int4 (GGUF Q4_*, AWQ, GPTQ 4-bit): kernels/weight_only.py's int4 GEMV / GEMM / widening."""
+    """Group-affine int4 (GGUF Q4_*, AWQ, GPTQ 4-bit): kernels/weights/weight_only.py's int4 GEMV / GEMM / widening."""
     name = "int4"
 
     def apply(self, layer: LinearWeights, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -87,7 +87,7 @@ class ActOrderInt4LinearMethod(LinearMethod):
 
 
 class IntNLinearMethod(LinearMethod):
-    """GGUF's 5- and 6-bit formats at their own width on CPU (kernels/weight_intn.py)."""
+    """GGUF's 5- and 6-bit formats at their own width on CPU (kernels/weights/weight_intn.py)."""
     name = "intn"
 
     def apply(self, layer: LinearWeights, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -104,7 +104,7 @@ class Int8LinearMethod(LinearMethod):
 
 
 class RowSplitLinearMethod(LinearMethod):
-    """A merged layer whose pieces keep different forms (kernels/weight_split.py): each part by its own
+    """A merged layer whose pieces keep different forms (kernels/weights/weight_split.py): each part by its own
     method, the outputs side by side."""
     name = "row_split"
 

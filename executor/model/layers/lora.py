@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.kernels.cpu_decode_step import LoraPool
-from pagedserve.kernels.cpu_lora import lora_bgmv
+from pagedserve.kernels.cpu.decode_step import LoraPool
+from pagedserve.kernels.cpu.lora import lora_bgmv
 
 
 @dataclass
@@ -27,8 +27,8 @@ class LoRAContext:
     """The step's token -> slot map, shared by every LoRA layer of the model; set once per step. A layer applies
     it one of three ways:
 
-    - CUDA: `token_slots` on the device, for the Triton kernels (kernels/triton_lora.py).
-    - CPU with the C kernel (`cpu_kernel`: float32 activations, kernels/csrc/lora.c built): `order`, the adapter
+    - CUDA: `token_slots` on the device, for the Triton kernels (kernels/triton/lora.py).
+    - CPU with the C kernel (`cpu_kernel`: float32 activations, kernels/cpu/csrc/lora.c built): `order`, the adapter
       tokens sorted by slot, in one call a layer, long runs (a prefill chunk) too: on the embedded model it ran
       a 256-token run of one adapter in 0.47 ms for a layer's four linears against 0.67 for torch's matmuls
       (bfloat16 slots, one thread), and 64 tokens in 0.12 against 0.34.
@@ -148,7 +148,7 @@ class LoRASlots:
         """y (the base layer's output for x, this rank's part) plus each token's adapter delta, in place."""
         ctx = self.context
         if ctx.token_slots is not None:
-            from pagedserve.kernels.triton_lora import lora_delta
+            from pagedserve.kernels.triton.lora import lora_delta
             lora_delta(x.reshape(-1, x.shape[-1]), self.a, self.b, ctx.token_slots, y.view(-1, y.shape[-1]))
             return y
         if ctx.order is not None:

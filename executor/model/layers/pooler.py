@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.common.pooler_config import PoolerConfig
-from pagedserve.common.pooling_params import PoolingParams
+from pagedserve.common.params.pooling_params import PoolingParams
 
 
 def pool(hidden: torch.Tensor, starts: list[int], ends: list[int], pooling_type: str) -> torch.Tensor:

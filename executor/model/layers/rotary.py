@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.common.model_files import rope_max_positions, rope_settings
+from pagedserve.common.model.model_files import rope_max_positions, rope_settings
 from pagedserve.executor.model.layers.rope_scaling import scaled_inv_freq
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from pagedserve.executor.model.layers.encoder_attention import EncoderAttention
 from pagedserve.executor.model.parallel_state import TPGroup
-from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}

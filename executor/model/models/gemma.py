@@ -22,7 +22,7 @@ from pagedserve.executor.model.layers.rotary import RotaryEmbedding, get_rope
 from pagedserve.executor.model.models.llama import LlamaForCausalLM
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 from pagedserve.kernels import ops
-from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 Rope = tuple[torch.Tensor, torch.Tensor]     # (cos, sin), each [T, 1, head_dim]
 SLIDING, FULL = "sliding_attention", "full_attention"

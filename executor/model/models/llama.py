@@ -18,8 +18,8 @@ from pagedserve.executor.model.layers.rotary import get_rope
 from pagedserve.executor.model.models.llama_cpu_step import LlamaCpuDecodeStep
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 from pagedserve.kernels import ops
-from pagedserve.kernels.cpu_decode_step import DecoderWeights, LayerWeights
-from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.cpu.decode_step import DecoderWeights, LayerWeights
+from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

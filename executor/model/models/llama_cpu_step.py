@@ -5,7 +5,7 @@ The model runner asks the model for this step once, when the KV cache is bound (
 eligibility test: at most c_step.max_rows tokens, decodes or a speculative verify pass) and the model's own layers
 run the rest. Models outside what it takes (other devices and dtypes, tensor parallelism, MoE blocks,
 sliding windows, unquantized or fp8 linears) get no step at all. With LoRA enabled, the step holds the layers'
-adapter slots (bound once, filled in place by executor/worker/lora_manager.py) and takes steps whose rows use
+adapter slots (bound once, filled in place by executor/worker/lora/manager.py) and takes steps whose rows use
 adapters too, each row its own.
 PAGEDSERVE_CPU_DECODE_STEP=0 keeps the layers for every step (for A/B runs against them).
 """
@@ -18,8 +18,8 @@ from torch import nn
 
 from pagedserve.common import envs
 from pagedserve.executor.model.layers.rotary import RotaryEmbedding
-from pagedserve.kernels.cpu_decode_step import CpuDecodeStep, DecoderWeights
-from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.cpu.decode_step import CpuDecodeStep, DecoderWeights
+from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 
 class SteppedModel(Protocol):

@@ -27,7 +27,7 @@ from pagedserve.executor.model.layers.rotary import get_rope
 from pagedserve.executor.model.models.llama import (LlamaAttention, LlamaDecoderLayer, LlamaMLP, _head_dim,
                                                     _num_kv_heads, load_checkpoint_tensor)
 from pagedserve.executor.model.parallel_state import TPGroup
-from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 
 class _EagleHead(nn.Module):

@@ -34,7 +34,7 @@ class GroupQuantWeight:
     perm: torch.Tensor | None = None   # int64 [in]: column j of q is checkpoint column perm[j] (act-order)
     inputs: int | None = None          # x's width where perm has padding (entries == inputs read zero)
     # scale and offset are a K-quant's 8-bit codes under a float16 base per 8 groups (GGUF Q4_K/Q5_K): the
-    # int4 CPU pack may keep them in that form (kernels/weight_kquant.py); a hint, each block is checked
+    # int4 CPU pack may keep them in that form (kernels/weights/weight_kquant.py); a hint, each block is checked
     k_quant: bool = False
 
     def __post_init__(self) -> None:

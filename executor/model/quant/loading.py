@@ -1,6 +1,6 @@
 """Switching a model's layers to packed loading, packing them afterwards, and counting weight bytes.
 
-A weight update of a quantized model (executor/model/weight_update.py) goes through the same two steps: the
+A weight update of a quantized model (executor/worker/rl/model_update.py) goes through the same two steps: the
 layers collect the update's pieces while their current packed weights keep serving, then the layers that got
 pieces pack them with the same rules (quant/packing.py)."""
 from __future__ import annotations

@@ -6,10 +6,10 @@ file stores v in Q6_K beside q and k in Q4_K. So a layer collects (first row, pi
 picks its kernel once all are in:
 - every piece 4-bit, in one group size the int4 kernel takes: int4, exact (the scales round to bfloat16);
 - 5- and 6-bit pieces (GGUF Q5_0 ... Q6_K, with 4-bit pieces beside them) on CPUs that build its kernel:
-  their own width (kernels/weight_intn.py), exact up to the scales' bfloat16, where that is fewer bytes
+  their own width (kernels/weights/weight_intn.py), exact up to the scales' bfloat16, where that is fewer bytes
   than int8;
 - pieces no one of those forms holds at their size (a Q5_0 q and k beside a Q8_0 v; a Q4_K q and k beside a
-  Q6_K v) on CPU: each run of like pieces in its own form, side by side (kernels/weight_split.py);
+  Q6_K v) on CPU: each run of like pieces in its own form, side by side (kernels/weights/weight_split.py);
 - any other quantized piece (8 bits, or the above elsewhere): int8 per output channel, requantized from the
   decoded values (|error| <= half a step of max|w| / 127 per row, on top of the format's own);
 - dense pieces: int8 or fp8 when the method asks for it, else a plain tensor in the model's dtype.
@@ -28,10 +28,10 @@ from typing import Any, Union
 import torch
 
 from pagedserve.executor.model.quant.group_quant import GroupQuantWeight
-from pagedserve.kernels.weight_intn import IntNWeight, intn_built, intn_fits, intn_nbytes, pack_intn
-from pagedserve.kernels.weight_only import (INT4_GROUP_SIZES, Int4Weight, Int8Weight, pack_int4,
+from pagedserve.kernels.weights.weight_intn import IntNWeight, intn_built, intn_fits, intn_nbytes, pack_intn
+from pagedserve.kernels.weights.weight_only import (INT4_GROUP_SIZES, Int4Weight, Int8Weight, pack_int4,
                                             quantize_int8)
-from pagedserve.kernels.weight_split import RowSplitWeight
+from pagedserve.kernels.weights.weight_split import RowSplitWeight
 
 Piece = tuple[int, Union[torch.Tensor, GroupQuantWeight]]     # (first output row, rows)
 # The kernel forms a layer's weight may take (fp8's Fp8Weight too); layers/linear_method.py runs each.
@@ -169,7 +169,7 @@ def _runs(parts: list) -> list[list]:
 
 def _row_split(parts: list, rows: int, device: torch.device) -> RowSplitWeight | None:
     """Pieces no one narrow form takes at their size (Q5_0 q, k beside a Q8_0 v), each run of like pieces in
-    its own form, where any run is narrow (kernels/weight_split.py); None otherwise."""
+    its own form, where any run is narrow (kernels/weights/weight_split.py); None otherwise."""
     runs = _runs(parts)
     if device.type != "cpu" or len(runs) < 2 or sum(p.shape[0] for p in parts) != rows:
         return None

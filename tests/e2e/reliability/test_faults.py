@@ -29,14 +29,14 @@ import psutil
 import pytest
 import zmq
 
-from pagedserve.common.config import CORE_HEARTBEAT_INTERVAL_S, EngineArgs
+from pagedserve.common.config.engine_args import CORE_HEARTBEAT_INTERVAL_S, EngineArgs
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.executor.procs.backends import get_executor_class
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.executor.procs.heartbeat import heartbeat_interval
 from pagedserve.executor.procs.multiproc_executor import WorkerDiedError
-from pagedserve.frontend.async_client import AsyncEngineClient
-from pagedserve.frontend.core_client import EngineDeadError
+from pagedserve.frontend.client.async_client import AsyncEngineClient
+from pagedserve.frontend.client.core_client import EngineDeadError
 from pagedserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest, UtilityCall
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from pagedserve.tests.helpers.server import Server
@@ -293,7 +293,7 @@ def test_core_beats_live_clients_and_forgets_departed_ones(tiny_llama_dir, monke
     import threading
 
     import pagedserve.core.engine_core_proc as core_proc
-    import pagedserve.frontend.core_client as core_client
+    import pagedserve.frontend.client.core_client as core_client
     from pagedserve.ipc.sockets import IpcPaths
     monkeypatch.setattr(core_proc, "CLIENT_EXPIRY_S", 2.0)
     monkeypatch.setattr(core_client, "CLIENT_KEEPALIVE_S", 0.5)

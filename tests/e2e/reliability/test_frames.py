@@ -21,10 +21,10 @@ import psutil
 import pytest
 import zmq
 
-from pagedserve.common.config import EngineArgs
+from pagedserve.common.config.engine_args import EngineArgs
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.executor.procs.backends import get_executor_class
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.ipc import messages as m
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from pagedserve.tests.helpers.server import Server

@@ -54,7 +54,7 @@ OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("G
               ("GET", "/health"), ("GET", "/metrics"), ("GET", "/version"), ("POST", "/tokenize"),
               ("POST", "/detokenize"), ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
               ("POST", "/v1/responses/{response_id}/cancel"),
-              # pooling routes (frontend/serving_pooling.py): on this generating model each answers a 400
+              # pooling routes (frontend/pooling/serving.py): on this generating model each answers a 400
               ("POST", "/v1/embeddings"), ("POST", "/pooling"), ("POST", "/classify"), ("POST", "/score"),
               ("POST", "/v1/score"), ("POST", "/rerank"), ("POST", "/v1/rerank"), ("POST", "/v2/rerank")]
 # POST operations whose input is their path alone.

@@ -1,0 +1,225 @@
+"""Data parallelism: N engine cores, each with its own scheduler and KV cache, behind one frontend.
+
+DataParallelClient has the face of one AsyncMPClient (add_request, abort_requests, get_output, call_utility,
+dead, close), so AsyncEngineClient and the HTTP layer above it serve N engines as they serve one. Requests go
+where dp_router.PrefixRouter says; the engines' outputs are merged into one stream, each batch tagged with its
+engine's index (EngineCoreOutputs.engine_index) for the metrics' `engine` label.
+
+An engine that dies does not take the others with it: its requests in flight end at once with an error
+(EngineDeadError for their callers), the router stops sending it work, and, given `restart`, it is started again
+(weights reloaded, the LoRA adapters added again, after a back-off) in a thread and rejoins; a crash loop
+(MAX_RESTARTS within RESTART_WINDOW_S) leaves it down. The client is dead only when no engine serves or restarts. With one engine this is
+`--restart-engine-on-failure`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pagedserve.common.errors import ENGINE_DIED
+from pagedserve.common.lora import LORA_LOAD_TIMEOUT_S
+from pagedserve.frontend.client.core_client import AsyncMPClient, CoreHandle, EngineDeadError
+from pagedserve.frontend.dp.router import PrefixRouter
+from pagedserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 300.0
+
+
+def _concat(results: list[Any]) -> list[Any]:
+    return [item for result in results for item in result]
+
+
+# Utility calls whose answer is every engine's, not the first one's (vLLM answers with the first engine's for
+# all): collective_rpc gives each engine's ranks' results, engine after engine, so an RL driver sees every
+# worker it reached; the engine is asleep (or its prefix cache reset) only when every engine is.
+_MERGED_ANSWERS: dict[str, Callable[[list[Any]], Any]] = {
+    "collective_rpc": _concat, "reload_weights": _concat, "is_sleeping": all, "reset_prefix_cache": all}
+
+
+class DataParallelClient:
+    def __init__(self, clients: list[AsyncMPClient], router: PrefixRouter,
+                 restart: dict[int, Callable[[], CoreHandle]] | None = None) -> None:
+        """restart: engine index -> what starts a fresh core for it and waits until it is ready (blocking: it
+        runs in a thread); engines on other nodes have none."""
+        self.clients = clients
+        self.router = router
+        self._restart = restart or {}
+        self._closed = False
+        self._down: dict[int, str] = {}               # engine -> why it is out of service
+        self._restarting: set[int] = set()
+        self._restarts: dict[int, list[float]] = {}
+        self._engine_of: dict[str, int] = {}
+        self._merged: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
+        self._tasks: list[asyncio.Task] = []
+        # The adapters every engine holds (lora_int_id -> add_lora's arguments), replayed into a restarted core:
+        # the frontend still routes requests to them by name.
+        self._loras: dict[int, tuple[Any, ...]] = {}
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.clients)
+
+    @property
+    def dead(self) -> str | None:
+        if len(self._down) < len(self.clients) or self._restarting:
+            return None
+        return "every data-parallel engine died: " + "; ".join(f"{i}: {why}" for i, why in sorted(self._down.items()))
+
+    def engine_states(self) -> list[dict[str, Any]]:
+        def state(i: int) -> str:
+            if i in self._restarting:
+                return f"restarting: {self._down[i]}"
+            return f"dead: {self._down[i]}" if i in self._down else "ok"
+        return [{"engine": i, "state": state(i)} for i in range(len(self.clients))]
+
+    async def add_request(self, request: EngineCoreRequest) -> None:
+        if (why := self.dead) is not None:
+            raise EngineDeadError(why)
+        engine = self.router.route(request.prompt_token_ids)
+        if engine is None:
+            raise EngineDeadError("no data-parallel engine serves right now: " + "; ".join(
+                f"{e['engine']}: {e['state']}" for e in self.engine_states()))
+        self._engine_of[request.request_id] = engine
+        try:
+            await self.clients[engine].add_request(request)
+        except BaseException:
+            self._forget(request.request_id)
+            raise
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        by_engine: dict[int, list[str]] = {}
+        for rid in request_ids:
+            if (engine := self._engine_of.get(rid)) is not None and engine not in self._down:
+                by_engine.setdefault(engine, []).append(rid)
+        for engine, rids in by_engine.items():
+            await self.clients[engine].abort_requests(rids)
+
+    async def call_utility(self, method: str, *args: Any, timeout_s: float = 10.0) -> Any:
+        """Every engine in service runs it (a ping, a prefix-cache reset, sleep); the first one's answer is
+        returned, or for the calls of _MERGED_ANSWERS all of theirs merged, in engine order."""
+        if (why := self.dead) is not None:
+            raise EngineDeadError(why)
+        up = [c for i, c in enumerate(self.clients) if i not in self._down]
+        if not up:
+            raise EngineDeadError("no engine serves right now: " + "; ".join(
+                f"{e['engine']}: {e['state']}" for e in self.engine_states()))
+        results = await asyncio.gather(*(c.call_utility(method, *args, timeout_s=timeout_s) for c in up))
+        if method == "add_lora":
+            self._loras[args[1]] = args
+        elif method == "remove_lora":       # by id or by name, as the core takes it
+            self._loras = {i: a for i, a in self._loras.items() if args[0] not in (i, a[0])}
+        merge = _MERGED_ANSWERS.get(method)
+        return results[0] if merge is None else merge(results)
+
+    async def get_output(self) -> EngineCoreOutputs:
+        if self._merged is None:
+            self._merged = asyncio.Queue()
+            self._tasks = [asyncio.get_running_loop().create_task(self._pump(i)) for i in range(len(self.clients))]
+        item = await self._merged.get()
+        if isinstance(item, BaseException):
+            self._merged.put_nowait(item)      # every later caller sees it too
+            raise item
+        for out in item.outputs:
+            if out.finish_reason is not None:
+                self._forget(out.request_id)
+        return item
+
+    async def _pump(self, index: int) -> None:
+        assert self._merged is not None
+        client = self.clients[index]
+        try:
+            while True:
+                outputs = await client.get_output()
+                if outputs.engine_dead is not None:       # its last words: end as a death of this engine
+                    raise EngineDeadError(outputs.engine_dead)
+                outputs.engine_index = index
+                self._merged.put_nowait(outputs)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._engine_died(index, str(exc))
+
+    def _engine_died(self, index: int, why: str) -> None:
+        assert self._merged is not None
+        logger.error("data-parallel engine %d died: %s", index, why)
+        self._down[index] = why
+        self.router.set_available(index, False)
+        lost = [rid for rid, engine in self._engine_of.items() if engine == index]
+        for rid in lost:
+            self._forget(rid)
+        error = f"data-parallel engine {index} died: {why}"
+        self._merged.put_nowait(EngineCoreOutputs(engine_index=index, outputs=[
+            EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error", error=error,
+                             error_kind=ENGINE_DIED) for rid in lost]))
+        self.clients[index].close()
+        if self._may_restart(index):
+            self._restarting.add(index)
+            self._tasks.append(asyncio.get_running_loop().create_task(self._restart_engine(index)))
+        elif self.dead is not None:
+            self._merged.put_nowait(EngineDeadError(self.dead))
+
+    def _may_restart(self, index: int) -> bool:
+        if index not in self._restart:
+            return False
+        now = time.monotonic()
+        recent = [t for t in self._restarts.get(index, []) if now - t < RESTART_WINDOW_S]
+        self._restarts[index] = recent + [now]
+        if len(recent) >= MAX_RESTARTS:
+            logger.error("data-parallel engine %d died %d times in %.0f s: left down", index, len(recent) + 1,
+                         RESTART_WINDOW_S)
+            return False
+        return True
+
+    async def _restart_engine(self, index: int) -> None:
+        assert self._merged is not None
+        old = self.clients[index]
+        # Back-off: 0.5 s before the first restart, doubling with each recent one.
+        await asyncio.sleep(0.5 * 2 ** (len(self._restarts.get(index, [])) - 1))
+        try:
+            proc = await asyncio.to_thread(self._restart[index])
+            client = AsyncMPClient(proc.addresses, proc.token, proc, heartbeat_timeout_s=old.heartbeat_timeout_s)
+            # Outputs for a peer the core's output socket has not seen yet would be lost: be seen first.
+            await client.call_utility("ping", timeout_s=30.0)
+            await self._replay_loras(client)
+        except BaseException as exc:
+            self._restarting.discard(index)
+            self._down[index] = f"restart failed: {exc}"
+            if self.dead is not None:
+                self._merged.put_nowait(EngineDeadError(self.dead))
+            return
+        if self._closed:
+            client.close()
+            return
+        self.clients[index] = client
+        self._down.pop(index, None)
+        self._restarting.discard(index)
+        self.router.set_available(index, True)
+        logger.info("data-parallel engine %d restarted and serving", index)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._pump(index)))
+
+    async def _replay_loras(self, client: AsyncMPClient) -> None:
+        # Until none is missing: an adapter added to the serving engines meanwhile reaches this one too.
+        done: dict[int, tuple[Any, ...]] = {}
+        while todo := [(i, a) for i, a in self._loras.items() if done.get(i) != a]:
+            for int_id, args in todo:
+                await client.call_utility("add_lora", *args, timeout_s=LORA_LOAD_TIMEOUT_S)
+                done[int_id] = args
+
+    def _forget(self, request_id: str) -> None:
+        engine = self._engine_of.pop(request_id, None)
+        if engine is not None:
+            self.router.finished(engine)
+
+    def close(self) -> None:
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        for index, client in enumerate(self.clients):
+            if index not in self._down:
+                client.close()

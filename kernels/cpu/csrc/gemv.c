@@ -1,0 +1,157 @@
+/* Weight-only GEMV for a few input rows, straight from the packed weights, float32 in and out.
+
+At batch 1 torch's weight-only CPU kernels want bfloat16 activations, so every linear costs two casts
+around it, and each call is one more trip through the dispatcher. These read the same packed layouts
+(kernels/weights/weight_only.py) with float32 activations and float32 sums; the decode step of kernels/cpu/csrc/
+decode_step.c calls them with no Python in between. Each weight byte is read once for all the rows. */
+#include "gemv.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+#ifdef __AVX512F__
+/* Software prefetch ahead of the int4 codes (one stream per 64-channel block) and of the (scale, zero) rows
+   of a later group (a second, strided stream): on the 2-core EPYC VM the 360M model's layers went from 38.6
+   to 45.8 GiB/s with it (issue 25; docs/cpu_performance.md). */
+enum { PF4_BYTES = 4096, PF4_GROUPS = 2 };
+
+/* Codes to floats through a 16-entry table: vpermps reads only the low 4 bits of each lane, so a byte
+   widened to 32 bits indexes its low nibble as it is and its high nibble after one shift. Up to four input
+   rows share each widened code (R is a constant at each call: no work for rows that are not there; four
+   rows' sums are 16 of the 32 vector registers). */
+static inline __attribute__((always_inline)) void int4_rows_avx512(const GemvInt4 *w, const float *x, float *y,
+                                                                   int64_t nb, const int R) {
+    const int64_t k = w->k, n = w->n, group = w->group;
+    const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 tot[4][4];
+    for (int r = 0; r < R; ++r) for (int j = 0; j < 4; ++j) tot[r][j] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+        __m512 acc[4][4];
+        float sum[4] = {0};
+        for (int r = 0; r < R; ++r) for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+        const uint8_t *p = w->packed + (nb * k + g0) * 32;
+        if (g0 + PF4_GROUPS * group < k) ps_int4_prefetch_scales(w, g0 / group + PF4_GROUPS, nb);
+        for (int64_t kk = g0; kk < g0 + group; ++kk, p += 32) {
+            if (!(kk & 1)) _mm_prefetch((const char *)(p + PF4_BYTES), _MM_HINT_T0);
+            __m512i d0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+            __m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)));
+            __m512 q[4] = {_mm512_permutexvar_ps(d0, lut), _mm512_permutexvar_ps(d1, lut),
+                           _mm512_permutexvar_ps(_mm512_srli_epi32(d0, 4), lut),
+                           _mm512_permutexvar_ps(_mm512_srli_epi32(d1, 4), lut)};
+            for (int r = 0; r < R; ++r) {
+                const float xv = x[r * k + kk];
+                const __m512 xb = _mm512_set1_ps(xv);
+                sum[r] += xv;
+                for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(q[j], xb, acc[r][j]);
+            }
+        }
+        for (int j = 0; j < 4; ++j) {
+            __m512 scale, zero;
+            ps_int4_scale_zero16(w, g0 / group, nb * 64 + 16 * j, &scale, &zero);
+            for (int r = 0; r < R; ++r)
+                tot[r][j] = _mm512_fmadd_ps(acc[r][j], scale, _mm512_fmadd_ps(zero, _mm512_set1_ps(sum[r]), tot[r][j]));
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(y + r * n + nb * 64 + 16 * j, tot[r][j]);
+}
+
+static void int4_block_avx512(const GemvInt4 *w, const float *x, int64_t rows, float *y, int64_t nb) {
+    const int64_t k = w->k, n = w->n;
+    for (int64_t t = 0; t < rows; t += 4) {
+        const float *xt = x + t * k;
+        float *yt = y + t * n;
+        switch (rows - t < 4 ? rows - t : 4) {
+            case 1: int4_rows_avx512(w, xt, yt, nb, 1); break;
+            case 2: int4_rows_avx512(w, xt, yt, nb, 2); break;
+            case 3: int4_rows_avx512(w, xt, yt, nb, 3); break;
+            default: int4_rows_avx512(w, xt, yt, nb, 4); break;
+        }
+    }
+}
+#endif
+
+/* torch's CPU int4 pack: blocks of 64 output channels; in a block, input column kk's 64 codes are 32 bytes,
+   channel i in the low nibble of byte i and channel i + 32 in the high one. w = (q - 8) * scale + zero per
+   group of input columns, so y = sum_g scale * (sum_k q x) + (zero - 8 scale) * (sum_k x). */
+void ps_gemv_int4_blocks(const GemvInt4 *w, const float *x, int64_t rows, float *y, int64_t nb0, int64_t nb1) {
+#ifdef __AVX512F__
+    for (int64_t nb = nb0; nb < nb1; ++nb) int4_block_avx512(w, x, rows, y, nb);
+#else
+    const int64_t k = w->k, n = w->n, group = w->group;
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+        float total[GEMV_MAX_ROWS][64] = {{0}};
+        for (int64_t g0 = 0; g0 < k; g0 += group) {
+            float acc[GEMV_MAX_ROWS][64] = {{0}}, xsum[GEMV_MAX_ROWS] = {0};
+            const uint8_t *p = w->packed + (nb * k + g0) * 32;
+            for (int64_t kk = g0; kk < g0 + group; ++kk, p += 32) {
+                for (int64_t t = 0; t < rows; ++t) {
+                    const float xv = x[t * k + kk];
+                    xsum[t] += xv;
+                    for (int i = 0; i < 32; ++i) {
+                        acc[t][i] += (float)(p[i] & 15) * xv;
+                        acc[t][i + 32] += (float)(p[i] >> 4) * xv;
+                    }
+                }
+            }
+            for (int i = 0; i < 64; ++i) {
+                float scale, zero;
+                ps_int4_scale_zero(w, g0 / group, nb * 64 + i, &scale, &zero);
+                for (int64_t t = 0; t < rows; ++t) total[t][i] += acc[t][i] * scale + zero * xsum[t];
+            }
+        }
+        for (int64_t t = 0; t < rows; ++t) memcpy(y + t * n + nb * 64, total[t], sizeof total[t]);
+    }
+#endif
+}
+
+typedef struct {
+    const GemvInt4 *i4;
+    const GemvInt8 *i8;
+    const float *x;
+    float *y;
+    int64_t rows, a, b;
+} GemvJob;
+
+static void *gemv_job(void *arg) {
+    const GemvJob *j = (const GemvJob *)arg;
+    if (j->i4) ps_gemv_int4_blocks(j->i4, j->x, j->rows, j->y, j->a, j->b);
+    else ps_gemv_int8_rows(j->i8, j->x, j->rows, j->y, j->a, j->b);
+    return NULL;
+}
+
+static void gemv_range(void *job, int64_t a, int64_t b) { ((GemvJob *)job)->a = a; ((GemvJob *)job)->b = b; }
+
+/* int4 takes up to GEMV_MAX_ROWS rows (its sums live in registers); int8 any number, four rows at a time over
+   each block's codes: weight_only.INT8_DENSE_MIN_ROWS says up to where that beats widening for oneDNN. */
+static int run_gemv(const GemvInt4 *i4, const GemvInt8 *i8, const float *x, int64_t rows, float *y, int64_t units,
+                    int threads) {
+    if (rows < 1 || (i4 && rows > GEMV_MAX_ROWS)) return 2;
+    GemvJob jobs[MAX_THREADS];
+    for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (GemvJob){i4, i8, x, y, rows, 0, 0};
+    return ps_run_split(threads, units, jobs, sizeof(GemvJob), gemv_job, gemv_range);
+}
+
+/* y [rows, n] = x [rows, k] @ w^T; 0 on success, 2 for shapes these kernels do not take. */
+int ps_gemv_int4(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t n, int64_t k, int64_t group,
+                 const float *x, int64_t rows, float *y, int threads) {
+    if (n % 64 || group <= 0 || k % group || !ps_int4_sz_takes(sz_form, k, group)) return 2;
+    GemvInt4 w = {packed, sz, n, k, group, sz_form};
+    return run_gemv(&w, NULL, x, rows, y, n / 64, threads);
+}
+
+int ps_gemv_int8(const int8_t *q, const uint16_t *scale, int64_t chunks, int64_t n, int64_t chunk, const float *x,
+                 int64_t rows, float *y, int threads) {
+    GemvInt8 w = {q, scale, chunks, n, chunk};
+    return run_gemv(NULL, &w, x, rows, y, n, threads);
+}
+
+/* 1 where the GEMVs above were built with their AVX-512 paths (the portable loops are slower than torch's
+   own kernels, so callers only choose these where this says 1). */
+int ps_gemv_vectorized(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)   /* gemv_int8.c's INT8_I16 too */
+    return 1;
+#else
+    return 0;
+#endif
+}
