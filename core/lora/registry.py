@@ -33,26 +33,26 @@ class LoRARegistry:
 
     def add(self, name: str, int_id: int, path: str) -> dict[str, Any]:
         """Check and load an adapter (a reload when the id is known with other files); ValueError naming why
-        it cannot be served."""
+        it cannot be served.
+
+        The id is the adapter's identity, as in vLLM; the name is a label that several ids may carry (an RL loop
+        loads each new version of an adapter under its name with a new id). Each id keeps its own weights, and
+        its digest keeps its KV apart in the prefix cache."""
         if isinstance(int_id, bool) or not isinstance(int_id, int) or int_id < 1:
             raise ValueError(f"lora_int_id must be an integer >= 1, got {int_id!r}")
-        holder = next((i for i, info in self.infos.items() if info.name == name and i != int_id), None)
-        if holder is not None:
-            raise ValueError(f"LoRA adapter name {name!r} is already used by id {holder}; remove it first")
         folder = local_or_hub_path(path, None, self.download_dir, ADAPTER_FILES, what=f"LoRA adapter {name!r}")[0]
         info = inspect_adapter(name, int_id, folder, self.hf_config, self.config.max_lora_rank)
         known = self.infos.get(int_id)
-        if known is not None and known.digest == info.digest and int_id in self.loaded:
-            self.infos[int_id] = info
-            return self._describe(info)
-        if self.refs[int_id]:
-            raise ValueError(f"LoRA adapter id {int_id} is in use by running requests; it cannot be replaced now")
-        self._load(info)
-        self.infos[int_id] = info
+        if known is None or known.digest != info.digest or int_id not in self.loaded:
+            if self.refs[int_id]:
+                raise ValueError(f"LoRA adapter id {int_id} is in use by running requests; it cannot be replaced now")
+            self._load(info)
+        self._register(info)
         return self._describe(info)
 
     def remove(self, name_or_id: str | int) -> bool:
-        """Unregister an adapter (by name or id): new requests are refused; it unloads once unused."""
+        """Unregister an adapter (by id, or by name: the newest id under it): new requests are refused; it
+        unloads once unused."""
         int_id = self._find(name_or_id)
         if int_id is None:
             return False
@@ -84,14 +84,22 @@ class LoRARegistry:
 
     def running_adapters(self, running_ids: set[int]) -> dict[str, list[str]]:
         """vllm:lora_requests_info's labels: the names of adapters with running and with waiting requests."""
-        running = sorted(self.infos[i].name for i in running_ids if i in self.infos)
-        waiting = sorted(info.name for i, info in self.infos.items() if self.refs[i] and i not in running_ids)
+        # A set: ids sharing a name (an adapter's versions) are one label, as vLLM counts adapters by name.
+        running = sorted({self.infos[i].name for i in running_ids if i in self.infos})
+        waiting = sorted({info.name for i, info in self.infos.items() if self.refs[i] and i not in running_ids})
         return {"running": running, "waiting": waiting}
 
+    def _register(self, info: AdapterInfo) -> None:
+        # Re-inserted so that `infos` stays in the order adapters were last added: a name shared by several
+        # ids then means the newest of them (_find).
+        self.infos.pop(info.int_id, None)
+        self.infos[info.int_id] = info
+
     def _find(self, name_or_id: str | int) -> int | None:
+        """An id as given, or the newest id added under a name (None: neither is registered)."""
         if isinstance(name_or_id, int) and name_or_id in self.infos:
             return name_or_id
-        return next((i for i, info in self.infos.items() if info.name == name_or_id), None)
+        return next((i for i, info in reversed(self.infos.items()) if info.name == name_or_id), None)
 
     def _load(self, info: AdapterInfo) -> None:
         while len(self.loaded) >= self.config.max_cpu_loras:

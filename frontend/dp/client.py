@@ -110,10 +110,11 @@ class DataParallelClient:
             raise EngineDeadError("no engine serves right now: " + "; ".join(
                 f"{e['engine']}: {e['state']}" for e in self.engine_states()))
         results = await asyncio.gather(*(c.call_utility(method, *args, timeout_s=timeout_s) for c in up))
-        if method == "add_lora":
+        if method == "add_lora":            # kept in the order added, as the core keeps them (a replay keeps it)
+            self._loras.pop(args[1], None)
             self._loras[args[1]] = args
-        elif method == "remove_lora":       # by id or by name, as the core takes it
-            self._loras = {i: a for i, a in self._loras.items() if args[0] not in (i, a[0])}
+        elif method == "remove_lora":
+            self._forget_lora(args[0])
         merge = _MERGED_ANSWERS.get(method)
         return results[0] if merge is None else merge(results)
 
@@ -210,6 +211,12 @@ class DataParallelClient:
             for int_id, args in todo:
                 await client.call_utility("add_lora", *args, timeout_s=LORA_LOAD_TIMEOUT_S)
                 done[int_id] = args
+
+    def _forget_lora(self, name_or_id: Any) -> None:
+        # As the core resolves it (LoRARegistry._find): an id, or the newest id added under a name.
+        found = name_or_id if name_or_id in self._loras else next(
+            (i for i, args in reversed(self._loras.items()) if args[0] == name_or_id), None)
+        self._loras.pop(found, None)
 
     def _forget(self, request_id: str) -> None:
         engine = self._engine_of.pop(request_id, None)

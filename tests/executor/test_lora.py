@@ -1,8 +1,8 @@
 """Multi-LoRA against HF transformers + PEFT: each adapter token for token equal to PEFT's greedy output (ranks 4
 to 64, attention-only and all-linear, alpha != r, rsLoRA), mixed with the base and each other in one batch,
-kept apart in the prefix cache (a same-name reload answers as the new adapter), at most max_loras per batch,
-over tensor-parallel ranks, and over the embedded int4 GGUF; adapters we would not apply exactly are refused
-with the reason, and the engine keeps serving."""
+kept apart in the prefix cache (a same-name reload answers as the new adapter, under its id or a new one), at
+most max_loras per batch, over tensor-parallel ranks, and over the embedded int4 GGUF; adapters we would not
+apply exactly are refused with the reason, and the engine keeps serving."""
 from __future__ import annotations
 
 import json
@@ -97,6 +97,42 @@ def test_prefix_cache_never_crosses_adapters(base, adapters, want, tmp_path):
         out = llm.generate(prompt, _params(), use_tqdm=False, lora_request=LoRARequest("A", 1, other))[0]
         assert out.outputs[0].token_ids == other_want != ref["r4-attn"]
         assert out.num_cached_tokens == 0
+
+
+def test_a_new_version_under_the_same_name_gets_a_new_id(base, adapters, tmp_path):
+    """An RL loop's adapter versions: "sql" id 1, then "sql" id 4 from another folder (vLLM takes it: the id is
+    the adapter, the name a label). Id 4 answers as PEFT with the new weights, never from id 1's cached blocks
+    of the same prompt; id 1 keeps serving its own, and both share one batch. A removal by name takes the
+    newest id."""
+    prompt = random_prompts(13, [70], 512)
+    new_path = make_lora(str(tmp_path / "sql-v2"), base, r=4, alpha=8, targets=ATTENTION, seed=77)
+    old_want = peft_greedy(base, adapters["r4-attn"], prompt, MAX_NEW)[0]
+    new_want = peft_greedy(base, new_path, prompt, MAX_NEW)[0]
+    assert new_want != old_want
+    old, new = LoRARequest("sql", 1, adapters["r4-attn"]), LoRARequest("sql", 4, new_path)
+
+    def run(lora: LoRARequest) -> tuple[list[int], int]:
+        out = llm.generate(prompt, _params(), use_tqdm=False, lora_request=lora)[0]
+        return out.outputs[0].token_ids, out.num_cached_tokens
+
+    with LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+             enable_prefix_caching=True) as llm:
+        assert run(old)[0] == old_want
+        tokens, cached = run(old)
+        assert tokens == old_want and cached >= 64              # the prompt's blocks are cached under id 1
+        assert run(new) == (new_want, 0)                        # none of them is id 4's
+        tokens, cached = run(new)
+        assert tokens == new_want and cached >= 64              # its own blocks, from its first run
+        tokens, cached = run(old)
+        assert tokens == old_want and cached >= 64              # id 1 still serves, its blocks still its own
+        both = llm.generate([prompt[0], prompt[0]], _params(), use_tqdm=False, lora_request=[old, new])
+        assert [o.outputs[0].token_ids for o in both] == [old_want, new_want]
+        listed = {entry["int_id"]: entry for entry in llm.list_loras()}
+        assert sorted(listed) == [1, 4] and {e["name"] for e in listed.values()} == {"sql"}
+        assert listed[1]["digest"] != listed[4]["digest"]
+        assert llm.client.call_utility("remove_lora", "sql")    # by name: the newest id, 4
+        assert [entry["int_id"] for entry in llm.list_loras()] == [1]
+        assert run(old)[0] == old_want
 
 
 def test_bad_adapters_are_refused_with_the_reason(base, tmp_path):
