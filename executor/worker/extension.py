@@ -28,7 +28,8 @@ def extend(worker_cls: type, qualname: str | None) -> type:
     if qualname is None:
         return worker_cls
     ext = load_extension(qualname)
-    clash = sorted(n for n in public_methods(ext) if hasattr(worker_cls, n))
+    taken = set(dir(worker_cls)) | set(getattr(worker_cls, "RL_METHODS", ()))
+    clash = sorted(n for n in public_methods(ext) if n in taken)
     if clash:
         raise ValueError(f"worker_extension_cls {qualname!r} redefines worker methods: {', '.join(clash)}")
     return type(f"{worker_cls.__name__}With{ext.__name__}", (worker_cls, ext), {"EXTENSION_METHODS":

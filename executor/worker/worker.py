@@ -12,7 +12,7 @@ from pagedserve.common.config.engine_args import EngineConfig
 from pagedserve.executor.worker.extension import checked_result, extend
 from pagedserve.executor.worker.model_runner import ModelRunner
 from pagedserve.executor.worker.step_output import PendingStep
-from pagedserve.executor.worker.rl.weight_updates import WeightUpdateMethods
+from pagedserve.executor.worker.rl.weight_updates import WorkerRL
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 from pagedserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
 from pagedserve.kernels.attention.kv_quant import check_fp8_kv_device, kv_cache_torch_dtype
@@ -22,11 +22,12 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class Worker(WeightUpdateMethods):
+class Worker:
     # What an executor may call by name, from a message (WorkerCall) or in process; nothing else is reachable
-    # (besides RL_METHODS, executor/worker/rl/weight_updates.py, and a worker_extension_cls's methods).
+    # (besides RL_METHODS, answered by the worker's WorkerRL, and a worker_extension_cls's methods).
     REMOTE_METHODS: ClassVar[frozenset[str]] = frozenset({"determine_num_blocks", "initialize_cache", "ping",
                                                                "add_lora", "remove_lora"})
+    RL_METHODS: ClassVar[frozenset[str]] = WorkerRL.METHODS
     EXTENSION_METHODS: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
@@ -40,6 +41,7 @@ class Worker(WeightUpdateMethods):
         self.dtype = _DTYPES[config.model.dtype]
         self.kv_dtype = kv_cache_torch_dtype(config.cache.cache_dtype, self.dtype)
         self.runner: ModelRunner | None = None
+        self.rl = WorkerRL(self)
 
     def init_device(self) -> None:
         if self.device.type == "cuda":
@@ -98,7 +100,8 @@ class Worker(WeightUpdateMethods):
         extension's); ValueError for any other name, or for a result that is not JSON-able data."""
         if (why := self.remote_refusal(method)) is not None:
             raise ValueError(why)
-        return checked_result(method, getattr(self, method)(*args, **(kwargs or {})))
+        target = self.rl if method in self.RL_METHODS else self
+        return checked_result(method, getattr(target, method)(*args, **(kwargs or {})))
 
     def ping(self) -> str:
         return "pong"

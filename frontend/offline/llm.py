@@ -18,7 +18,7 @@ from pagedserve.common.params.sampling_params import RequestOutputKind, Sampling
 from pagedserve.frontend.beam_search.search import (BeamSearch, BeamSearchOutput, StepLogprobs, run_beam_search,
                                              step_logprobs, step_sampling_params)
 from pagedserve.frontend.client.input_processor import InputProcessor, PreparedRequest, ProcessedPrompt, PromptType
-from pagedserve.frontend.rl.offline import RLMethods
+from pagedserve.frontend.rl.offline import RLClient
 from pagedserve.frontend.client.output_processor import OutputProcessor
 from pagedserve.frontend.client.outputs import RequestOutput
 from pagedserve.frontend.client.processors import Processors
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class LLM(RLMethods):
+class LLM:
     """Offline engine. `multiprocess_core=True` runs the engine core in its own process (as the
     server does); otherwise it runs here. tensor_parallel_size > 1 always uses worker processes."""
 
@@ -55,6 +55,7 @@ class LLM(RLMethods):
             self.client = InprocClient(self.engine_args)
             self.info = self.client.info
         self.processors = Processors.from_info(self.info)
+        self.rl = RLClient(self.client, self.engine_args.requests_while_sleeping)
         self._ids = itertools.count()
         self._loras: dict[int, LoRARequest] = {}      # adapters this LLM registered with the core, by id
 
@@ -136,7 +137,7 @@ class LLM(RLMethods):
 
     def _run(self, prompts: list[ProcessedPrompt], sampling_params: Any, use_tqdm: bool,
              priority: Sequence[int] | None, lora_request: Any = None) -> list[RequestOutput]:
-        self._refuse_waiting_asleep()
+        self.rl.refuse_waiting_asleep()
         params = per_prompt(sampling_params, len(prompts), "sampling_params", self.get_default_sampling_params())
         priorities = per_prompt(list(priority) if priority is not None else None, len(prompts), "priority", 0)
         loras = per_prompt(list(lora_request) if isinstance(lora_request, (list, tuple)) else lora_request,
@@ -253,6 +254,27 @@ class LLM(RLMethods):
         finally:
             bar.close()
         return [results[rid] for rid in order]
+
+    # ------------------------------------------------ RL rollouts (vLLM's calls), answered by self.rl
+
+    def collective_rpc(self, method: str, timeout: float | None = None, args: Sequence[Any] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return self.rl.collective_rpc(method, timeout, args, kwargs)
+
+    def reload_weights(self, weights_path: str | None = None) -> None:
+        self.rl.reload_weights(weights_path)
+
+    def sleep(self, level: int = 1, abort_requests: bool = False) -> None:
+        self.rl.sleep(level, abort_requests)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.rl.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.rl.is_sleeping()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.rl.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stop the engine core and its workers; idempotent. Without it they stop at interpreter exit."""

@@ -1,6 +1,7 @@
 """LLM's calls for RL rollouts (vLLM's spellings): collective_rpc, reload_weights, sleep, wake_up, is_sleeping,
-reset_prefix_cache. Each is one utility call to the engine core (core/rl/control.py); arguments and results
-are JSON-able data, tensors never travel through them (docs/rl_weight_updates.md)."""
+reset_prefix_cache. An LLM holds one RLClient as `llm.rl` and its methods of those names call it. Each is one
+utility call to the engine core (core/rl/control.py); arguments and results are JSON-able data, tensors never
+travel through them (docs/rl_weight_updates.md)."""
 from __future__ import annotations
 
 import math
@@ -8,9 +9,10 @@ from collections.abc import Sequence
 from typing import Any
 
 
-class RLMethods:
-    client: Any
-    engine_args: Any
+class RLClient:
+    def __init__(self, client: Any, requests_while_sleeping: str) -> None:
+        self.client = client
+        self.requests_while_sleeping = requests_while_sleeping
 
     def _rl_call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         # A weight update can wait on a trainer for long: no deadline unless the caller gives one.
@@ -45,8 +47,8 @@ class RLMethods:
     def reset_prefix_cache(self) -> bool:
         return bool(self._rl_call("reset_prefix_cache"))
 
-    def _refuse_waiting_asleep(self) -> None:
+    def refuse_waiting_asleep(self) -> None:
         """With requests_while_sleeping="wait" the engine would queue this LLM's requests until a wake_up that
         nothing else can send while generate() waits: refuse at once instead."""
-        if self.engine_args.requests_while_sleeping == "wait" and self.is_sleeping():
+        if self.requests_while_sleeping == "wait" and self.is_sleeping():
             raise ValueError("the engine is sleeping: call wake_up() before generate()")

@@ -1,13 +1,14 @@
-"""The worker's side of RL weight syncing and sleep mode, mixed into Worker (executor/worker/worker.py).
+"""The worker's side of RL weight syncing and sleep mode: WorkerRL, which a Worker holds as `worker.rl`
+(executor/worker/worker.py), as the engine core holds its RLControl.
 
-Every method here is reachable through collective_rpc (the names in RL_METHODS); arguments and results are
-JSON-able data, tensors come from disk or over the weight sync group, never through the call.
+Every method of WorkerRL.METHODS is reachable through collective_rpc; arguments and results are JSON-able
+data, tensors come from disk or over the weight sync group, never through the call.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -43,18 +44,31 @@ def receive_buffer(dtype: str, shape: list[int], device: torch.device) -> torch.
     return torch.empty(dims, dtype=torch_dtype(dtype), device=device)
 
 
-class WeightUpdateMethods:
-    """Needs from its Worker: rank, config, tp, pp, device, runner."""
-    RL_METHODS: ClassVar[frozenset[str]] = frozenset({
+class _WorkerParts(Protocol):
+    """What WorkerRL reads of its worker, at each call: the runner exists only once the model is loaded."""
+    rank: int
+    config: Any
+    tp: Any
+    pp: Any
+    device: torch.device
+    runner: Any
+
+
+class WorkerRL:
+    METHODS: ClassVar[frozenset[str]] = frozenset({
         "reload_weights", "init_weight_update_group", "update_weights_from_distributed", "update_weight",
         "destroy_weight_update_group", "sleep", "wake_up"})
-    _updater: WeightUpdater | None = None
-    _sync_group: WeightSyncGroup | None = None
-    _sleep: SleepState | None = None
+
+    def __init__(self, worker: _WorkerParts) -> None:
+        self.worker = worker
+        self._updater: WeightUpdater | None = None
+        self._sync_group: WeightSyncGroup | None = None
+        self._sleep: SleepState | None = None
 
     def weight_updater(self) -> WeightUpdater:
         if self._updater is None:
-            self._updater = WeightUpdater(self.runner.model, self.config.model, self.tp, self.pp)
+            w = self.worker
+            self._updater = WeightUpdater(w.runner.model, w.config.model, w.tp, w.pp)
         return self._updater
 
     def update_weights(self, weights: list[tuple[str, Any]]) -> int:
@@ -78,7 +92,7 @@ class WeightUpdateMethods:
     def _rebind_weights(self) -> None:
         # A quantized weight that changed form got new tensors: what holds the old addresses is built again.
         if self._updater is not None and self._updater.take_relinked():
-            self.runner.rebind_weights()
+            self.worker.runner.rebind_weights()
 
     def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                  world_size: int) -> int:
@@ -86,8 +100,9 @@ class WeightUpdateMethods:
         if self._sync_group is not None:
             raise ValueError("init_weight_update_group: this worker is in a weight update group already "
                              "(destroy_weight_update_group first)")
-        rank = int(rank_offset) + self.rank
-        self._sync_group = WeightSyncGroup(master_address, int(master_port), rank, int(world_size), self.device)
+        rank = int(rank_offset) + self.worker.rank
+        self._sync_group = WeightSyncGroup(master_address, int(master_port), rank, int(world_size),
+                                           self.worker.device)
         return rank
 
     def destroy_weight_update_group(self) -> None:
@@ -108,13 +123,13 @@ class WeightUpdateMethods:
         start = time.perf_counter()
         received = []
         for name, dtype, shape in zip(names, dtypes, shapes):
-            buffer = group.broadcast(receive_buffer(dtype, shape, self.device), src=0)
+            buffer = group.broadcast(receive_buffer(dtype, shape, self.worker.device), src=0)
             if str(dtype) in GGUF_QUANT_TYPES:
                 buffer = GGUFBlocks(str(dtype), tuple(int(d) for d in shape), buffer)
             received.append((str(name), buffer))
         got = time.perf_counter()
         applied = self.update_weights(received)
-        logger.info("rank %d: received %d tensors (%.1f MiB) in %.3f s, applied in %.3f s", self.rank, applied,
+        logger.info("rank %d: received %d tensors (%.1f MiB) in %.3f s, applied in %.3f s", self.worker.rank, applied,
                     sum(nbytes(t) for _, t in received) / 2**20, got - start, time.perf_counter() - got)
         return applied
 
@@ -125,10 +140,10 @@ class WeightUpdateMethods:
     # ---------------------------------------------------------------- sleep mode
 
     def sleep(self, level: int = 1) -> dict[str, Any]:
-        if not self.config.rl.enable_sleep_mode:
+        if not self.worker.config.rl.enable_sleep_mode:
             raise ValueError("sleep: the engine was started without enable_sleep_mode")
         if self._sleep is None:
-            self._sleep = SleepState(self.runner, self.device)
+            self._sleep = SleepState(self.worker.runner, self.worker.device)
         return self._sleep.sleep(int(level))
 
     def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
