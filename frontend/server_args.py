@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pagedserve.common.config.arg_utils import setting
+from pagedserve.common.config.arg_utils import check_choices, setting
 from pagedserve.frontend.dp.router import ROUTING_POLICIES
 from pagedserve.frontend.openai.tool_parsers import TOOL_PARSERS
 
@@ -109,6 +109,7 @@ class ServerArgs:
         """ValueError, naming the flag, for values the server cannot start with."""
         from pagedserve.frontend.lora.serving import parse_lora_modules
         parse_lora_modules(self.lora_modules)
+        check_choices(self, as_flags=True)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.engine_address and self.engine_address.startswith("tcp://") and not self.engine_token:
@@ -140,13 +141,5 @@ class ServerArgs:
                              ("--allowed-headers", self.allowed_headers)):
             if not isinstance(values, tuple) or not all(isinstance(v, str) for v in values):
                 raise ValueError(f"{flag} must be a list of strings, got {values!r}")
-        if self.uvicorn_log_level is not None and self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
-            raise ValueError(f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
-                             f"got {self.uvicorn_log_level!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
-            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, "
-                             f"got {self.tool_call_parser!r}")
-        if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")

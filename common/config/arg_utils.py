@@ -88,6 +88,20 @@ def dataclass_parser(groups: Mapping[str, type], **parser_kwargs: Any) -> argpar
     return parser
 
 
+def check_choices(obj: Any, *, as_flags: bool = False) -> None:
+    """ValueError for a field whose value is not one of its setting's choices (None passes: unset). The
+    choices are the ones the flag offers, so the Python API and the command line refuse the same values."""
+    for f in dataclasses.fields(obj):
+        allowed = f.metadata.get("choices")
+        if allowed is None:
+            continue
+        value = getattr(obj, f.name)
+        for v in value if isinstance(value, tuple) else (value,):
+            if v is not None and v not in allowed:
+                name = f"--{f.name.replace('_', '-')}" if as_flags else f.name
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {v!r}")
+
+
 def dataclass_from(ns: argparse.Namespace, cls: type[T], **overrides: Any) -> T:
     """The `cls` the parsed flags describe (ValueError from its own validation passes through)."""
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)}

@@ -7,9 +7,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.common.config.arg_utils import setting
+from pagedserve.common.config.arg_utils import check_choices, setting
 from pagedserve.common.config.rules import (check_lora_engine, check_parallel, check_pipeline, check_positive,
-                                            check_timeout, one_of, resolve_device, resolve_max_model_len, weight_only)
+                                            check_timeout, resolve_device, resolve_max_model_len, weight_only)
 from pagedserve.common.config.dtype import DTYPE_CHOICES, checkpoint_dtype, resolve_dtype, resolve_kv_cache_dtype
 from pagedserve.common.model.generation_config import AUTO, check_setting, load_generation_defaults
 from pagedserve.common.model.hub import TOKENIZER_FILES, local_or_hub_path, looks_like_hub_id
@@ -352,18 +352,8 @@ class EngineArgs:
             check_timeout("worker_heartbeat_timeout", self.worker_heartbeat_timeout, 0)
         check_timeout("structured_outputs_compile_timeout", self.structured_outputs_compile_timeout, 0)
         check_timeout("engine_heartbeat_timeout", self.engine_heartbeat_timeout, 2 * CORE_HEARTBEAT_INTERVAL_S)
-        one_of("dtype", self.dtype, DTYPES)
-        one_of("device", self.device, DEVICES)
-        one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        one_of("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
-        one_of("requests_while_sleeping", self.requests_while_sleeping, REQUESTS_WHILE_SLEEPING)
-        if self.distributed_executor_backend is not None:
-            one_of("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
-        if self.reasoning_parser is not None:
-            one_of("reasoning_parser", self.reasoning_parser, tuple(REASONING_PARSERS))
+        check_choices(self)
         parse_speculative_config(self.speculative_config, self.tensor_parallel_size)
-        one_of("runner", self.runner, RUNNERS)
-        one_of("convert", self.convert, CONVERTS)
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -12,11 +12,6 @@ def weight_only(quantization: QuantSpec | None) -> bool:
     return quantization is not None and quantization.method in WEIGHT_ONLY_METHODS
 
 
-def one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-
-
 def check_timeout(name: str, value: float, minimum: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum < value < float("inf"):
         raise ValueError(f"{name} must be a number of seconds above {minimum:g}, got {value!r}")

@@ -10,6 +10,8 @@ from pagedserve.common.errors import RequestError
 from pagedserve.common.params.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
+# The most top logprobs a token may ask for (vLLM's default max_logprobs), in every API that takes them.
+MAX_LOGPROBS = 20
 _INT64_MIN, _INT64_MAX, _UINT64_MAX = -(1 << 63), (1 << 63) - 1, (1 << 64) - 1
 
 
@@ -92,10 +94,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                f"must be >= 0, got {self.min_tokens!r}")
         check_field(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        check_field(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
-               f"must be an integer in [0, 20], got {self.logprobs!r}")
-        check_field(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
-               "prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        check_logprobs("logprobs", self.logprobs)
+        check_logprobs("prompt_logprobs", self.prompt_logprobs)
         # Integers cross process boundaries as msgpack 64-bit ints, and seed a torch.Generator.
         check_field(self.seed is None or (is_int(self.seed) and _INT64_MIN <= self.seed <= _UINT64_MAX), "seed",
                f"must be a 64-bit integer, got {self.seed!r}")
@@ -147,6 +147,12 @@ def is_int(value: object) -> bool:
 
 def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def check_logprobs(field: str, value: object) -> None:
+    """None, or an integer in [0, MAX_LOGPROBS]; RequestError naming the field otherwise."""
+    check_field(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), field,
+                f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
 
 
 def check_field(ok: bool, field: str, message: str) -> None:

@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.common.errors import RequestError
-from pagedserve.common.params.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.common.params.sampling_params import RequestOutputKind, SamplingParams, check_logprobs
 from pagedserve.frontend.beam_search.protocol import BeamSearchFields
 from pagedserve.frontend.openai.protocol_extras import (ExtraChatFields, ExtraCompletionFields, ExtraRequestFields,
                                                  StrictModel, text_content)
@@ -79,8 +79,7 @@ class CompletionRequest(_SamplingFields, ExtraCompletionFields):
         return [self.prompt]
 
     def to_sampling_params(self, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise RequestError("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
+        check_logprobs("logprobs", self.logprobs)
         self.check_supported(self.n)
         if self.max_tokens == 0 and not self.echo:
             raise RequestError("max_tokens", "max_tokens must be at least 1 (0 is allowed only with echo=true: the "
@@ -109,8 +108,7 @@ class ChatCompletionRequest(ToolFields, _SamplingFields, ExtraChatFields):
         """max_tokens left unset stays None: the request may fill what its prompt (once truncated) leaves."""
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs", "top_logprobs requires logprobs to be true")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
-            raise RequestError("top_logprobs", f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        check_logprobs("top_logprobs", self.top_logprobs)
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise RequestError("max_tokens", f"max_tokens must be at least 1, got {max_tokens}")

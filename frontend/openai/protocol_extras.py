@@ -3,7 +3,7 @@
 Every field of the current chat and completions schemas is accepted by name, then:
 - honoured when it changes the output and is supported (logit_bias; vLLM's allowed_token_ids, bad_words,
   truncate_prompt_tokens, continue_final_message; reasoning_effort reaches the chat template);
-- a no-op when it only labels, bills or caches at OpenAI (METADATA_FIELDS), or is inert here (prediction only
+- a no-op when it only labels, bills or caches at OpenAI (PlatformFields, shared with the Responses API), or is inert here (prediction only
   speeds OpenAI up);
 - a 400 naming it when it cannot be honoured yet (audio output, ...).
 Tool calling's fields are frontend/openai/protocol_tools.py's.
@@ -19,9 +19,6 @@ from pydantic_core import PydanticCustomError
 
 from pagedserve.common.errors import RequestError
 
-# Accepted and ignored: they describe the request to OpenAI's platform, never the tokens it gets.
-METADATA_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
-                   "prompt_cache_retention", "prompt_cache_options")
 # OpenAI's schemas allow null for these, meaning the default; here they are plain-typed with that default.
 _NULL_IS_DEFAULT = ("n", "presence_penalty", "frequency_penalty", "stream", "echo", "logprobs")
 
@@ -46,16 +43,21 @@ class StrictModel(BaseModel):
         return data
 
 
-class ExtraRequestFields(StrictModel):
-    """Fields both completions and chat take beyond the sampling basics."""
+class PlatformFields(StrictModel):
+    """Accepted and ignored: they describe the request to OpenAI's platform, never the tokens it gets. One
+    list for completions, chat and Responses (which echoes them back)."""
     user: Optional[str] = None
-    store: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
     service_tier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
     prompt_cache_retention: Optional[str] = None
     prompt_cache_options: Optional[dict[str, Any]] = None
+
+
+class ExtraRequestFields(PlatformFields):
+    """Fields both completions and chat take beyond the sampling basics."""
+    store: Optional[bool] = None       # OpenAI's stored completions: nothing is stored here
     logit_bias: Optional[dict[str, float]] = None
     # vLLM's
     allowed_token_ids: Optional[list[int]] = None

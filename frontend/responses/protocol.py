@@ -14,8 +14,9 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, model_validator
 
 from pagedserve.common.errors import RequestError
+from pagedserve.common.params.sampling_params import MAX_LOGPROBS
 from pagedserve.frontend.openai.protocol import ChatCompletionRequest
-from pagedserve.frontend.openai.protocol_extras import StrictModel
+from pagedserve.frontend.openai.protocol_extras import PlatformFields
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # include values that ask for nothing this server makes: there is no encrypted reasoning to return.
@@ -31,7 +32,7 @@ _FIELD_NAMES = (("response_format", "text.format"), ("max_tokens", "max_output_t
 _NULL_IS_DEFAULT = ("store", "stream", "background", "priority")
 
 
-class ResponsesRequest(StrictModel):
+class ResponsesRequest(PlatformFields):
     model: Optional[str] = None
     input: Union[str, list[dict[str, Any]]]
     instructions: Optional[str] = None
@@ -44,7 +45,7 @@ class ResponsesRequest(StrictModel):
     max_output_tokens: Optional[int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
     # vLLM's extra sampling fields
@@ -60,14 +61,7 @@ class ResponsesRequest(StrictModel):
     text: Optional[dict[str, Any]] = None
     reasoning: Optional[dict[str, Any]] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
-    # labels and platform settings: accepted and echoed, they change no token
-    metadata: Optional[dict[str, str]] = None
-    user: Optional[str] = None
-    service_tier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    prompt_cache_retention: Optional[str] = None
-    prompt_cache_options: Optional[dict[str, Any]] = None
-    safety_identifier: Optional[str] = None
+    # labels and platform settings (user, metadata, ...): PlatformFields', accepted and echoed
     stream_options: Optional[dict[str, Any]] = None
     # refused: no server-side conversations, stored prompts or context compaction here
     conversation: Optional[Union[str, dict[str, Any]]] = None
