@@ -76,7 +76,9 @@ def load_model(model_config: ModelConfig, tp: TPGroup, pp: PPGroup = PPGroup(),
         weights = _base_model_names(weights, expected)
     progress = tqdm(weights, total=count or None, desc="Loading weights", unit="tensor",
                     disable=tp.rank != 0, leave=False)
-    loaded = model.load_weights(progress)
+    # Streamed, unchecked (load_weights would hold the whole checkpoint to check it first): a refused tensor
+    # fails the load, and a model that never loaded is discarded, never served half-loaded.
+    loaded = model.stream_weights(progress)
     missing = expected - loaded
     if pooling:
         missing = {n for n in missing if not n.startswith("lm_head.")}

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.executor.model.layers.encoder_attention import EncoderAttention
+from pagedserve.executor.model.layers.linear import copy_weight
+from pagedserve.executor.model.models.weight_loading import LoadableModel
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.kernels.attention.metadata import AttentionMetadata
 
@@ -70,7 +72,7 @@ class BertLayer(nn.Module):
         return self.output.LayerNorm(h + self.output.dense(self.act(self.intermediate.dense(h))))
 
 
-class BertModel(nn.Module):
+class BertModel(LoadableModel):
     """Final hidden states of every token, [T, hidden]: the runner's pooler reads them (CLS, mean)."""
     uses_token_type_ids = True
 
@@ -97,15 +99,16 @@ class BertModel(nn.Module):
     def attention_layers(self) -> list[nn.Module]:
         return []          # no paged attention: an encoder keeps no KV cache
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def stream_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Tensors the encoder has no parameter for are skipped, not refused: HF checkpoints carry heads it
+        never runs (cls.predictions.*, a BertModel's pooler, position_ids)."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
-            name = self._local_name(name)
-            if name in params:
-                with torch.no_grad():
-                    params[name].copy_(tensor.to(params[name].dtype))
-                loaded.add(name)
+            local = self._local_name(name)
+            if local in params:
+                copy_weight(params[local].data, tensor, f"checkpoint tensor {name!r}")   # no silent broadcast
+                loaded.add(local)
         return loaded
 
     def _local_name(self, name: str) -> str:

@@ -20,6 +20,7 @@ from pagedserve.executor.model.layers.embedding import ParallelLMHead, VocabPara
 from pagedserve.executor.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedserve.executor.model.layers.rotary import RotaryEmbedding, get_rope
 from pagedserve.executor.model.models.llama import LlamaForCausalLM
+from pagedserve.executor.model.models.weight_loading import LoadableModel
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 from pagedserve.kernels import ops
 from pagedserve.kernels.attention.metadata import AttentionMetadata
@@ -166,7 +167,7 @@ class GemmaModel(nn.Module):
         return self.norm(h)
 
 
-class _GemmaForCausalLM(nn.Module):
+class _GemmaForCausalLM(LoadableModel):
     qk_norm = False
 
     def __init__(self, hf_config: Any, tp: TPGroup) -> None:
@@ -205,7 +206,7 @@ class _GemmaForCausalLM(nn.Module):
     # Checkpoint names follow the Llama layout (q/k/v and gate/up merged here), so loading is Llama's; Gemma
     # runs in one pipeline stage (common/config_rules.PIPELINE_ARCHITECTURES).
     pp = PPGroup()
-    load_weights = LlamaForCausalLM.load_weights
+    stream_weights = LlamaForCausalLM.stream_weights
     expected_weights = LlamaForCausalLM.expected_weights
     _expected_parameters = LlamaForCausalLM._expected_parameters
 

@@ -16,6 +16,7 @@ from pagedserve.executor.model.layers.linear import (MergedColumnParallelLinear,
                                                copy_weight)
 from pagedserve.executor.model.layers.rotary import get_rope
 from pagedserve.executor.model.models.llama_cpu_step import LlamaCpuDecodeStep
+from pagedserve.executor.model.models.weight_loading import LoadableModel
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 from pagedserve.kernels import ops
 from pagedserve.kernels.cpu.decode_step import DecoderWeights, LayerWeights
@@ -169,7 +170,7 @@ class LlamaModel(nn.Module):
                               first.head_dim, eps, first.attn.scale)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(LoadableModel):
     """Also the base for Mistral, Qwen2 and Qwen3, which differ only in the flags below."""
     qk_norm = False
 
@@ -214,10 +215,10 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [self.model.layers[i].self_attn.attn for i in self.model.stage]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named checkpoint tensors into our (merged, sharded) parameters.
-
-        Returns the checkpoint names consumed, comparable with `expected_weights()`.
+    def stream_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named checkpoint tensors into our (merged, sharded) parameters, one by one (load_weights:
+        the whole batch checked first). Returns the checkpoint names consumed, comparable with
+        `expected_weights()`.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()

@@ -26,11 +26,12 @@ from pagedserve.executor.model.layers.linear import QKVParallelLinear, copy_weig
 from pagedserve.executor.model.layers.rotary import get_rope
 from pagedserve.executor.model.models.llama import (LlamaAttention, LlamaDecoderLayer, LlamaMLP, _head_dim,
                                                     _num_kv_heads, load_checkpoint_tensor)
+from pagedserve.executor.model.models.weight_loading import LoadableModel
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 
-class _EagleHead(nn.Module):
+class _EagleHead(LoadableModel):
     """What both heads share: an optional own embedding, weight loading by checkpoint name, sharing with
     the model drafted for."""
     # Checkpoint tensors a head ignores (EAGLE-3's target-to-draft mask: d2t alone maps the ids).
@@ -47,7 +48,7 @@ class _EagleHead(nn.Module):
         if self.embed_tokens is None:
             self.embed_tokens = target.model.embed_tokens
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def stream_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
         buffers = dict(self.named_buffers())
         loaded: set[str] = set()

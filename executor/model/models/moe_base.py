@@ -32,7 +32,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         return {self.to_checkpoint(f"{name}"): module for name, module in self.named_modules()
                 if isinstance(module, FusedMoE)}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def stream_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         experts = self._experts()
         loaded: set[str] = set()
 
@@ -51,7 +51,7 @@ class MoeForCausalLM(LlamaForCausalLM):
                     raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
                 loaded.update([name] if expert is not None else self._covered(moe, prefix, shard_id))
 
-        loaded |= {self.to_checkpoint(name) for name in super().load_weights(others())}
+        loaded |= {self.to_checkpoint(name) for name in super().stream_weights(others())}
         return loaded
 
     def _covered(self, moe: FusedMoE, prefix: str, shard_id: str) -> list[str]:

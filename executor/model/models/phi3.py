@@ -30,9 +30,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def attention_biases(cls, hf_config: Any) -> tuple[bool, bool]:
         return False, False
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def stream_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Split fused tensors, load them as Llama's parts; report the checkpoint's own (fused) names."""
-        loaded = super().load_weights(self._split_fused(weights))
+        loaded = super().stream_weights(self._split_fused(weights))
         return {_fused_name(name) for name in loaded}
 
     def expected_weights(self) -> set[str]:

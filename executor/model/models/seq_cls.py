@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.executor.model.layers.linear import copy_weight
 from pagedserve.executor.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 
@@ -23,18 +24,17 @@ class _ScoreHead:
         """pooled [R, hidden] (the last token's final-normed state) -> logits [R, num_labels]."""
         return self.score(pooled)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def stream_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         taken: set[str] = set()
 
         def others() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
                 if name == "score.weight":
-                    with torch.no_grad():
-                        self.score.weight.copy_(tensor.to(self.score.weight.dtype))
+                    copy_weight(self.score.weight.data, tensor, f"checkpoint tensor {name!r}")
                     taken.add(name)
                 else:
                     yield name, tensor
-        loaded = super().load_weights(others())
+        loaded = super().stream_weights(others())
         return loaded | taken
 
     def expected_weights(self) -> set[str]:

@@ -1,10 +1,10 @@
 """Replace a loaded model's weights in place, all or nothing: RL weight syncing and reloads from a path.
 
-Every update goes through the model's own `load_weights` (TP slicing, merged qkv / gate_up, the strict shape
-checks of layers/linear.py), twice: first into a twin of the model built on the meta device, which holds no
-memory and whose copies do nothing, so an unknown name or a wrong shape fails before a single weight of the
-serving model changes; then into the model itself, whose parameters keep their storage (CUDA graphs and the
-decode step read the same tensors afterwards).
+Every update goes through the model's own `stream_weights` (TP slicing, merged qkv / gate_up, the strict shape
+checks of layers/linear.py), twice: first into the model's twin on the meta device (LoadableModel.meta_twin,
+the one `model.load_weights` checks a batch on too), which holds no memory and whose copies do nothing, so an
+unknown name or a wrong shape fails before a single weight of the serving model changes; then into the model
+itself, whose parameters keep their storage (CUDA graphs and the decode step read the same tensors afterwards).
 
 A quantized model's update is named and stored as its checkpoint is (GGUF names and blocks, AWQ/GPTQ parts,
 float tensors for quantization at load) and goes through the loader's own mapping of that checkpoint
@@ -17,60 +17,17 @@ the old addresses (the C decode step, CUDA graphs).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
 
 from pagedserve.common.config.engine_args import ModelConfig
-from pagedserve.executor.model.layers.rotary import engine_max_model_len
-from pagedserve.executor.model.model_loader import (_DTYPES, _check_complete, _default_dtype, open_weights,
-                                                    update_weights_stream)
-from pagedserve.executor.model.models import get_model_class
+from pagedserve.executor.model.model_loader import _DTYPES, _check_complete, open_weights, update_weights_stream
+from pagedserve.executor.model.models.weight_loading import LastName, LoadableModel, NamedTensors, RowsOnly, on_meta
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 from pagedserve.executor.model.quant.loading import (PACKED_METHODS, begin_packed_update, check_update_pieces,
                                                      end_packed_update, finish_packed)
-
-NamedTensors = Iterable[tuple[str, Any]]
-
-
-class _Span:
-    """A piece's rows without its values: the twin checks that an update fills each packed weight."""
-
-    def __init__(self, rows: int) -> None:
-        self.shape = (rows,)
-
-
-class _RowsOnly(list):
-    def append(self, piece: tuple[int, Any]) -> None:
-        row, src = piece
-        super().append((row, _Span(src.shape[0])))
-
-
-def _on_meta(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    # A quantized weight (GroupQuantWeight) passes as it is: the twin keeps only its rows (_RowsOnly).
-    for name, t in weights:
-        yield name, t.to("meta") if isinstance(t, torch.Tensor) else t
-
-
-class _LastName:
-    """The update tensor last handed to the loader: where the loader renames (GGUF) or combines (AWQ/GPTQ)
-    tensors, its errors name the tensor as the update named it too."""
-
-    def __init__(self, weights: NamedTensors) -> None:
-        self.weights, self.name = weights, None
-
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
-        for name, t in self.weights:
-            self.name = name
-            yield name, t
-        self.name = None            # a check after the last tensor names what it found itself
-
-    def named(self, exc: ValueError) -> ValueError:
-        if self.name is None or self.name in str(exc):
-            return exc
-        return ValueError(f"{exc} (update tensor {self.name!r})")
 
 
 def nbytes(t: Any) -> int:
@@ -81,36 +38,29 @@ def nbytes(t: Any) -> int:
 class WeightUpdater:
     """Updates one rank's model; built once per model (the meta twin is kept)."""
 
-    def __init__(self, model: nn.Module, model_config: ModelConfig, tp: TPGroup, pp: PPGroup) -> None:
+    def __init__(self, model: LoadableModel, model_config: ModelConfig, tp: TPGroup, pp: PPGroup) -> None:
         self.model, self.config, self.tp, self.pp = model, model_config, tp, pp
-        self._twin: nn.Module | None = None
         method = model_config.quantization.method if model_config.quantization else None
         self.packed_method = method if method in PACKED_METHODS else None
         self.relinked = False     # some packed weight was replaced by new tensors since the caller last looked
 
-    def twin(self) -> nn.Module:
+    def twin(self) -> LoadableModel:
         """The model built again on the meta device: the same names, shapes and loaders, no storage."""
-        if self._twin is None:
-            cls = get_model_class(self.config.hf_config)
-            with torch.device("meta"), _default_dtype(_DTYPES[self.config.dtype]), \
-                    engine_max_model_len(self.config.max_model_len):
-                hf = self.config.hf_config
-                self._twin = cls(hf, self.tp, self.pp) if self.pp.size > 1 else cls(hf, self.tp)
-        return self._twin
+        return self.model.meta_twin()
 
     def _stream(self, weights: NamedTensors) -> Iterable[tuple[str, Any]]:
-        """An update's tensors as load_weights takes them: an unquantized model's are its checkpoint's already."""
+        """An update's tensors as stream_weights takes them: an unquantized model's are its checkpoint's already."""
         return weights if self.packed_method is None else update_weights_stream(self.config, weights)
 
     def check(self, weights: NamedTensors, complete: bool = False, source: str = "update") -> None:
         """ValueError naming the first tensor whose name the model does not know or whose shape is wrong (or,
         quantized, a layer the update fills only in part); complete: every weight of the model must be
-        present too (a reload). weights: load_weights's stream (see _stream)."""
+        present too (a reload). weights: stream_weights's stream (see _stream)."""
         twin = self.twin()
         if self.packed_method is not None:
-            begin_packed_update(twin, _RowsOnly)
+            begin_packed_update(twin, RowsOnly)
         try:
-            loaded = twin.load_weights(_on_meta(weights))
+            loaded = twin.stream_weights(on_meta(weights))
             if self.packed_method is not None:
                 check_update_pieces(twin)
         finally:
@@ -121,7 +71,7 @@ class WeightUpdater:
     @torch.no_grad()
     def apply(self, weights: list[tuple[str, Any]]) -> int:
         """Check every tensor, then copy them in; returns how many were applied."""
-        names = _LastName(weights)
+        names = LastName(weights)
         try:
             self.check(self._stream(names))
         except ValueError as exc:
@@ -141,12 +91,13 @@ class WeightUpdater:
         return config.source.path
 
     def _load(self, weights: Iterable[tuple[str, Any]]) -> None:
+        # stream_weights: the batch is checked already (load_weights would check it again)
         if self.packed_method is None:
-            self.model.load_weights(weights)
+            self.model.stream_weights(weights)
             return
         begin_packed_update(self.model)
         try:
-            self.model.load_weights(weights)
+            self.model.stream_weights(weights)
         except BaseException:
             end_packed_update(self.model)
             raise
