@@ -8,8 +8,10 @@ import torch
 
 from pagedserve.common.model.model_files import embedded_model_path
 
-# Two cores: keep torch from oversubscribing when tests start engine processes.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Two cores shared by the xdist workers (and the engine processes their tests start): each worker's own torch
+# work (HF oracles, in-process engines) takes its share of the cores, so workers never oversubscribe them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +50,11 @@ def tiny_serving_model(tmp_path_factory) -> str:
 # modules using one run together, and the last of them stops it.
 SHARED_SERVERS = ("api_server", "chunked_prefill_server")
 _LAST_USERS = pytest.StashKey[dict[str, str]]()
+
+
+def pytest_configure(config):
+    from pagedserve.tests.helpers.xdist_order import HeavyFirst
+    config.pluginmanager.register(HeavyFirst(), "pagedserve-heavy-first")
 
 
 @pytest.hookimpl(trylast=True)      # after -k / -m / --deselect chose the tests

@@ -1,11 +1,11 @@
-"""200 concurrent streaming clients, twice: nothing hangs, nothing is lost, nothing leaks.
+"""200 concurrent streaming clients, three times: nothing hangs, nothing is lost, nothing leaks.
 
 A real `engine-serve` on a tiny random model; the official `openai` AsyncOpenAI client sends the soak
 script's mix (tests/helpers/traffic.py: completions and chat, random lengths, some n=2, some stop strings,
-10% of the streams hang up after a few chunks). Two identical waves: every request ends with the right
+10% of the streams hang up after a few chunks). Three identical waves: every request ends with the right
 tokens (ignore_eos fixes the count) or an explicit error, none past the deadline; after each wave nothing
-runs or waits and the KV pool is empty; the server's processes keep their RSS and open fds from wave 1 to
-wave 2.
+runs or waits and the KV pool is empty; the server's processes do not grow their RSS and open fds from wave
+to wave.
 """
 from __future__ import annotations
 
@@ -64,18 +64,24 @@ def _check_wave(srv: Server, results: list[traffic.Result]) -> collections.Count
     return outcomes
 
 
-def test_two_identical_waves(load_server):
+def test_identical_waves(load_server):
+    """A leak grows with every wave; the allocator's arenas and the caches a first wave warms grow once. So
+    the usage is read after each of three identical waves, and a leak is growth past the tolerance in both
+    intervals: one step of noise (which made a two-wave test flaky on a loaded machine) is not one."""
     specs = _wave_specs(seed=6)
-    first = _check_wave(load_server, asyncio.run(_wave(load_server, specs)))
-    rss1, fds1 = load_server.usage()
-    second = _check_wave(load_server, asyncio.run(_wave(load_server, specs)))
-    rss2, fds2 = load_server.usage()
-    print(f"wave 1 {dict(first)}, wave 2 {dict(second)}; RSS {rss1 >> 20} -> {rss2 >> 20} MiB, "
-          f"fds {fds1} -> {fds2}")
-    assert rss2 - rss1 <= RSS_TOLERANCE, f"RSS grew {(rss2 - rss1) >> 20} MiB between identical waves"
-    assert fds2 - fds1 <= FD_TOLERANCE, f"open fds grew from {fds1} to {fds2} between identical waves"
+    waves, usage = [], []
+    for _ in range(3):
+        waves.append(_check_wave(load_server, asyncio.run(_wave(load_server, specs))))
+        usage.append(load_server.usage())
+    (rss1, fds1), (rss2, fds2), (rss3, fds3) = usage
+    print(f"waves {[dict(w) for w in waves]}; RSS {rss1 >> 20} -> {rss2 >> 20} -> {rss3 >> 20} MiB, "
+          f"fds {fds1} -> {fds2} -> {fds3}")
+    assert min(rss2 - rss1, rss3 - rss2) <= RSS_TOLERANCE, \
+        f"RSS grew {(rss2 - rss1) >> 20} then {(rss3 - rss2) >> 20} MiB over identical waves"
+    assert min(fds2 - fds1, fds3 - fds2) <= FD_TOLERANCE, \
+        f"open fds grew from {fds1} to {fds2} to {fds3} over identical waves"
     m = load_server.metrics()
-    assert m["request_success_total"] >= first["ok"] + second["ok"]
+    assert m["request_success_total"] >= sum(w["ok"] for w in waves)
 
 
 def test_mass_disconnect_under_load_frees_every_block(load_server):
