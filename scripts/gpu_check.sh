@@ -44,7 +44,7 @@ for step in $steps; do
         if [ "$backend" = hf ]; then g1 --backend hf --hf-max-batch-size 128 --dtype bfloat16
         else g1 --backend pagedserve $G1_ENGINE; fi
       done > "$OUT/throughput.log" 2>&1 ;;
-    async_tests) timeout 200 $PYTEST tests/executor/test_device_async.py tests/kernels/test_gpu.py \
+    async_tests) timeout 200 $PYTEST tests/executor/worker/test_device_async.py tests/kernels/test_gpu.py \
       > "$OUT/async_tests.log" 2>&1 ;;
     async_bench)
       { for mode in off on off on; do

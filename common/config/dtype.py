@@ -38,7 +38,7 @@ def resolve_dtype(requested: str, device: str, config_dtype: str | None,
         # The weight-only kernels take bfloat16 activations either way (kernels/weights/weight_only.py), so the
         # dtype only decides the rest (norms, rotary, attention, the residual stream): in float32 the
         # embedded Q4_1 model gave the dequantized model's greedy tokens on 8 of 8 chat prompts, in
-        # bfloat16 on 4 (tests/executor/test_quantized_model.py), and batch-1 speed was the same.
+        # bfloat16 on 4 (tests/executor/model/quant/test_quantized_model.py), and batch-1 speed was the same.
         return "float32"
     if cpu_native_bf16 is None:
         cpu_native_bf16 = cpu_has_native_bf16()

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from pagedserve.frontend.cli import parse_args
-from pagedserve.frontend.openai.ray_serve import build_app, flags_from_args
+from pagedserve.frontend.ray_serve import build_app, flags_from_args
 
 HERE = os.path.dirname(__file__)
 DEPLOY = os.path.join(HERE, "..", "..", "docs", "deploy")

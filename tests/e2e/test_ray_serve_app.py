@@ -1,4 +1,4 @@
-"""The Ray Serve application a KubeRay RayService names (pagedserve.frontend.openai.ray_serve:build_app), served by Ray
+"""The Ray Serve application a KubeRay RayService names (pagedserve.frontend.ray_serve:build_app), served by Ray
 Serve on a local Ray cluster: the openai client lists the model, chats and streams through Serve's proxy, and
 deleting the application ends the replica's engine core."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import ray
 from ray import serve
 
-from pagedserve.frontend.openai.ray_serve import build_app
+from pagedserve.frontend.ray_serve import build_app
 from pagedserve.tests.helpers.server import free_port
 
 

@@ -1,4 +1,4 @@
-"""The architecture registry of the family-parity suite (tests/executor/test_family_parity.py): one tiny random
+"""The architecture registry of the family-parity suite (tests/executor/model/test_family_parity.py): one tiny random
 checkpoint per case, for every architecture the engine supports, with the config quirks each family needs to
 show its own code (rope scalings, biases, soft-caps, windows, fused tensors, experts) and the prompts the
 checks feed it. A new architecture gets a case here, and the suite runs every check on it."""

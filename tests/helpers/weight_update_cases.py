@@ -1,4 +1,4 @@
-"""What the weight-update tests (tests/executor/test_weight_updates.py, test_quantized_weight_updates.py) compare
+"""What the weight-update tests (tests/executor/worker/rl/test_weight_updates.py, test_quantized_weight_updates.py) compare
 engines by: two tiny checkpoints of one shape with different weights, prompts, and greedy answers."""
 from __future__ import annotations
 

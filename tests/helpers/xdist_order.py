@@ -13,12 +13,12 @@ from pagedserve.tests.helpers.server_pool import _module_of
 # (`pytest -p no:xdist --junitxml=...`, 2026-12-02).
 HEAVY: dict[str, float] = {
     "tests/e2e/test_docs.py": 157, "tests/e2e/test_tool_calling.py": 147,
-    "tests/core/test_structured_outputs.py": 99, "tests/executor/test_beam_search.py": 93,
-    "tests/executor/test_multiproc.py": 89, "tests/e2e/test_data_parallel.py": 83,
-    "tests/e2e/reliability/test_faults.py": 76, "tests/executor/test_parity.py": 72,
+    "tests/core/structured_output/test_structured_outputs.py": 99, "tests/executor/test_beam_search.py": 93,
+    "tests/executor/procs/test_multiproc.py": 89, "tests/e2e/test_data_parallel.py": 83,
+    "tests/e2e/reliability/test_faults.py": 76, "tests/executor/model/test_parity.py": 72,
     "tests/e2e/test_structured_outputs_http.py": 66, "tests/e2e/test_data_parallel_ray.py": 63,
-    "tests/executor/test_tp_scripts.py": 63, "tests/executor/test_pipeline_parallel.py": 61,
-    "tests/e2e/test_server.py": 60, "tests/executor/test_ray_executor.py": 57, "tests/e2e/test_bench_cli.py": 54,
+    "tests/executor/procs/test_tp_scripts.py": 63, "tests/executor/procs/test_pipeline_parallel.py": 61,
+    "tests/e2e/test_server.py": 60, "tests/executor/procs/test_ray_executor.py": 57, "tests/e2e/test_bench_cli.py": 54,
 }
 
 

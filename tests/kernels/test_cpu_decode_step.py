@@ -5,7 +5,7 @@ through the AVX-512 build (where the CPU has it) and a portable build of the sam
 Decode step: against the PyTorch path on the same int8 weights (PAGEDSERVE_CPU_DECODE_STEP=0): the same
 greedy tokens and logprobs up to float32 summation order, for Llama (GQA), Qwen2 (q/k/v biases) and Qwen3
 (q/k norms), alone, a few at once, and in batches that move between the two paths. The embedded model's
-int4 run through it is tests/executor/test_quantized_model.py.
+int4 run through it is tests/executor/model/quant/test_quantized_model.py.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ against the PyTorch layers with the same adapters on the same int8 base (PAGEDSE
 greedy tokens and logprobs up to float32 summation order, for rows of the base, of an adapter of rank 8 on some
 pieces of the merged layers (q and v of qkv, gate of gate_up, no o) and of a rank-16 adapter on every linear,
 1 to 8 rows a step, mixed; and a row's results are the same bits alone as beside other rows of other adapters.
-HF + PEFT parity of the adapters themselves is tests/executor/test_lora.py."""
+HF + PEFT parity of the adapters themselves is tests/executor/worker/lora/test_lora.py."""
 from __future__ import annotations
 
 import pytest

@@ -2,7 +2,7 @@
 
 Widening must reproduce the packed kernels' own weights bit for bit (the int4 kernel's weight read back
 through an identity input; int8 codes times their bfloat16 scale), and a layer that takes the dense path
-must meet the same dequantize-then-matmul bound as the packed kernels (tests/executor/test_quantized_linear.py): on
+must meet the same dequantize-then-matmul bound as the packed kernels (tests/executor/model/quant/test_quantized_linear.py): on
 top of that test's bfloat16 terms the dense path rounds each widened weight to bfloat16 once more (relative
 2**-9), which stays inside its 1e-2 * (|x| @ |W|^T).
 """

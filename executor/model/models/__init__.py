@@ -25,7 +25,7 @@ _BY_ARCHITECTURE: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
 }
 # Pooling models (--runner pooling: common/pooler_config.py), tested against sentence-transformers and HF in
-# tests/executor/test_pooling_models.py rather than by generation parity.
+# tests/executor/model/test_pooling_models.py rather than by generation parity.
 _POOLING: dict[str, tuple[str, str]] = {
     "BertModel": ("bert", "BertModel"),
     "XLMRobertaModel": ("bert", "XLMRobertaModel"),

@@ -13,7 +13,7 @@ import torch
 from pagedserve.common import envs
 from pagedserve.tests.helpers.tiny_models import embedded_tokenizer, make_tiny_model
 
-SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
+SCRIPTS = pathlib.Path(__file__).resolve().parents[4] / "scripts"
 REAL, EXTRA = 2, 3
 LLAMA_BIN = os.path.join(envs.PAGEDSERVE_LLAMA_CPP_DIR, "build", "bin")
 LLAMA_SRC = os.path.join(envs.PAGEDSERVE_LLAMA_CPP_DIR, "src")

@@ -1,6 +1,6 @@
 """speculative_config.draft_tensor_parallel_size, vLLM's rule: a draft model sharded over the model's tensor-parallel
 ranks (its linears all-reduce through the model's group, its KV cache sized by its sharded heads) keeps the greedy
-output and its drafts; 1 runs it whole on each rank (tests/executor/test_spec_decode.py); anything else, or a draft
+output and its drafts; 1 runs it whole on each rank (tests/executor/worker/spec_decode/test_spec_decode.py); anything else, or a draft
 whose heads do not split over the ranks, is refused naming the field."""
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ def test_tensor_parallel_and_async_scheduling_keep_the_greedy_tokens(tiny_llama_
                      ("async", dict(async_scheduling=True, speculative_config=NGRAM)),
                      ("tp2_draft", dict(tensor_parallel_size=2, speculative_config={
                          "method": "draft_model", "model": tiny_llama_dir, "num_speculative_tokens": 3,
-                         "draft_tensor_parallel_size": 1}))):     # sharded: tests/executor/test_draft_tp.py
+                         "draft_tensor_parallel_size": 1}))):     # sharded: tests/executor/worker/spec_decode/test_draft_tp.py
         with LLM(tiny_llama_dir, dtype="float32", max_model_len=512, **kw) as llm:
             runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert runs["tp2"] == runs["plain"] and runs["async"] == runs["plain"] and runs["tp2_draft"] == runs["plain"]

@@ -1,6 +1,6 @@
 """pagedserve's OpenAI server as a Ray Serve application: what a KubeRay RayService's serveConfigV2 names.
 
-    import_path: pagedserve.frontend.openai.ray_serve:build_app
+    import_path: pagedserve.frontend.ray_serve:build_app
     args: {model: org/model, tensor-parallel-size: 2, distributed-executor-backend: ray}
 
 `args` are engine-serve's flags (dashes or underscores; true for a switch), parsed by engine-serve's own parser.

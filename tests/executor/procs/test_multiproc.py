@@ -172,7 +172,7 @@ def test_torchrun_launcher_two_cpu_ranks(tiny_llama_dir, tp1_tokens):
 
     from pagedserve.ipc.sockets import free_tcp_port
     prompts, expected = tp1_tokens
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = pathlib.Path(__file__).resolve().parents[3]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_tcp_port()), str(root / "scripts" / "torchrun_launch.py"),
            "--model", tiny_llama_dir, "--dtype", "float32", "--max-tokens", str(GREEDY.max_tokens)]
@@ -244,7 +244,7 @@ def test_torchrun_stopped_rank_fails_the_launch(tiny_llama_dir):
 
     from pagedserve.ipc.sockets import free_tcp_port
     timeout_s = 5.0
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = pathlib.Path(__file__).resolve().parents[3]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_tcp_port()), str(root / "scripts" / "torchrun_launch.py"),
            "--model", tiny_llama_dir, "--dtype", "float32", "--max-tokens", "900", "--log-level", "info",
