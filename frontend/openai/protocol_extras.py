@@ -23,6 +23,14 @@ from pagedserve.common.errors import RequestError
 _NULL_IS_DEFAULT = ("n", "presence_penalty", "frequency_penalty", "stream", "echo", "logprobs")
 
 
+def drop_nulls(data: Any, names: tuple[str, ...]) -> Any:
+    """A request body without the fields of `names` that are null, so each takes its default (OpenAI's
+    schemas allow null for fields this server types plainly)."""
+    if isinstance(data, dict) and any(data.get(k, 0) is None for k in names):
+        return {k: v for k, v in data.items() if not (v is None and k in names)}
+    return data
+
+
 class StrictModel(BaseModel):
     # Unknown fields are an error, never silently ignored.
     model_config = ConfigDict(extra="forbid")
@@ -67,9 +75,7 @@ class ExtraRequestFields(PlatformFields):
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
-        if isinstance(data, dict) and any(data.get(k, 0) is None for k in _NULL_IS_DEFAULT):
-            return {k: v for k, v in data.items() if not (v is None and k in _NULL_IS_DEFAULT)}
-        return data
+        return drop_nulls(data, _NULL_IS_DEFAULT)
 
     def token_bias(self) -> Optional[dict[int, float]]:
         """logit_bias with its JSON string keys as token ids (the range is SamplingParams' to check)."""

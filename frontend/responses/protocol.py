@@ -16,7 +16,7 @@ from pydantic import Field, model_validator
 from pagedserve.common.errors import RequestError
 from pagedserve.common.params.sampling_params import MAX_LOGPROBS
 from pagedserve.frontend.openai.protocol import ChatCompletionRequest
-from pagedserve.frontend.openai.protocol_extras import PlatformFields
+from pagedserve.frontend.openai.protocol_extras import PlatformFields, drop_nulls
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # include values that ask for nothing this server makes: there is no encrypted reasoning to return.
@@ -71,9 +71,7 @@ class ResponsesRequest(PlatformFields):
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
-        if isinstance(data, dict) and any(data.get(k, 0) is None for k in _NULL_IS_DEFAULT):
-            return {k: v for k, v in data.items() if not (v is None and k in _NULL_IS_DEFAULT)}
-        return data
+        return drop_nulls(data, _NULL_IS_DEFAULT)
 
     # ---------------------------------------------------------------- checks
 
