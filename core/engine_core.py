@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from pagedserve.core.kv_cache.block_hash import BlockHasher
+from pagedserve.core.block_hash import BlockHasher
 from pagedserve.common.config.engine_args import EngineArgs, EngineConfig
 from pagedserve.common.errors import RequestError
 from pagedserve.common.model.model_files import tokenizer_folder

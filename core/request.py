@@ -5,7 +5,7 @@ import enum
 import time
 from typing import Any
 
-from pagedserve.core.kv_cache.block_hash import BlockHasher
+from pagedserve.core.block_hash import BlockHasher
 from pagedserve.common.params.pooling_params import PoolingParams
 from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.ipc.messages import LogprobsEntry, PromptLogprobsChunk

@@ -39,7 +39,7 @@ def check_flags(args: EngineArgs, server: ServerArgs) -> None:
     args.validate()
     if (server.lora_modules or server.allow_runtime_lora_updating) and not args.enable_lora:
         raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
-    from pagedserve.frontend.dp.launch import check_data_parallel_flags
+    from pagedserve.frontend.engine_launch import check_data_parallel_flags
     check_data_parallel_flags(args, server)
 
 
@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> None:
 def serve(args: EngineArgs, server: ServerArgs, level: int, chat_template: str | None) -> None:
     import uvicorn
 
-    from pagedserve.frontend.openai.api_server import build_app
+    from pagedserve.frontend.api_server import build_app
     from pagedserve.frontend.client.async_client import AsyncEngineClient
-    from pagedserve.frontend.dp.launch import serve_headless, start_engines
+    from pagedserve.frontend.engine_launch import serve_headless, start_engines
 
     if server.headless:
         serve_headless(args, server, level)

@@ -43,11 +43,11 @@ class PagedServeDeployment:
     """Serve builds the app after the constructor (`__serve_build_asgi_app__`): the routes need the engine."""
 
     def __init__(self, argv: list[str]) -> None:
-        from pagedserve.frontend.openai.api_server import build_app as build_routes
+        from pagedserve.frontend.api_server import build_app as build_routes
         from pagedserve.frontend.client.async_client import AsyncEngineClient
         from pagedserve.frontend.client.tokenizer import load_chat_template
         from pagedserve.frontend.cli import check_flags, parse_args
-        from pagedserve.frontend.dp.launch import start_engines
+        from pagedserve.frontend.engine_launch import start_engines
         args, server = parse_args(argv)
         check_flags(args, server)
         export_cluster_address()       # ranks placed on Ray (--distributed-executor-backend ray) join this cluster

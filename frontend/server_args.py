@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pagedserve.common.config.arg_utils import check_choices, setting
 from pagedserve.frontend.dp.router import ROUTING_POLICIES
-from pagedserve.frontend.openai.tool_parsers import TOOL_PARSERS
+from pagedserve.frontend.parsers.tool_parsers import TOOL_PARSERS
 
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
 TOOL_PARSER_NAMES = tuple(TOOL_PARSERS)

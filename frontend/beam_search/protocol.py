@@ -12,7 +12,7 @@ from typing import Literal, Optional, Union
 
 from pagedserve.common.params.beam_search_params import BeamSearchParams
 from pagedserve.common.errors import RequestError
-from pagedserve.frontend.openai.protocol_extras import StrictModel
+from pagedserve.frontend.http.protocol_extras import StrictModel
 
 # Refused with use_beam_search unless left at their defaults.
 _REFUSED = ("stream", "logprobs", "top_logprobs", "echo", "prompt_logprobs", "best_of", "suffix", "top_p", "top_k",

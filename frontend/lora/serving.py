@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from pagedserve.common import envs
 from pagedserve.common.errors import RequestError
 from pagedserve.common.lora import LORA_LOAD_TIMEOUT_S
-from pagedserve.frontend.openai.errors import ModelNotFoundError
+from pagedserve.frontend.http.errors import ModelNotFoundError
 
 
 class LoRAModule(msgspec.Struct, frozen=True):

@@ -22,7 +22,7 @@ from pagedserve.frontend.rl.offline import RLClient
 from pagedserve.frontend.client.output_processor import OutputProcessor
 from pagedserve.frontend.client.outputs import RequestOutput
 from pagedserve.frontend.client.processors import Processors
-from pagedserve.frontend.offline.prompt_lists import as_prompt_list, per_prompt
+from pagedserve.frontend.client.prompt_lists import as_prompt_list, per_prompt
 from pagedserve.ipc.messages import EngineCoreRequest
 
 if TYPE_CHECKING:

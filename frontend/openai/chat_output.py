@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from pagedserve.common.reasoning import REASONING_PARSERS
-from pagedserve.frontend.openai.reasoning_parser import ReasoningParser
-from pagedserve.frontend.openai.tool_parsers import TOOL_PARSERS
-from pagedserve.frontend.openai.tool_parsers.base import PartialCall, Scan, ToolParser, scan_object_list
+from pagedserve.frontend.parsers.reasoning_parser import ReasoningParser
+from pagedserve.frontend.parsers.tool_parsers import TOOL_PARSERS
+from pagedserve.frontend.parsers.tool_parsers.base import PartialCall, Scan, ToolParser, scan_object_list
 
 
 def tool_call_id() -> str:

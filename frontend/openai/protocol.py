@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pagedserve.common.errors import RequestError
 from pagedserve.common.params.sampling_params import RequestOutputKind, SamplingParams, check_logprobs
 from pagedserve.frontend.beam_search.protocol import BeamSearchFields
-from pagedserve.frontend.openai.protocol_extras import (ExtraChatFields, ExtraCompletionFields, ExtraRequestFields,
+from pagedserve.frontend.http.protocol_extras import (ExtraChatFields, ExtraCompletionFields, ExtraRequestFields,
                                                  StrictModel, text_content)
 from pagedserve.frontend.openai.protocol_structured import StructuredOutputFields
 from pagedserve.frontend.openai.protocol_tools import ToolFields, template_messages

@@ -11,7 +11,7 @@ from typing import Any, Optional, Union
 
 from pagedserve.common.errors import RequestError
 from pagedserve.common.params.structured_outputs import StructuredOutputsParams
-from pagedserve.frontend.openai.protocol_extras import StrictModel
+from pagedserve.frontend.http.protocol_extras import StrictModel
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _CORE_PREFIX = "structured_outputs"

@@ -19,11 +19,11 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedserve.common.params.beam_search_params import BeamSearchParams
 from pagedserve.common.errors import EngineOverloadedError, RequestError, error_field
-from pagedserve.frontend.openai.admission import Admission, CountedStreamingResponse
+from pagedserve.frontend.http.admission import Admission, CountedStreamingResponse
 from pagedserve.frontend.client.async_client import AsyncEngineClient
 from pagedserve.frontend.beam_search.serving import beam_search_outputs
 from pagedserve.frontend.openai.chat_output import chat_parser_factory
-from pagedserve.frontend.openai.errors import ModelNotFoundError, classify, error_payload
+from pagedserve.frontend.http.errors import ModelNotFoundError, classify, error_payload
 from pagedserve.frontend.client.input_processor import PreparedRequest, ProcessedPrompt
 from pagedserve.frontend.client.outputs import RequestOutput
 from pagedserve.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -31,7 +31,7 @@ from pagedserve.frontend.beam_search.protocol import check_beam_params
 from pagedserve.frontend.openai.protocol_structured import name_field
 from pagedserve.frontend.openai.bodies import SSE_DONE, ResponseBuilder, sse
 from pagedserve.frontend.lora.serving import LoRAModels
-from pagedserve.frontend.openai.tool_parsers import TOOL_PARSERS
+from pagedserve.frontend.parsers.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 GenerationRequest = Union[CompletionRequest, ChatCompletionRequest]

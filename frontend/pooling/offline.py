@@ -9,7 +9,7 @@ from pagedserve.common.params.pooling_params import PoolingParams
 from pagedserve.frontend.pooling import requests as pooling
 from pagedserve.frontend.client.input_processor import InputProcessor, PreparedRequest, ProcessedPrompt
 from pagedserve.frontend.client.outputs import RequestOutput
-from pagedserve.frontend.offline.prompt_lists import as_prompt_list, per_prompt
+from pagedserve.frontend.client.prompt_lists import as_prompt_list, per_prompt
 
 
 Params = PoolingParams | Sequence[PoolingParams] | None      # one for every prompt, or one per prompt

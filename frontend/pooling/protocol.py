@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
-from pagedserve.frontend.openai.protocol_extras import StrictModel
+from pagedserve.frontend.http.protocol_extras import StrictModel
 
 EmbeddingInput = Union[str, list[str], list[int], list[list[int]]]
 

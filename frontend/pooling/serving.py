@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 
 from pagedserve.common.errors import RequestError
 from pagedserve.common.params.pooling_params import PoolingParams, check_pooling_task
-from pagedserve.frontend.openai.admission import Admission
+from pagedserve.frontend.http.admission import Admission
 from pagedserve.frontend.client.async_client import AsyncEngineClient
 from pagedserve.frontend.client.input_processor import PreparedRequest, ProcessedPrompt
 from pagedserve.frontend.client.outputs import RequestOutput

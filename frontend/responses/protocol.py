@@ -16,7 +16,7 @@ from pydantic import Field, model_validator
 from pagedserve.common.errors import RequestError
 from pagedserve.common.params.sampling_params import MAX_LOGPROBS
 from pagedserve.frontend.openai.protocol import ChatCompletionRequest
-from pagedserve.frontend.openai.protocol_extras import PlatformFields, drop_nulls
+from pagedserve.frontend.http.protocol_extras import PlatformFields, drop_nulls
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # include values that ask for nothing this server makes: there is no encrypted reasoning to return.

@@ -15,9 +15,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve.common.errors import EngineOverloadedError, RequestError
-from pagedserve.frontend.openai.admission import CountedStreamingResponse
+from pagedserve.frontend.http.admission import CountedStreamingResponse
 from pagedserve.frontend.openai.chat_output import ChatOutputParser, chat_parser_factory
-from pagedserve.frontend.openai.errors import error_payload
+from pagedserve.frontend.http.errors import error_payload
 from pagedserve.frontend.client.input_processor import PreparedRequest
 from pagedserve.frontend.client.outputs import CompletionOutput, RequestOutput
 from pagedserve.frontend.openai.protocol import ChatCompletionRequest

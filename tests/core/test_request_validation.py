@@ -13,7 +13,7 @@ from pagedserve.common.errors import RequestError
 from pagedserve.common.model.model_files import resolve_model, tokenizer_folder
 from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.common.params.structured_outputs import StructuredOutputsParams
-from pagedserve.frontend.openai.api_server import response_for
+from pagedserve.frontend.api_server import response_for
 from pagedserve.frontend.client.input_processor import InputProcessor, ProcessedPrompt
 from pagedserve.frontend.openai.protocol import ChatCompletionRequest
 from pagedserve.frontend.openai.serving import error_body

@@ -107,7 +107,7 @@ def test_every_repository_path_named_exists(path):
 
 
 def test_every_metric_named_is_exported():
-    source = read("frontend/openai/metrics.py")
+    source = read("frontend/http/metrics.py")
     exported = set(re.findall(r'"((?:vllm|pagedserve):[a-z_]+)"', source))
     named = {m for path in doc_files() for m in re.findall(r"(?:vllm|pagedserve):[a-z_]+[a-z]", read(path))}
     # Prometheus adds _total to counters; _bucket, _sum and _count to histograms.

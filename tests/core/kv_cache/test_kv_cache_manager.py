@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.common.params.sampling_params import SamplingParams
-from pagedserve.core.kv_cache.block_hash import BlockHasher
+from pagedserve.core.block_hash import BlockHasher
 from pagedserve.core.kv_cache.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.core.kv_cache.block_hash import BlockHasher
+from pagedserve.core.block_hash import BlockHasher
 from pagedserve.common.config.engine_args import SchedulerConfig
 from pagedserve.core.kv_cache.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus

@@ -9,7 +9,7 @@ import pytest
 from pagedserve.common.config.engine_args import SchedulerConfig
 from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.common.speculative import parse_speculative_config
-from pagedserve.core.kv_cache.block_hash import BlockHasher
+from pagedserve.core.block_hash import BlockHasher
 from pagedserve.core.kv_cache.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request
 from pagedserve.core.sched.scheduler import Scheduler

@@ -6,7 +6,7 @@ import pytest
 
 from pagedserve.common.config.engine_args import EngineArgs, SchedulerConfig
 from pagedserve.common.speculative import DEFAULT_PROMPT_LOOKUP, parse_speculative_config
-from pagedserve.core.kv_cache.block_hash import BlockHasher
+from pagedserve.core.block_hash import BlockHasher
 from pagedserve.core.kv_cache.kv_cache_manager import KVCacheManager
 from pagedserve.core.spec_decode.ngram_proposer import propose_ngram
 from pagedserve.core.request import Request, RequestStatus

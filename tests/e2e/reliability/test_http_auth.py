@@ -7,7 +7,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(300)
 
-from pagedserve.frontend.openai.api_server import OPEN_PATHS
+from pagedserve.frontend.api_server import OPEN_PATHS
 
 
 def _routes(url: str) -> list[tuple[str, str]]:

@@ -9,8 +9,8 @@ import pytest
 
 from pagedserve.common.reasoning import REASONING_PARSERS
 from pagedserve.frontend.openai.chat_output import ChatOutputParser, NamedCallParser, RequiredCallsParser, finish_reason
-from pagedserve.frontend.openai.reasoning_parser import ReasoningParser
-from pagedserve.frontend.openai.tool_parsers import TOOL_PARSERS
+from pagedserve.frontend.parsers.reasoning_parser import ReasoningParser
+from pagedserve.frontend.parsers.tool_parsers import TOOL_PARSERS
 
 WEATHER = {"city": "Paris", "unit": "celsius", "name": "inner keys named name are arguments"}
 CASES = [

@@ -11,7 +11,7 @@ from openai.types.responses import Response
 from pagedserve.common.errors import RequestError
 from pagedserve.common.reasoning import REASONING_PARSERS
 from pagedserve.frontend.openai.chat_output import ChatOutputParser, RequiredCallsParser
-from pagedserve.frontend.openai.reasoning_parser import ReasoningParser
+from pagedserve.frontend.parsers.reasoning_parser import ReasoningParser
 from pagedserve.frontend.responses.items import ResponseEnvelope, output_items, usage
 from pagedserve.frontend.responses.protocol import ResponsesRequest, chat_messages, responses_field
 from pagedserve.frontend.responses.store import ResponseNotFoundError, ResponsesStore, StoredResponse

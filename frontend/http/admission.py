@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 from pagedserve.common.errors import EngineOverloadedError
 from pagedserve.common.request_checks import check_waiting_room
 from pagedserve.frontend.client.async_client import AsyncEngineClient
-from pagedserve.frontend.openai.metrics import Metrics
+from pagedserve.frontend.http.metrics import Metrics
 
 
 class Admission:

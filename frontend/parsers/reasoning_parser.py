@@ -7,7 +7,7 @@ held back, so streams reassemble into the whole response's split."""
 from __future__ import annotations
 
 from pagedserve.common.reasoning import ReasoningFormat
-from pagedserve.frontend.openai.tool_parsers.base import held_back
+from pagedserve.frontend.parsers.tool_parsers.base import held_back
 
 
 class ReasoningParser:

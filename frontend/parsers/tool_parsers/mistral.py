@@ -2,7 +2,7 @@
 [TOOL_CALLS] is a special token, so requests keep special tokens in the text. Content is the text before it."""
 from __future__ import annotations
 
-from pagedserve.frontend.openai.tool_parsers.base import Scan, ToolParser, held_back, scan_object_list
+from pagedserve.frontend.parsers.tool_parsers.base import Scan, ToolParser, held_back, scan_object_list
 
 MARKER = "[TOOL_CALLS]"
 

@@ -17,14 +17,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.common.errors import RequestError, error_field
 from pagedserve.common.version import __version__
-from pagedserve.frontend.openai.admission import Admission
+from pagedserve.frontend.http.admission import Admission
 from pagedserve.frontend.client.async_client import AsyncEngineClient
 from pagedserve.frontend.client.core_client import EngineDeadError
 from pagedserve.frontend.rl.dev_routes import add_dev_routes
-from pagedserve.frontend.openai.errors import ModelNotFoundError, classify, error_payload
-from pagedserve.frontend.openai.http_guards import ApiKeyMiddleware, BodyLimitMiddleware
+from pagedserve.frontend.http.errors import ModelNotFoundError, classify, error_payload
+from pagedserve.frontend.http.guards import ApiKeyMiddleware, BodyLimitMiddleware
 from pagedserve.frontend.lora.serving import LoRAModels, LoRAModule, add_lora_routes, parse_lora_modules
-from pagedserve.frontend.openai.metrics import Metrics
+from pagedserve.frontend.http.metrics import Metrics
 from pagedserve.frontend.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           ModelCard, ModelList, TokenizeRequest)
 from pagedserve.frontend.responses.serving import add_responses_routes

@@ -2,7 +2,7 @@
 Content is the text before the first call (as vLLM's parser has it)."""
 from __future__ import annotations
 
-from pagedserve.frontend.openai.tool_parsers.base import Scan, ToolParser, held_back, scan_call_object
+from pagedserve.frontend.parsers.tool_parsers.base import Scan, ToolParser, held_back, scan_call_object
 
 START, END = "<tool_call>", "</tool_call>"
 

@@ -2,7 +2,7 @@
 <|python_tag|>, several separated by ';'. Text that does not start that way is all content."""
 from __future__ import annotations
 
-from pagedserve.frontend.openai.tool_parsers.base import Scan, ToolParser, scan_object_list
+from pagedserve.frontend.parsers.tool_parsers.base import Scan, ToolParser, scan_object_list
 
 TAG = "<|python_tag|>"
 
