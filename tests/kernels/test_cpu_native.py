@@ -15,7 +15,7 @@ from pagedserve.kernels.cpu import native as cpu_native
 PROBE = """
 import glob, os, sys
 import torch
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels.cpu import native as cpu_native
 assert cpu_native.library() is not None, "no library"
 assert 5e-324 * 1.0 > 0.0, "python floats lost subnormals"
 assert torch.tensor([1e-40]).mul(1.0).item() > 0.0, "torch lost subnormals"

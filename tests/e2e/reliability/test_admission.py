@@ -19,11 +19,19 @@ LONG = {"prompt": "Count:", "max_tokens": 3800, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def small_queue(tiny_serving_model):
+def long_serving_model(tmp_path_factory) -> str:
+    """The tiny serving model with room for LONG: 4096 positions instead of 512."""
+    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_long")), arch="llama", vocab_size=49152,
+                           max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def small_queue(long_serving_model):
     """One request runs at a time and two may wait; this frontend serves at most five at once."""
     srv = Server(*SMALL_KV, "--max-model-len", "4096", "--max-num-seqs", "1",
                        "--max-waiting-requests", "2", "--max-concurrent-requests", "5",
-                       "--max-body-bytes", "65536", model=tiny_serving_model)
+                       "--max-body-bytes", "65536", model=long_serving_model)
     yield srv
     srv.stop()
 
