@@ -1,8 +1,8 @@
 """Random-weight checkpoints in the shapes the GPU benchmarks run (nothing can be downloaded on the GPU
 machines): `pagedserve bench throughput --make-model NAME --model PATH` writes one to PATH if it is missing.
 
-The writer is the test harness's tiny-model maker (HF transformers' own classes and save_pretrained), at full
-size; the tokenizer is synthetic, one word per id, since the benchmarks send token ids.
+The writer is HF transformers' own (its config classes, random init and save_pretrained); the tokenizer is
+synthetic, one word per id, since the benchmarks send token ids. The tests' tiny models take the same one.
 """
 from __future__ import annotations
 
@@ -31,8 +31,20 @@ def make_model(name: str, path: str) -> bool:
     if os.path.isdir(path):
         return False
     import torch
-
-    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    from transformers import AutoConfig, AutoModelForCausalLM
     arch, shape = MODELS[name]
-    make_tiny_model(path, arch=arch, tokenizer="synthetic", dtype=torch.bfloat16, **shape)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **shape), dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    synthetic_tokenizer(shape["vocab_size"]).save_pretrained(path)
     return True
+
+
+def synthetic_tokenizer(vocab_size: int) -> Any:
+    """A word-level tokenizer with one word "w<i>" per id (bos = w1, eos = w2)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")        # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2")

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.frontend.bench.models import synthetic_tokenizer  # noqa: F401  (the tests import it from here too)
 from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 # initializer_range 0.2 (HF default 0.02): peaky logits, so greedy argmax has no near-ties.
@@ -66,16 +67,6 @@ def embedded_tokenizer() -> Any:
     from pagedserve.common.model.model_files import resolve_model, tokenizer_folder
     from pagedserve.frontend.client.tokenizer import load_tokenizer
     return load_tokenizer(tokenizer_folder(resolve_model(None)))
-
-
-def synthetic_tokenizer(vocab_size: int) -> Any:
-    """A word-level tokenizer with one word "w<i>" per id (bos = w1, eos = w2)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")        # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2")
 
 
 def _split_in_two(path: str) -> None:
