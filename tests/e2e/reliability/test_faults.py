@@ -219,7 +219,7 @@ def test_sigstop_sole_worker_tp1(tiny_llama_dir):
     config = EngineArgs(model=tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, tensor_parallel_size=1,
                         distributed_executor_backend="mp", worker_heartbeat_timeout=timeout_s).create_engine_config()
     core = EngineCore(config, get_executor_class(config.parallel.distributed_executor_backend))
-    worker = psutil.Process().children()[-1]
+    worker = max(psutil.Process().children(), key=lambda p: p.create_time())     # the one the core just started
     roots = [core.executor.bound.root, core.executor.writer.bound.root]
     try:
         core.add_request(EngineCoreRequest("a", [5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True), 0.0))
