@@ -106,6 +106,11 @@ class Worker:
     def ping(self) -> str:
         return "pong"
 
+    def update_weights(self, weights: list[tuple[str, Any]]) -> int:
+        """Checkpoint-named tensors applied all or nothing: a worker extension's in-process entry point (its
+        methods run on the Worker), answered by the worker's WorkerRL."""
+        return self.rl.update_weights(weights)
+
     def add_lora(self, int_id: int, path: str, scaling: float) -> int:
         """Load an adapter the engine core checked (common/lora.py); the bytes it holds on this rank."""
         if self.runner is None or self.runner.lora is None:

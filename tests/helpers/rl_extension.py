@@ -53,5 +53,9 @@ class Probe:
         batch = (item for item in checkpoint_batch(path, change))
         return len(self.runner.model.load_weights(weights=batch))
 
+    def update_checkpoint_weights(self, path: str, change: str | None = None) -> int:
+        """The same batch through the worker's own in-process entry point, `self.update_weights`."""
+        return self.update_weights(checkpoint_batch(path, change))
+
     def rank_weights_digest(self) -> str:
         return weights_digest(self.runner.model)

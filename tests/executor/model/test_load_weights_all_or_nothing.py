@@ -39,9 +39,10 @@ def test_extension_load_weights_refuses_a_bad_batch_whole(update_checkpoints, tp
         # b's tensors, valid up to the last one: copied as they came, most of the model would be b's
         for change, named in (("shape", rf"{re.escape(BAD_SHAPE)}.*\(64, 136\).*\(64, 128\)"),
                               ("name", re.escape(UNKNOWN))):
-            with pytest.raises(ValueError, match=named):
-                llm.collective_rpc("load_checkpoint_weights", args=(b, change))
-            assert llm.collective_rpc("rank_weights_digest") == digests
+            for method in ("load_checkpoint_weights", "update_checkpoint_weights"):
+                with pytest.raises(ValueError, match=named):
+                    llm.collective_rpc(method, args=(b, change))
+                assert llm.collective_rpc("rank_weights_digest") == digests
             assert greedy(llm) == before
         assert llm.collective_rpc("load_checkpoint_weights", args=(b,)) == [len(checkpoint_batch(b))] * tp
         assert greedy(llm) == want_b != before
