@@ -12,6 +12,7 @@ from functools import lru_cache
 from typing import Any
 
 from pagedserve.common import envs
+from pagedserve.common.model.gguf_metadata import gguf_array_length, gguf_field, gguf_reader
 from pagedserve.common.model.hub import local_or_hub_path
 
 logger = logging.getLogger(__name__)
@@ -90,21 +91,13 @@ _GGUF_CONFIG_KEYS = {
 _GGUF_ARCH_TO_HF = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
 @lru_cache(maxsize=8)
 def _config_from_gguf(path: str) -> Any:
-    # Reading the metadata ourselves takes milliseconds; transformers' GGUF config path
+    # Reading the header ourselves, arrays stepped over, takes milliseconds; transformers' GGUF config path
     # parses the whole tokenizer and takes seconds.
-    from gguf import GGUFReader
     from transformers import AutoConfig
 
-    reader = GGUFReader(path)
+    reader = gguf_reader(path)
     arch = gguf_field(reader, "general.architecture")
     if arch not in _GGUF_ARCH_TO_HF:
         raise ValueError(f"model: GGUF architecture {arch!r} is not supported "
@@ -114,8 +107,7 @@ def _config_from_gguf(path: str) -> Any:
         value = gguf_field(reader, f"{arch}.{key}")
         if value is not None:
             fields[hf_key] = value
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    fields["vocab_size"] = gguf_field(reader, f"{arch}.vocab_size") or len(tokens.data)
+    fields["vocab_size"] = gguf_field(reader, f"{arch}.vocab_size") or gguf_array_length(reader, "tokenizer.ggml.tokens")
     for name in ("bos", "eos", "padding"):
         token_id = gguf_field(reader, f"tokenizer.ggml.{name}_token_id")
         if token_id is not None:

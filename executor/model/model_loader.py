@@ -13,8 +13,6 @@ import json
 import logging
 import os
 import re
-import struct
-import sys
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -26,6 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from pagedserve.common.config.engine_args import ModelConfig
+from pagedserve.common.model.gguf_metadata import gguf_reader
 from pagedserve.executor.model.layers.rotary import engine_max_model_len
 from pagedserve.executor.model.models import get_model_class
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
@@ -222,46 +221,6 @@ def reverse_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, dim, 2, *weight.shape[1:]).swapaxes(2, 1).reshape(weight.shape)
 
 
-# GGUFValueType ids: scalar byte sizes, string, array.
-_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def _skip_gguf_value(buf: memoryview, offs: int, value_type: int) -> int:
-    """Offset just past a little-endian GGUF metadata value of value_type starting at offs."""
-    if value_type == _GGUF_STRING:
-        return offs + 8 + struct.unpack_from("<Q", buf, offs)[0]
-    if value_type == _GGUF_ARRAY:
-        item_type, count = struct.unpack_from("<IQ", buf, offs)
-        offs += 12
-        if item_type in _GGUF_SCALAR_SIZES:
-            return offs + count * _GGUF_SCALAR_SIZES[item_type]
-        for _ in range(count):
-            offs = _skip_gguf_value(buf, offs, item_type)
-        return offs
-    if value_type not in _GGUF_SCALAR_SIZES:
-        raise ValueError(f"GGUF metadata: unknown value type {value_type}")
-    return offs + _GGUF_SCALAR_SIZES[value_type]
-
-
-def _tensor_reader(path: str) -> Any:
-    """A GGUFReader that steps over metadata arrays instead of parsing them.
-
-    The stock reader builds numpy views for each of the ~50k tokenizer strings (seconds);
-    weights never need them. Config fields are read elsewhere (core.model_files).
-    """
-    from gguf import GGUFReader
-
-    class TensorReader(GGUFReader):
-        def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:
-            if raw_type != _GGUF_ARRAY or self.byte_order != "I" or sys.byteorder != "little":
-                return super()._get_field_parts(orig_offs, raw_type)
-            size = _skip_gguf_value(memoryview(self.data), orig_offs, raw_type) - orig_offs
-            return size, [self._get(orig_offs, np.uint8, size)], [], [raw_type]
-
-    return TensorReader(path)
-
-
 class _UpdateTensor(NamedTuple):
     """What _gguf_iter reads of a GGUFReader tensor, for a weight update's tensor."""
     name: str
@@ -290,7 +249,7 @@ def _gguf_update_tensor(name: str, value: Any) -> _UpdateTensor:
 
 
 def gguf_weights(path: str, hf_config: Any, keep_quantized: bool = False) -> tuple[Weights, int]:
-    reader = _tensor_reader(path)        # memory-mapped: nothing is read until a tensor is touched
+    reader = gguf_reader(path)        # memory-mapped: nothing is read until a tensor is touched
     return _gguf_iter(reader.tensors, hf_config, keep_quantized), len(reader.tensors)
 
 

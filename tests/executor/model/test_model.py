@@ -136,10 +136,11 @@ def test_load_restores_default_dtype(tiny_dir):
 
 
 def test_gguf_tensor_reader_matches_stock_reader(tmp_path):
-    """Our reader steps over metadata arrays (strings, nested) yet finds the same tensors as gguf's."""
+    """Our reader steps over metadata arrays (strings, nested) yet finds the same tensors and scalars as gguf's,
+    and the arrays' lengths."""
     import gguf
     import numpy as np
-    from pagedserve.executor.model.model_loader import _tensor_reader
+    from pagedserve.common.model.gguf_metadata import gguf_array_length, gguf_field, gguf_reader
     path = str(tmp_path / "synthetic.gguf")
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_string("general.name", "synthetic")
@@ -155,13 +156,21 @@ def test_gguf_tensor_reader_matches_stock_reader(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    ours, stock = _tensor_reader(path), gguf.GGUFReader(path)
+    ours, stock = gguf_reader(path), gguf.GGUFReader(path)
     assert [t.name for t in ours.tensors] == ["a.weight", "b.weight"]
     for mine, theirs in zip(ours.tensors, stock.tensors):
         assert (mine.name, mine.tensor_type, mine.shape.tolist()) == (theirs.name, theirs.tensor_type,
                                                                       theirs.shape.tolist())
         assert np.array_equal(mine.data, theirs.data)
     assert ours.fields["general.name"].contents() == "synthetic"     # scalars are still parsed
+    assert (gguf_field(ours, "x.float"), gguf_field(ours, "x.bool"), gguf_field(ours, "x.none", 7)) == (1.5, True, 7)
+    for reader in (ours, stock):
+        assert [gguf_array_length(reader, k) for k in ("tokenizer.ggml.tokens", "x.ints", "x.nested",
+                                                        "x.nested_strings", "x.none")] == [4, 3, 2, 2, None]
+    with pytest.raises(ValueError, match="x.ints is an array"):
+        gguf_field(ours, "x.ints")
+    with pytest.raises(ValueError, match="general.name is not an array"):
+        gguf_array_length(ours, "general.name")
 
 
 def test_reverse_permute_undoes_llama_cpp_permute():

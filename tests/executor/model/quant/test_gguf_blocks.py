@@ -12,7 +12,8 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
 from pagedserve.common.model.model_files import embedded_model_path
-from pagedserve.executor.model.model_loader import _tensor_reader, reverse_permute
+from pagedserve.common.model.gguf_metadata import gguf_reader
+from pagedserve.executor.model.model_loader import reverse_permute
 from pagedserve.executor.model.quant.gguf_blocks import (GGUF_QUANT_TYPES, decode_gguf_tensor,
                                                          reverse_permute_rows)
 from pagedserve.tests.helpers.gguf_blocks import random_k_blocks as _random_k_blocks
@@ -32,7 +33,7 @@ def _check_matches_reference(data: np.ndarray, qtype: T, shape: tuple[int, int])
 
 @pytest.fixture(scope="module")
 def smollm2_tensors() -> dict:
-    return {t.name: t for t in _tensor_reader(embedded_model_path()).tensors}
+    return {t.name: t for t in gguf_reader(embedded_model_path()).tensors}
 
 
 def _torch_shape(tensor) -> tuple[int, int]:
