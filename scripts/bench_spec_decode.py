@@ -16,13 +16,10 @@ Engines, each in its own process on THREADS threads, alternated within each repe
   llama.cpp-draft     llama-server with SPEC's draft model and k (only for a draft_model SPEC with a GGUF draft)
 W1 (--w1-requests of bench_cpu_peer's W1, all at once): pagedserve with and without SPEC.
 
---padded-target N: the draft_model comparison on scripts/make_padded_target.py's target (the embedded 135M with
-N zero-output layers appended: the same function at ~N/30+1 times the layers' bytes, built where missing), with
-the embedded 135M as the draft, k = 3 (or --spec): a best-case draft that agrees nearly always, measuring what
-the draft path's mechanics cost and give, not a real draft's acceptance.
+A draft_model SPEC with a GGUF draft (--spec '{"model": "DRAFT.gguf", "num_speculative_tokens": 3}') and the
+target as --gguf runs llama.cpp with the same draft beside it (llama.cpp-draft).
 
     python scripts/bench_spec_decode.py --repeats 2 --result-file benchmarks/results/spec_decode.jsonl
-    python scripts/bench_spec_decode.py --padded-target 90 --result-file benchmarks/results/spec_decode.jsonl
 """
 from __future__ import annotations
 
@@ -34,7 +31,6 @@ import time
 from bench_child import report, run_child
 from bench_cpu_peer import default_gguf, find_llama_server, w1_requests   # scripts/ is on sys.path
 from llama_server_peer import LlamaServer, version as llama_version
-from make_padded_target import padded_target
 
 from pagedserve.common.speculative import parse_speculative_config
 from pagedserve.frontend.bench.results import append_result, run_metadata
@@ -66,7 +62,6 @@ PROMPTS = {
 }
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 LLAMA_SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
-PADDED_DRAFT_K = 3
 LLAMA_DRAFT = "llama.cpp-draft"
 
 
@@ -171,9 +166,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", default=None, help="the GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--spec", default=None, help="pagedserve-METHOD's --speculative-config (default: ngram, k 5, "
-                   "lookup 2..4; with --padded-target: draft_model, the embedded 135M, k 3)")
-    p.add_argument("--padded-target", type=int, default=None, metavar="N",
-                   help="target: the embedded 135M with N zero-output layers (scripts/make_padded_target.py)")
+                   "lookup 2..4)")
     p.add_argument("--llama-spec-types", nargs="*", default=None,
                    help=f"llama-server --spec-type runs (default for an ngram spec: {' '.join(LLAMA_SPEC_TYPES)})")
     p.add_argument("--repeats", type=int, default=2)
@@ -183,22 +176,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--llama-cache", default=None)
     p.add_argument("--result-file", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.padded_target is not None and args.gguf:
-        p.error("--padded-target and --gguf both pick the target: give one")
-    if args.padded_target is not None and args.padded_target < 1:
-        p.error(f"--padded-target: {args.padded_target} is not >= 1")
-    return args
-
-
-def target_and_spec(args: argparse.Namespace) -> tuple[str, dict]:
-    """The target GGUF (the padded target built where missing) and the speculative config to run on it."""
-    if args.padded_target is None:
-        gguf, default_spec = args.gguf or default_gguf(), DEFAULT_SPEC
-    else:
-        gguf = padded_target(args.padded_target, llama_cache=args.llama_cache)
-        default_spec = {"method": "draft_model", "model": default_gguf(), "num_speculative_tokens": PADDED_DRAFT_K}
-    return gguf, json.loads(args.spec) if args.spec else default_spec
+    return p.parse_args()
 
 
 def main() -> None:
@@ -206,7 +184,7 @@ def main() -> None:
     if args.child:
         return child_main(args.child)
     binary = find_llama_server(args.llama_cache)
-    gguf, spec = target_and_spec(args)
+    gguf, spec = args.gguf or default_gguf(), json.loads(args.spec) if args.spec else DEFAULT_SPEC
     names = engine_names(spec, args.llama_spec_types)
     cfg = {"gguf": gguf, "threads": args.threads, "max_tokens": args.max_tokens, "w1_requests": args.w1_requests,
            "llama_server": binary, "prompts": prompt_ids(gguf)}
