@@ -1,23 +1,18 @@
-"""scripts/bench_spec_decode.py's engines: the speculative one is labelled by its method, and llama.cpp gets the
-same draft model where pagedserve runs a GGUF draft (pure functions; nothing is run)."""
+"""`pagedserve bench spec-decode`'s engines (frontend/bench/peer/spec_decode.py): the speculative one is labelled
+by its method, and llama.cpp gets the same draft model where pagedserve runs a GGUF draft (pure functions; nothing
+is run)."""
 from __future__ import annotations
 
-import pytest
+from pagedserve.frontend.bench.peer import spec_decode as bench
 
 
-@pytest.fixture()
-def bench(scripts_on_path):
-    import bench_spec_decode
-    return bench_spec_decode
-
-
-def test_ngram_keeps_its_label_and_llama_cpp_ngram_types(bench):
+def test_ngram_keeps_its_label_and_llama_cpp_ngram_types():
     names = bench.engine_names(bench.DEFAULT_SPEC, None)
     assert names == ["pagedserve", "pagedserve-ngram", "llama.cpp"] + [f"llama.cpp-{t}" for t in bench.LLAMA_SPEC_TYPES]
     assert bench.llama_draft_args(bench.DEFAULT_SPEC) is None
 
 
-def test_a_gguf_draft_model_is_labelled_and_given_to_llama_cpp(bench):
+def test_a_gguf_draft_model_is_labelled_and_given_to_llama_cpp():
     spec = {"model": "/m/draft.gguf", "num_speculative_tokens": 3}        # method implied by the model
     assert bench.engine_names(spec, None) == ["pagedserve", "pagedserve-draft_model", "llama.cpp", "llama.cpp-draft"]
     assert bench.llama_draft_args(spec) == ("--spec-type", "draft-simple", "--spec-draft-model", "/m/draft.gguf",
@@ -25,6 +20,7 @@ def test_a_gguf_draft_model_is_labelled_and_given_to_llama_cpp(bench):
     assert bench.engine_names(spec, ["ngram-mod"])[-2:] == ["llama.cpp-ngram-mod", "llama.cpp-draft"]
 
 
-def test_an_hf_draft_has_no_llama_cpp_peer(bench):
+def test_an_hf_draft_has_no_llama_cpp_peer():
     spec = {"method": "draft_model", "model": "/m/draft-folder", "num_speculative_tokens": 2}
     assert bench.engine_names(spec, None) == ["pagedserve", "pagedserve-draft_model", "llama.cpp"]
+

@@ -1,5 +1,5 @@
-"""scripts/bench_cpu_peer.py: engine specs are typed and checked like engine-serve's flags, and the peer's
-peak-RSS watcher sees a real process's peak."""
+"""`pagedserve bench peer` (frontend/bench/peer/): engine specs are typed and checked like engine-serve's flags,
+and the peer's peak-RSS watcher sees a real process's peak."""
 from __future__ import annotations
 
 import subprocess
@@ -8,25 +8,21 @@ import time
 
 import pytest
 
-
-@pytest.fixture()
-def bench(scripts_on_path):
-    import bench_cpu_peer
-    return bench_cpu_peer
+from pagedserve.frontend.bench.peer import engines, llama_server
 
 
-def test_pagedserve_options_are_typed_as_engine_args(bench):
-    spec = bench.parse_engine("pagedserve-x:max_num_seqs=4,enable_prefix_caching=false,dtype=float32,"
+def test_pagedserve_options_are_typed_as_engine_args():
+    spec = engines.parse_engine("pagedserve-x:max_num_seqs=4,enable_prefix_caching=false,dtype=float32,"
                               "max_model_len=none,kv_cache_memory=0.5")
     assert spec == {"name": "pagedserve-x", "kind": "pagedserve",
                     "options": {"max_num_seqs": 4, "enable_prefix_caching": False, "dtype": "float32",
                                 "max_model_len": None, "kv_cache_memory": 0.5}}
-    assert bench.parse_engine("pagedserve") == {"name": "pagedserve", "kind": "pagedserve", "options": {}}
+    assert engines.parse_engine("pagedserve") == {"name": "pagedserve", "kind": "pagedserve", "options": {}}
 
 
-def test_engine_kinds(bench):
-    assert bench.parse_engine("llama.cpp")["kind"] == "llama"
-    assert bench.parse_engine("hf:batch=8") == {"name": "hf", "kind": "hf", "options": {"batch": "8"}}
+def test_engine_kinds():
+    assert engines.parse_engine("llama.cpp")["kind"] == "llama"
+    assert engines.parse_engine("hf:batch=8") == {"name": "hf", "kind": "hf", "options": {"batch": "8"}}
 
 
 @pytest.mark.parametrize("text, field", [
@@ -41,28 +37,27 @@ def test_engine_kinds(bench):
     ("hf:beams=2", "beams"),
     ("vllm", "vllm"),
 ])
-def test_bad_engine_specs_name_the_problem(bench, text, field):
+def test_bad_engine_specs_name_the_problem(text, field):
     with pytest.raises(ValueError, match=field):
-        bench.parse_engine(text)
+        engines.parse_engine(text)
 
 
-def test_w1_cap_keeps_prompts(bench):
+def test_w1_cap_keeps_prompts():
     cfg = {"num_requests": 5, "max_tokens": 8}
-    full = bench.w1_requests({**cfg, "max_tokens": None})
-    capped = bench.w1_requests(cfg)
+    full = engines.w1_requests({**cfg, "max_tokens": None})
+    capped = engines.w1_requests(cfg)
     assert [p for p, _ in capped] == [p for p, _ in full]
     assert [m for _, m in capped] == [min(m, 8) for _, m in full]
     assert len(full) == 5 and any(m > 8 for _, m in full)
 
 
-def test_rss_sampler_sees_the_peak_of_a_process_that_frees_it(bench):
-    import llama_server_peer
+def test_rss_sampler_sees_the_peak_of_a_process_that_frees_it():
     # 200 MiB touched, freed, then the process idles: only the peak, not the current RSS, shows it.
     code = ("import time; b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); del b; "
             "print('freed', flush=True); time.sleep(30)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        sampler = llama_server_peer.RssSampler(proc.pid, interval_s=1.0)
+        sampler = llama_server.RssSampler(proc.pid, interval_s=1.0)
         assert proc.stdout.readline().strip() == "freed"
         time.sleep(0.1)
         peak = sampler.stop()
@@ -70,3 +65,4 @@ def test_rss_sampler_sees_the_peak_of_a_process_that_frees_it(bench):
         proc.kill()
         proc.wait()
     assert peak >= 200
+
