@@ -4,11 +4,13 @@ functions; nothing is built or run)."""
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
 from pagedserve.frontend import pagedserve_cli
-from pagedserve.frontend.bench.peer import ladder_report
+from pagedserve.frontend.bench.peer import ladder, ladder_report
 from pagedserve.frontend.bench.peer import ladder_models as lm
 from pagedserve.frontend.bench.peer.ladder_serve import serve_flags
 
@@ -117,3 +119,19 @@ def test_plot_points_come_from_each_files_latest_run():
     assert points[("pagedserve", "Q4_0")] == [(80.0, "135m", 6.0, 200.0)]
     assert points[("llama.cpp", "Q4_0")] == [(200.0, "360m", 8.0, 100.0)]
 
+
+def test_help_is_the_benchmarks_own():
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.frontend.pagedserve_cli", "bench", "ladder", "--help"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "CPU speed at real model sizes (issue 25)" in proc.stdout
+    assert "pagedserve bench ladder --build-only" in proc.stdout
+    for flag in ("--sizes", "--formats", "--serve-only", "--pagedserve-option", "--plot", "--build-only"):
+        assert flag in proc.stdout
+
+
+def test_out_of_range_counts_are_usage_errors(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--repeats", "0"])
+    assert exit_.value.code == 2 and "--repeats must be >= 1" in capsys.readouterr().err
+    assert parse_args([]).run is ladder.main
