@@ -28,6 +28,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "ladder": ("peer.ladder", "llama-server and pagedserve on a ladder of SmolLM2-shaped models (CPU, issue 25)."),
     "spec-decode": ("peer.spec_decode", "Speculative decoding against none and against llama-server's (CPU, "
                                         "issue 26)."),
+    "kernels": ("gpu.kernels", "GPU kernel timings against their bandwidth and FLOP floors (--moe: the fused MoE)."),
 }
 
 
