@@ -2,7 +2,8 @@
 
     pagedserve serve [engine-serve's flags]       the OpenAI-compatible server (the same as `engine-serve`)
     pagedserve chat | complete [-q TEXT]          interactive clients of a running server
-    pagedserve bench serve | throughput | latency benchmarks (frontend/bench/)
+    pagedserve bench serve | throughput | latency | peer | ladder | spec-decode | kernels
+                                                  benchmarks (frontend/bench/)
 
 `serve` hands its arguments to engine-serve's own parser untouched, so the two never differ. Each subcommand
 imports what it needs only when it runs: `pagedserve chat` loads no torch.
@@ -13,15 +14,35 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable
+from types import ModuleType
 
-# bench subcommand -> module under pagedserve.frontend.bench, with add_cli_args(parser) and main(args).
-BENCHES = {"serve": "Load an OpenAI-compatible server over HTTP at given request rates (TTFT, TPOT, ITL, E2EL).",
-           "throughput": "Offline throughput of pagedserve's LLM (or HF transformers) on one set of requests.",
-           "latency": "Offline latency of one batch, per batch size (and decode ms per token)."}
+# bench subcommand -> (module under pagedserve.frontend.bench, its help line). A module has add_cli_args(parser)
+# and main(args), and may have check_args(args): flags that are wrong together or out of range raise ValueError
+# there, reported as the subcommand's usage error before anything runs.
+BENCHES: dict[str, tuple[str, str]] = {
+    "serve": ("serve", "Load an OpenAI-compatible server over HTTP at given request rates (TTFT, TPOT, ITL, E2EL)."),
+    "throughput": ("throughput", "Offline throughput of pagedserve's LLM (or HF transformers) on one set of requests."),
+    "latency": ("latency", "Offline latency of one batch, per batch size (and decode ms per token)."),
+    "peer": ("peer.cpu_peer", "llama.cpp's llama-server, HF transformers and pagedserve side by side on one GGUF "
+                              "(CPU)."),
+    "ladder": ("peer.ladder", "llama-server and pagedserve on a ladder of SmolLM2-shaped models (CPU, issue 25)."),
+    "spec-decode": ("peer.spec_decode", "Speculative decoding against none and against llama-server's (CPU, "
+                                        "issue 26)."),
+    "kernels": ("gpu.kernels", "GPU kernel timings against their bandwidth and FLOP floors (--moe: the fused MoE)."),
+}
 
 
-def _bench_module(name: str):
+def _bench_module(name: str) -> ModuleType:
     return importlib.import_module(f"pagedserve.frontend.bench.{name}")
+
+
+def _usage_checker(module: ModuleType, parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], None]:
+    def check(args: argparse.Namespace) -> None:
+        try:
+            module.check_args(args)
+        except ValueError as exc:
+            parser.error(str(exc))             # usage and message on stderr, exit 2, as argparse's own errors
+    return check
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -39,12 +60,22 @@ def make_parser() -> argparse.ArgumentParser:
     complete.set_defaults(run=openai_clients.complete)
     bench = subs.add_parser("bench", help="benchmarks", description="Benchmarks, shaped like vllm bench.")
     bench_subs = bench.add_subparsers(dest="bench", required=True)
-    for name, text in BENCHES.items():
-        sub = bench_subs.add_parser(name, help=text, description=_bench_module(name).__doc__,
+    for name, (module_name, text) in BENCHES.items():
+        module = _bench_module(module_name)
+        sub = bench_subs.add_parser(name, help=text, description=module.__doc__,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-        _bench_module(name).add_cli_args(sub)
-        sub.set_defaults(run=_bench_module(name).main)
+        module.add_cli_args(sub)
+        sub.set_defaults(run=module.main, check=_usage_checker(module, sub) if hasattr(module, "check_args") else None)
     return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed, and checked by the subcommand's check_args where it has one (SystemExit 2 if wrong)."""
+    args = make_parser().parse_args(argv)
+    check = getattr(args, "check", None)
+    if check is not None:
+        check(args)
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         from pagedserve.frontend import cli
         cli.main(argv[1:])
         return
-    args = make_parser().parse_args(argv)
+    args = parse_args(argv)
     args.command_line = ["pagedserve", *argv]        # what a results line says ran
     run: Callable[[argparse.Namespace], object] = args.run
     run(args)

@@ -37,7 +37,7 @@ for step in $steps; do
   start=$(date +%s)
   case $step in
     tests) $PYTEST -x tests/kernels/test_kernels.py tests/kernels/test_gpu.py > "$OUT/tests.log" 2>&1 ;;
-    kernels) $PY scripts/bench_kernels.py --out "$OUT/kernels_gpu.md" > "$OUT/kernels.log" 2>&1 ;;
+    kernels) $BENCH kernels --out "$OUT/kernels_gpu.md" > "$OUT/kernels.log" 2>&1 ;;
     decode) { s1 --label pagedserve; s1 --enforce-eager --label "pagedserve eager"; } > "$OUT/decode.log" 2>&1 ;;
     throughput)
       for backend in ${BACKENDS:-pagedserve hf}; do

@@ -5,7 +5,6 @@ No timing is asserted: only counts, the presence and order of the metrics, and t
 from __future__ import annotations
 
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -17,7 +16,6 @@ from pagedserve.frontend.bench.datasets import random_dataset
 from pagedserve.frontend.bench.results import read_results
 from pagedserve.tests.helpers.server import API_KEY, SMALL_KV, Server
 
-SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 METRICS = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "median", "std", "p50", "p90", "p99")
@@ -116,9 +114,8 @@ def llama_server_binary() -> str | None:
 
 
 @pytest.mark.skipif(llama_server_binary() is None, reason="no llama-server built (scripts/build_llama_server.sh)")
-def test_bench_serve_drives_llama_server(monkeypatch, tmp_path):
-    monkeypatch.syspath_prepend(str(SCRIPTS))
-    from llama_server_peer import LlamaServer
+def test_bench_serve_drives_llama_server(tmp_path):
+    from pagedserve.frontend.bench.peer.llama_server import LlamaServer
     server = LlamaServer(llama_server_binary(), embedded_model_path(), threads=1, parallel=2, ctx=1024)
     try:
         results = tmp_path / "llama.jsonl"

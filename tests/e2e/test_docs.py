@@ -95,15 +95,50 @@ def test_operations_lists_every_environment_variable():
 
 # A path the docs name in code spans, from one of the repository's own folders (a bare file name is relative to
 # the folder the sentence is about, and is not checked).
-_REPO_PATH = re.compile(r"`((?:common|core|executor|frontend|ipc|kernels|tests|scripts|docs|benchmarks)/[\w./-]*\w)"
-                        r"(?::[\w.]+)?`")
+_FOLDERS = r"(?:common|core|executor|frontend|ipc|kernels|tests|scripts|docs|benchmarks)"
+_REPO_PATH = re.compile(rf"`({_FOLDERS}/[\w./-]*\w)(?::[\w.]+)?`")
+# Inside code (spans and fenced blocks), a word that names a path: REV:PATH is that path as of a commit (a script
+# since deleted, quoted where its figures are: `d12b9c3:scripts/bench_lora.py`), checked in git; a plain .py or .sh
+# (a command's program) must be in the tree. Other plain words may name files a command writes.
+_CODE_PATH = re.compile(rf"(?<![^\s(=`])(?:([0-9a-f]{{7,40}}):)?({_FOLDERS}/[\w./-]*\w)")
+_FENCED = re.compile(r"^(```+|~~~+).*?^\1[ \t]*$", re.S | re.M)
+_CODE_SPAN = re.compile(r"`((?:[^`\n]|\n(?![ \t]*\n))+)`")        # a span may wrap, but not across a blank line
+
+
+def _in_git(revision: str, path: str) -> bool:
+    return subprocess.run(["git", "cat-file", "-e", f"{revision}:{path}"], cwd=REPO, capture_output=True,
+                          timeout=60).returncode == 0
+
+
+def missing_paths(text: str) -> list[str]:
+    """The repository paths `text` names that are neither in the tree nor, written REV:PATH, in REV."""
+    missing = {p for p in _REPO_PATH.findall(text) if not os.path.exists(os.path.join(REPO, p))}
+    code = [m.group(0) for m in _FENCED.finditer(text)] + _CODE_SPAN.findall(_FENCED.sub("", text))
+    for chunk in code:
+        for revision, path in _CODE_PATH.findall(chunk):
+            if revision and not _in_git(revision, path):
+                missing.add(f"{revision}:{path}")
+            elif not revision and path.endswith((".py", ".sh")) and not os.path.exists(os.path.join(REPO, path)):
+                missing.add(path)
+    return sorted(missing)
 
 
 @pytest.mark.parametrize("path", [*doc_files(), "benchmarks/README.md"])
 def test_every_repository_path_named_exists(path):
     """File and folder names in prose drift when code moves; links are checked above, these here."""
-    missing = sorted({p for p in _REPO_PATH.findall(read(path)) if not os.path.exists(os.path.join(REPO, p))})
-    assert missing == []
+    assert missing_paths(read(path)) == []
+
+
+def test_a_deleted_file_is_named_with_its_revision():
+    # ced632f's scripts/bench_cpu_compile.py is in git history only (a retired experiment).
+    assert missing_paths("`git show ced632f:scripts/bench_cpu_compile.py`") == []
+    assert missing_paths("measured with `ced632f:scripts/bench_cpu_compile.py --x 1`") == []
+    assert missing_paths("`scripts/bench_cpu_compile.py`") == ["scripts/bench_cpu_compile.py"]
+    assert missing_paths("`python scripts/bench_cpu_compile.py --x 1`") == ["scripts/bench_cpu_compile.py"]
+    assert missing_paths("```bash\npython scripts/bench_cpu_compile.py\n```\n") == ["scripts/bench_cpu_compile.py"]
+    assert missing_paths("(`python\nscripts/bench_cpu_compile.py`)") == ["scripts/bench_cpu_compile.py"]   # wrapped
+    assert missing_paths("`ced632f:scripts/no_such_file.py`") == ["ced632f:scripts/no_such_file.py"]
+    assert missing_paths("`scripts/soak.py --out benchmarks/new.md`, `tests/e2e`") == []   # what a run writes
 
 
 def test_every_metric_named_is_exported():

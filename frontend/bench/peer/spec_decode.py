@@ -1,6 +1,7 @@
-"""Speculative decoding on CPU (issue 26): single-stream ms/token on input-grounded prompts, pagedserve with
-and without speculation (`ngram` by default, or any --spec) against llama.cpp's `llama-server` with and without
-its own (n-gram types; with a GGUF draft model, the same draft); and W1 with speculation on against off.
+"""`pagedserve bench spec-decode`: speculative decoding on CPU (issue 26). Single-stream ms/token on
+input-grounded prompts, pagedserve with and without speculation (`ngram` by default, or any --spec) against
+llama.cpp's `llama-server` with and without its own (n-gram types; with a GGUF draft model, the same draft); and
+W1 with speculation on against off.
 
 Prompts (`PROMPTS`): four chat turns that ask the model to repeat a passage of 150-300 tokens with a light
 edit: prose, a code function, a list, a record. Every engine gets the same token ids (the chat template
@@ -14,15 +15,12 @@ Engines, each in its own process on THREADS threads, alternated within each repe
   llama.cpp-<type>    llama-server --spec-type <type> (each of --llama-spec-types, default the n-gram types
                       for an ngram SPEC; the best is what to beat)
   llama.cpp-draft     llama-server with SPEC's draft model and k (only for a draft_model SPEC with a GGUF draft)
-W1 (--w1-requests of bench_cpu_peer's W1, all at once): pagedserve with and without SPEC.
+W1 (--w1-requests of `bench peer`'s W1, all at once): pagedserve with and without SPEC.
 
---padded-target N: the draft_model comparison on scripts/make_padded_target.py's target (the embedded 135M with
-N zero-output layers appended: the same function at ~N/30+1 times the layers' bytes, built where missing), with
-the embedded 135M as the draft, k = 3 (or --spec): a best-case draft that agrees nearly always, measuring what
-the draft path's mechanics cost and give, not a real draft's acceptance.
+A draft_model SPEC with a GGUF draft (--spec '{"model": "DRAFT.gguf", "num_speculative_tokens": 3}') and the
+target as --gguf runs llama.cpp with the same draft beside it (llama.cpp-draft).
 
-    python scripts/bench_spec_decode.py --repeats 2 --result-file benchmarks/results/spec_decode.jsonl
-    python scripts/bench_spec_decode.py --padded-target 90 --result-file benchmarks/results/spec_decode.jsonl
+    pagedserve bench spec-decode --repeats 2 --result-file benchmarks/results/spec_decode.jsonl
 """
 from __future__ import annotations
 
@@ -30,13 +28,14 @@ import argparse
 import json
 import statistics
 import time
-
-from bench_child import report, run_child
-from bench_cpu_peer import default_gguf, find_llama_server, w1_requests   # scripts/ is on sys.path
-from llama_server_peer import LlamaServer, version as llama_version
-from make_padded_target import padded_target
+from collections.abc import Callable
+from typing import Any
 
 from pagedserve.common.speculative import parse_speculative_config
+from pagedserve.frontend.bench.peer.child import report, run_child
+from pagedserve.frontend.bench.peer.engines import default_gguf, w1_requests
+from pagedserve.frontend.bench.peer.llama_server import LlamaServer, find_llama_server
+from pagedserve.frontend.bench.peer.llama_server import version as llama_version
 from pagedserve.frontend.bench.results import append_result, run_metadata
 
 RECORD = ", ".join(f'"{k}": "{v}"' for k, v in [
@@ -66,16 +65,15 @@ PROMPTS = {
 }
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 LLAMA_SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
-PADDED_DRAFT_K = 3
 LLAMA_DRAFT = "llama.cpp-draft"
 
 
-def spec_engine(spec: dict) -> str:
+def spec_engine(spec: dict[str, Any]) -> str:
     """pagedserve's speculative engine, labelled by the method it runs (method may be implied by a model)."""
     return f"pagedserve-{parse_speculative_config(spec).method}"
 
 
-def llama_draft_args(spec: dict) -> tuple[str, ...] | None:
+def llama_draft_args(spec: dict[str, Any]) -> tuple[str, ...] | None:
     """llama-server's flags for SPEC's draft model and k; None unless SPEC is draft_model with a GGUF draft."""
     cfg = parse_speculative_config(spec)
     if cfg.method != "draft_model" or not str(cfg.model).endswith(".gguf"):
@@ -84,7 +82,7 @@ def llama_draft_args(spec: dict) -> tuple[str, ...] | None:
             "--spec-draft-n-max", str(cfg.num_speculative_tokens))
 
 
-def engine_names(spec: dict, llama_spec_types: list[str] | None) -> list[str]:
+def engine_names(spec: dict[str, Any], llama_spec_types: list[str] | None) -> list[str]:
     """The engines of one repeat; llama_spec_types None: llama.cpp's n-gram types for an ngram SPEC only."""
     if llama_spec_types is None:
         llama_spec_types = list(LLAMA_SPEC_TYPES) if parse_speculative_config(spec).method == "ngram" else []
@@ -101,9 +99,10 @@ def prompt_ids(gguf: str) -> dict[str, list[int]]:
                 for name, text in PROMPTS.items()}
 
 
-def ms_per_token(generate, ids: list[int], max_tokens: int) -> tuple[float, int]:
+def ms_per_token(generate: Callable[[list[int], int], int], ids: list[int], max_tokens: int) -> tuple[float, int]:
     """(ms per output token after the first, tokens of the full answer); the second pass of each kept."""
-    times, tokens = {}, 0
+    times: dict[int, float] = {}
+    tokens = 0
     for n in (1, max_tokens, 1, max_tokens):
         start = time.perf_counter()
         made = generate(ids, n)
@@ -113,7 +112,7 @@ def ms_per_token(generate, ids: list[int], max_tokens: int) -> tuple[float, int]
     return (times[max_tokens] - times[1]) / max(1, tokens - 1) * 1e3, tokens
 
 
-def run_pagedserve(cfg: dict, spec: dict | None) -> dict:
+def run_pagedserve(cfg: dict[str, Any], spec: dict[str, Any] | None) -> dict[str, Any]:
     from pagedserve import LLM, SamplingParams
     llm = LLM(cfg["gguf"], max_model_len=2048, speculative_config=spec)
 
@@ -136,7 +135,7 @@ def run_pagedserve(cfg: dict, spec: dict | None) -> dict:
     return out
 
 
-def run_llama(cfg: dict, name: str, spec: dict) -> dict:
+def run_llama(cfg: dict[str, Any], name: str, spec: dict[str, Any]) -> dict[str, Any]:
     if name == LLAMA_DRAFT:
         extra: tuple[str, ...] = llama_draft_args(spec) or ()
     else:
@@ -156,24 +155,22 @@ def run_llama(cfg: dict, name: str, spec: dict) -> dict:
 
 
 def child_main(payload: str) -> None:
+    """In the child (child.py): one pagedserve engine's runs, reported to the parent."""
     job = json.loads(payload)
     report(run_pagedserve(job["cfg"], job["spec"]))
 
 
-def run_engine(name: str, cfg: dict, spec: dict) -> dict:
+def run_engine(name: str, cfg: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     if name.startswith("llama.cpp"):
         return run_llama(cfg, name, spec)
     job = {"cfg": cfg, "spec": spec if name == spec_engine(spec) else None}
-    return run_child(__file__, json.dumps(job), cfg["threads"], name)
+    return run_child(__name__, json.dumps(job), cfg["threads"], name)
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", default=None, help="the GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--spec", default=None, help="pagedserve-METHOD's --speculative-config (default: ngram, k 5, "
-                   "lookup 2..4; with --padded-target: draft_model, the embedded 135M, k 3)")
-    p.add_argument("--padded-target", type=int, default=None, metavar="N",
-                   help="target: the embedded 135M with N zero-output layers (scripts/make_padded_target.py)")
+                   "lookup 2..4)")
     p.add_argument("--llama-spec-types", nargs="*", default=None,
                    help=f"llama-server --spec-type runs (default for an ngram spec: {' '.join(LLAMA_SPEC_TYPES)})")
     p.add_argument("--repeats", type=int, default=2)
@@ -182,31 +179,25 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--w1-requests", type=int, default=64, help="0: no W1 runs")
     p.add_argument("--llama-cache", default=None)
     p.add_argument("--result-file", default=None)
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.padded_target is not None and args.gguf:
-        p.error("--padded-target and --gguf both pick the target: give one")
-    if args.padded_target is not None and args.padded_target < 1:
-        p.error(f"--padded-target: {args.padded_target} is not >= 1")
-    return args
 
 
-def target_and_spec(args: argparse.Namespace) -> tuple[str, dict]:
-    """The target GGUF (the padded target built where missing) and the speculative config to run on it."""
-    if args.padded_target is None:
-        gguf, default_spec = args.gguf or default_gguf(), DEFAULT_SPEC
-    else:
-        gguf = padded_target(args.padded_target, llama_cache=args.llama_cache)
-        default_spec = {"method": "draft_model", "model": default_gguf(), "num_speculative_tokens": PADDED_DRAFT_K}
-    return gguf, json.loads(args.spec) if args.spec else default_spec
+def check_args(args: argparse.Namespace) -> None:
+    """--spec parsed and checked as the engine will (ValueError, reported as a usage error), before anything
+    is built or started."""
+    try:
+        args.spec_config = json.loads(args.spec) if args.spec else DEFAULT_SPEC
+        if parse_speculative_config(args.spec_config) is None:
+            raise ValueError("an empty config runs no speculation")
+    except ValueError as exc:               # JSON's errors too
+        raise ValueError(f"--spec: {exc}") from None
+    for name in ("repeats", "threads", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
 
 
-def main() -> None:
-    args = parse_args()
-    if args.child:
-        return child_main(args.child)
+def main(args: argparse.Namespace) -> None:
     binary = find_llama_server(args.llama_cache)
-    gguf, spec = target_and_spec(args)
+    gguf, spec = args.gguf or default_gguf(), args.spec_config     # check_args parsed --spec
     names = engine_names(spec, args.llama_spec_types)
     cfg = {"gguf": gguf, "threads": args.threads, "max_tokens": args.max_tokens, "w1_requests": args.w1_requests,
            "llama_server": binary, "prompts": prompt_ids(gguf)}
@@ -223,11 +214,12 @@ def main() -> None:
                   + " ".join(f"{k} {v[0]:.2f} ({v[1]} tok)" for k, v in result["single"].items())
                   + (f"  W1 {result['w1_tok_s']:.1f} tok/s" if "w1_tok_s" in result else ""), flush=True)
             if args.result_file:
-                append_result(args.result_file, {**run_metadata("spec_decode", name), **info, **result})
+                meta = run_metadata("spec_decode", name, getattr(args, "command_line", None))
+                append_result(args.result_file, {**meta, **info, **result})
     print_summary(runs, spec_engine(spec))
 
 
-def print_summary(runs: dict[str, list[dict]], spec_name: str) -> None:
+def print_summary(runs: dict[str, list[dict[str, Any]]], spec_name: str) -> None:
     def best_ms(name: str) -> float:
         return min(statistics.mean(v[0] for v in r["single"].values()) for r in runs[name])
     base, spec = best_ms("pagedserve"), best_ms(spec_name)
@@ -241,7 +233,3 @@ def print_summary(runs: dict[str, list[dict]], spec_name: str) -> None:
     w1 = {n: max(r.get("w1_tok_s", 0) for r in runs[n]) for n in ("pagedserve", spec_name)}
     if w1["pagedserve"]:
         print(f"W1 with speculation on: {w1[spec_name] / w1['pagedserve']:.2f}x of off")
-
-
-if __name__ == "__main__":
-    main()

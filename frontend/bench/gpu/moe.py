@@ -1,26 +1,23 @@
-"""The fused-MoE Triton kernel (kernels/triton/moe.py) on a GPU against its bandwidth and FLOP floors.
+"""`pagedserve bench kernels --moe`: the fused-MoE Triton kernel (kernels/triton/moe.py) on a GPU against its
+bandwidth and FLOP floors.
 
-    python scripts/bench_moe_kernel.py --out benchmarks/moe_kernel_gpu.md
+    pagedserve bench kernels --moe --out benchmarks/moe_kernel_gpu.md
 
 Shape: OLMoE-1B-7B's expert layer (hidden 2048, 64 experts of intermediate 1024, top 8), bf16, random routing.
 Floors: bytes the step must move (the weights of every expert some token chose, read once, plus activations
 in and out) / the measured copy bandwidth, and 2 * T * k * 3 * H * I FLOPs / the measured bf16 matmul rate
-(bench_kernels.ceilings). Times: median of CUDA-graph replays (routing included: alignment is on the device);
+(timing.ceilings). Times: median of CUDA-graph replays (routing included: alignment is on the device);
 the grouped PyTorch reference syncs for its per-expert split, so it is timed with launches.
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from bench_kernels import bench, bench_launched, ceilings  # scripts/ is on sys.path when a script runs
-
+from pagedserve.frontend.bench.gpu.timing import DT, bench, bench_launched
 from pagedserve.kernels import torch_moe
 from pagedserve.kernels.triton import moe as triton_moe
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 1024, 64, 8
-DT = torch.bfloat16
 
 
 def moe_inputs(tokens: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -42,7 +39,7 @@ def floor_bytes(tokens: int, ids: torch.Tensor) -> int:
     return weights + activations
 
 
-def rows(bw: float, flops: float) -> list[tuple]:
+def rows(bw: float, flops: float) -> list[tuple[str, float, float, float]]:
     out = []
     for tokens in (1, 8, 64, 256, 1024, 4096):
         x, w13, w2, weights, ids = moe_inputs(tokens)
@@ -61,25 +58,12 @@ def rows(bw: float, flops: float) -> list[tuple]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=None, help="append the markdown table to this file")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_moe_kernel.py needs a CUDA GPU")
-    bw, flops = ceilings()
+def table(bw: float, flops: float) -> str:
+    """Every MoE row as one markdown table under a heading naming the shape, the device and the ceilings."""
     lines = [f"\n### Fused MoE, OLMoE-1B-7B expert layer (H {HIDDEN}, I {INTER}, {EXPERTS} experts, top {TOP_K}), "
              f"bf16, {torch.cuda.get_device_name()}",
              f"measured: copy {bw / 1e9:.0f} GB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", "",
              "| case | ms | bandwidth floor ms | FLOP floor ms | x max(floor) |", "|---|---:|---:|---:|---:|"]
     for name, ms, bw_ms, fl_ms in rows(bw, flops):
         lines.append(f"| {name} | {ms:.4f} | {bw_ms:.4f} | {fl_ms:.4f} | {ms / max(bw_ms, fl_ms):.2f} |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    return "\n".join(lines)

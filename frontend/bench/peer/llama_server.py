@@ -1,11 +1,13 @@
 """llama.cpp's `llama-server` as a benchmark peer: started on a free port, fed token ids over HTTP, its peak
-RSS watched, stopped. Used by scripts/bench_cpu_peer.py; the binary comes from scripts/build_llama_server.sh."""
+RSS watched, stopped. Used by `pagedserve bench peer`, `ladder` and `spec-decode`; the binary comes from the
+checkout's scripts/build_llama_server.sh (find_llama_server)."""
 from __future__ import annotations
 
 import json
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -15,6 +17,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
+
+# The checkout this package runs from (frontend/bench/peer/ -> the repository root): the build script lives in its
+# scripts/, which an installed package does not have.
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+BUILD_SCRIPT = os.path.join(_ROOT, "scripts", "build_llama_server.sh")
 
 
 def free_port() -> int:
@@ -172,3 +179,16 @@ def version(binary: str) -> str:
         with open(marker) as f:
             text += f", from {f.read().strip()}"
     return text
+
+
+def find_llama_server(cache: str | None) -> str:
+    """The llama-server binary that scripts/build_llama_server.sh builds, or finds already built, in `cache`
+    (default PAGEDSERVE_LLAMA_CPP_DIR); SystemExit where there is no checkout to build from."""
+    from pagedserve.common import envs
+    if not os.path.isfile(BUILD_SCRIPT):
+        raise SystemExit(f"no {BUILD_SCRIPT} (an installed package has no scripts/): build llama.cpp's "
+                         "llama-server and give its path (--llama-server where the bench takes it)")
+    cmd = ["bash", BUILD_SCRIPT, cache or envs.PAGEDSERVE_LLAMA_CPP_DIR]
+    env = {**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)}
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=True)
+    return out.stdout.strip().splitlines()[-1]

