@@ -119,15 +119,15 @@ def _timed(what: str, fn: Any, *args: Any) -> None:
 def gguf_weight_bytes(path: str) -> int:
     """Bytes of every tensor as stored (quantized blocks included): what one decode step reads at least,
     since the tied embedding doubles as the output projection that every step reads whole."""
-    from gguf import GGUFReader
-    return int(sum(int(t.n_bytes) for t in GGUFReader(path).tensors))
+    from pagedserve.common.model.gguf_metadata import gguf_reader
+    return int(sum(int(t.n_bytes) for t in gguf_reader(path).tensors))
 
 
 def gguf_tensor_types(path: str) -> dict[str, int]:
     """How many tensors of each stored type (llama-quantize falls back for widths it cannot block)."""
-    from gguf import GGUFReader
+    from pagedserve.common.model.gguf_metadata import gguf_reader
     counts: dict[str, int] = {}
-    for t in GGUFReader(path).tensors:
+    for t in gguf_reader(path).tensors:
         counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
     return counts
 
