@@ -20,11 +20,32 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2_path):
+def hf_smollm2_dir(smollm2_path, tmp_path_factory) -> str:
+    """The embedded model as transformers dequantizes its GGUF (~20 s), saved once per run as a float32
+    safetensors folder that every xdist worker then loads in a fraction of a second."""
+    from filelock import FileLock
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base     # the run's, shared by its workers
+    folder = root / "hf_smollm2"
+    with FileLock(str(root / "hf_smollm2.lock")):
+        if not (folder / "config.json").is_file():
+            from safetensors.torch import save_model
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path),
+                                                         gguf_file=os.path.basename(smollm2_path), dtype=torch.float32)
+            model.config.quantization_config = None       # float32 weights now: not a GGUF checkpoint
+            partial = root / "hf_smollm2.partial"
+            partial.mkdir(exist_ok=True)
+            save_model(model, str(partial / "model.safetensors"))       # the tied embedding stored once
+            model.config.save_pretrained(str(partial))
+            partial.rename(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(hf_smollm2_dir):
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path),
-                                                 gguf_file=os.path.basename(smollm2_path), dtype=torch.float32)
-    return model.eval()
+    return AutoModelForCausalLM.from_pretrained(hf_smollm2_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

@@ -180,12 +180,11 @@ def test_tensor_parallel_ranks_match_peft(base, adapters, want):
 
 
 @pytest.fixture(scope="module")
-def smol_lora(smollm2_path, tmp_path_factory):
+def smol_lora(hf_smollm2_dir, tmp_path_factory):
     """A rank-8 adapter on every linear of the embedded model, and PEFT applying it over the dequantized GGUF."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path),
-                                              dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(hf_smollm2_dir, dtype=torch.float32)
     torch.manual_seed(5)
     peft_model = get_peft_model(hf, LoraConfig(r=8, lora_alpha=16, target_modules=list(ALL_LINEAR), lora_dropout=0.0,
                                                init_lora_weights="gaussian"))
