@@ -29,10 +29,19 @@ _BOUNDS: dict[str, dict[str, Any]] = {
 }
 
 
+# Fields the fuzzer always sends (bounded above): a Responses body without max_output_tokens generates up to
+# max_model_len, ~1 s on the tiny model, where a chat or completions body without max_tokens is mostly refused
+# for its other fields first. Their absence is the schemas' default and the other tests' common case.
+_ALWAYS = ("max_output_tokens",)
+
+
 def _narrowed(spec: dict[str, Any]) -> dict[str, Any]:
     """The spec with generation kept short: bounds on the token-count fields of every request schema."""
     spec = copy.deepcopy(spec)
     for schema in spec.get("components", {}).get("schemas", {}).values():
+        present = [name for name in _ALWAYS if name in schema.get("properties", {})]
+        if present:
+            schema["required"] = sorted(set(schema.get("required", [])) | set(present))
         for name, prop in schema.get("properties", {}).items():
             if name in _BOUNDS:
                 for variant in prop.get("anyOf", [prop]):
