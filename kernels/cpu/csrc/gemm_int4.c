@@ -11,7 +11,6 @@ once per group. Measured on the embedded model's 30 layers (docs/cpu_performance
 rows it beats the float GEMVs, torch's int4 kernel and widening the weights for oneDNN (1.5x the next best
 at 32-96 rows). */
 #include <math.h>
-#include <stdlib.h>
 
 #include "gemm_int4.h"
 #include "int4_pairs.h"
@@ -26,13 +25,14 @@ enum { FEW_ROWS_PREFETCH = 4160 };
 /* Rows block_few_rows takes in one pass over a block (16 int32 sums in registers beside 4 weight vectors). */
 enum { FEW_ROWS = 4 };
 
-typedef RoundedGemm GemmJob;      /* w: a GemvInt4 */
+typedef GemmRun GemmJob;          /* w: a GemvInt4 */
 
-/* Rows a..b-1 as int16, one scale per row (round to nearest), and each group's sum of the rounded values. */
-void ps_round_rows(const Rounded *in, int64_t k, int64_t group, int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r) {
+void ps_round_int16(const GemmRun *g) {
+    const int64_t k = g->k, group = g->group;
+    const Rounded *in = &g->in;
+    for (int64_t r = g->a; r < g->b; ++r) {
         const float *xr = in->x + r * k;
-        int16_t *q = in->xq + r * k;
+        int16_t *q = (int16_t *)in->xq + r * k;
         float top = 0.0f;
         for (int64_t i = 0; i < k; ++i) top = fabsf(xr[i]) > top ? fabsf(xr[i]) : top;   /* vectorized by gcc */
         /* In double, then rounded once: -ffast-math may turn a float division into a reciprocal and a
@@ -48,10 +48,10 @@ void ps_round_rows(const Rounded *in, int64_t k, int64_t group, int64_t a, int64
                                 _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xr + i), vinv))));
 #endif
         for (; i < k; ++i) q[i] = (int16_t)lrintf(xr[i] * inv);
-        for (int64_t g = 0; g < k / group; ++g) {
+        for (int64_t gi = 0; gi < k / group; ++gi) {
             int32_t s = 0;
-            for (int64_t i = g * group; i < (g + 1) * group; ++i) s += q[i];
-            in->xsum[r * (k / group) + g] = (float)s * in->xscale[r];
+            for (int64_t i = gi * group; i < (gi + 1) * group; ++i) s += q[i];
+            in->xsum[r * (k / group) + gi] = (float)s * in->xscale[r];
         }
     }
 }
@@ -124,7 +124,7 @@ static inline __attribute__((always_inline)) void rows_group(const GemmJob *j, c
     const GemvInt4 *w = j->w;
     const int64_t k = w->k, group = w->group, groups = k / group;
     const int16_t *x[TILE_ROWS];
-    for (int r = 0; r < TILE_ROWS; ++r) x[r] = j->in.xq + (r0 + (r < R ? r : 0)) * k + g * group;
+    for (int r = 0; r < TILE_ROWS; ++r) x[r] = (const int16_t *)j->in.xq + (r0 + (r < R ? r : 0)) * k + g * group;
     __m512i acc[TILE_ROWS][4];
     dot_group(x, tile, group / 2, acc, R);
     ps_scale_group(&j->in, j->y, w->n, nb, groups, g, r0, R, (const __m512i (*)[4])acc, scale, zero);
@@ -159,7 +159,7 @@ static inline __attribute__((always_inline)) void block_few_rows(const GemmJob *
     const int64_t k = w->k, group = w->group, groups = k / group;
     const PairShuffle sh = pair_shuffle();
     const uint8_t *p = w->packed + nb * k * 32;
-    const int16_t *xq = j->in.xq + r0 * k;
+    const int16_t *xq = (const int16_t *)j->in.xq + r0 * k;
     for (int r = 0; r < R; ++r) memset(j->y + (r0 + r) * w->n + nb * 64, 0, 64 * sizeof(float));
     for (int64_t g = 0; g < SCALE_PREFETCH_GROUPS && g < groups; ++g) ps_int4_prefetch_scales(w, g, nb);
     for (int64_t g = 0; g < groups; ++g) {
@@ -185,7 +185,7 @@ static inline __attribute__((always_inline)) void block_few_rows(const GemmJob *
 }
 #endif
 
-static void blocks(const GemmJob *j) {
+static int blocks(const GemmJob *j) {
 #ifdef __AVX512VBMI__
     /* Every row count, four rows a pass over each block (the passes after the first read its codes from L2):
        1.1-1.8x the tile's speed from 4 to 200 rows on the 1.7B and 135M models' layer shapes (issue 26,
@@ -204,10 +204,11 @@ static void blocks(const GemmJob *j) {
     __m512i tile[MAX_GROUP_PAIRS][4];
     for (int64_t nb = j->a; nb < j->b; ++nb) block(j, nb, tile);
 #endif
+    return 0;
 }
 #else
 #define GEMM_INT4_BUILT 0
-static void blocks(const GemmJob *j) { (void)j; }
+static int blocks(const GemmJob *j) { return (void)j, 2; }
 #endif
 
 int ps_gemm_int4_vectorized(void) { return GEMM_INT4_BUILT; }
@@ -216,74 +217,12 @@ int ps_gemm_int4_min_rows(void) { return GEMM_INT4_MIN_ROWS; }
 
 int ps_gemm_int4_part(const GemvInt4 *w, const float *x, int64_t rows, float *y, int64_t nb0, int64_t nb1) {
     if (!GEMM_INT4_BUILT || rows < GEMM_INT4_MIN_ROWS || !takes(w, rows)) return 2;
-    return ps_rounded_part((RoundedGemm){w, {NULL, NULL, NULL, NULL}, y, rows, 0, 0, blocks}, x, w->k, w->group,
-                           nb0, nb1);
-}
-
-int ps_rounded_part(RoundedGemm g, const float *x, int64_t k, int64_t group, int64_t nb0, int64_t nb1) {
-    enum { STACK_VALUES = 65536, STACK_SUMS = 4096 };
-    const int64_t rows = g.rows, groups = k / group;
-    const int heap = rows * k > STACK_VALUES || rows * (groups + 1) > STACK_SUMS;
-    int16_t on_stack[heap ? 1 : STACK_VALUES];
-    float sums_on_stack[heap ? 1 : STACK_SUMS];
-    int16_t *xq = heap ? malloc(sizeof(int16_t) * rows * k) : on_stack;
-    float *sums = heap ? malloc(sizeof(float) * rows * (groups + 1)) : sums_on_stack;
-    int status = 1;
-    if (xq && sums) {
-        g.in = (Rounded){x, xq, sums, sums + rows};
-        ps_round_rows(&g.in, k, group, 0, rows);
-        g.a = nb0;
-        g.b = nb1;
-        g.blocks(&g);
-        status = 0;
-    }
-    if (heap) {
-        free(xq);
-        free(sums);
-    }
-    return status;
-}
-
-typedef struct {
-    RoundedGemm g;
-    int64_t k, group;
-} RoundJob;
-
-static void *round_job(void *arg) {
-    RoundJob *j = (RoundJob *)arg;
-    ps_round_rows(&j->g.in, j->k, j->group, j->g.a, j->g.b);
-    return NULL;
-}
-
-static void *blocks_job(void *arg) {
-    const RoundJob *j = (const RoundJob *)arg;
-    j->g.blocks(&j->g);
-    return NULL;
-}
-
-static void set_range(void *job, int64_t a, int64_t b) { ((RoundJob *)job)->g.a = a; ((RoundJob *)job)->g.b = b; }
-
-int ps_rounded_threads(RoundedGemm g, const float *x, int64_t k, int64_t group, int64_t units, int threads) {
-    const int64_t rows = g.rows;
-    int16_t *xq = malloc(sizeof(int16_t) * rows * k);
-    float *sums = malloc(sizeof(float) * rows * (1 + k / group));
-    int rc = 1;
-    if (xq && sums) {
-        g.in = (Rounded){x, xq, sums, sums + rows};
-        RoundJob jobs[MAX_THREADS];
-        for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (RoundJob){g, k, group};
-        rc = ps_run_split(threads, rows, jobs, sizeof(RoundJob), round_job, set_range);
-        if (!rc) rc = ps_run_split(threads, units, jobs, sizeof(RoundJob), blocks_job, set_range);
-    }
-    free(xq);
-    free(sums);
-    return rc;
+    return ps_gemm_part(ps_int16_run(w, w->n, w->k, w->group, x, rows, y, blocks), nb0, nb1);
 }
 
 int ps_gemm_int4(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t n, int64_t k, int64_t group,
                  const float *x, int64_t rows, float *y, int threads) {
     const GemvInt4 w = {packed, sz, n, k, group, sz_form};
     if (!GEMM_INT4_BUILT || !takes(&w, rows)) return 2;
-    return ps_rounded_threads((RoundedGemm){&w, {NULL, NULL, NULL, NULL}, y, rows, 0, 0, blocks}, x, k, group, n / 64,
-                              threads);
+    return ps_gemm_threads(ps_int16_run(&w, n, k, group, x, rows, y, blocks), threads);
 }

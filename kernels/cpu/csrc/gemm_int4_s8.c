@@ -11,14 +11,13 @@ A speculative verify pass of k + 1 rows, or any batch, gives each row the bits a
 Four columns of a 64-channel block are 128 bytes of torch's pack (column j's 32 bytes: channel i the low nibble
 of byte i, channel i + 32 the high one). Two vpermt2b put the four codes of each channel side by side in a
 32-bit lane (channels 0-15 and 16-31), a mask keeps the low nibbles and a shift the high ones (32-63). */
-#include <math.h>
-#include <stdlib.h>
-
 #include "gemm_int4_amx.h"
 #include "gemm_int4_s8.h"
 
 #if GEMM_INT4_S8
 #include <immintrin.h>
+
+#include "gemm_driver.h"
 
 enum { TILE_ROWS = 4, MAX_GROUP_QUADS = 64 };     /* group sizes up to 256 (weight_only.INT4_GROUP_SIZES) */
 /* Rows one pass over a block's groups serves: their outputs (256 bytes a row) stay in L2. Unbounded, a
@@ -209,54 +208,35 @@ static void round_rows(const float *x, int64_t k, int64_t group, int8_t *xq, flo
         }
 }
 
-typedef struct {
-    const GemvInt4 *w;
-    const float *x;
-    int8_t *xq;
-    float *xscale, *xsum, *y;
-    int64_t rows, a, b;        /* this job's share: rows when rounding, 64-channel blocks when multiplying */
-    int64_t padded;            /* rows padded to the AMX tile's; 0: the VNNI tiles take the blocks */
-} SplitJob;
-
-static void *round_job(void *arg) {
-    const SplitJob *j = (const SplitJob *)arg;
-    round_rows(j->x, j->w->k, j->w->group, j->xq, j->xscale, j->xsum, j->a, j->b, (Layout){j->padded > 0, j->padded});
-    return NULL;
+static void round_vnni(const GemmRun *g) {
+    round_rows(g->in.x, g->k, g->group, g->in.xq, g->in.xscale, g->in.xsum, g->a, g->b, (Layout){0, 0});
 }
 
-static void *blocks_job(void *arg) {
-    const SplitJob *j = (const SplitJob *)arg;
-    if (j->padded)
-        return ps_gemm_int4_amx_blocks(j->w, (const uint8_t *)j->xq, j->xscale, j->xsum, j->rows, j->padded, j->y,
-                                       j->a, j->b) ? (void *)j : NULL;
-    blocks(j->w, j->xq, j->xscale, j->xsum, j->rows, j->y, j->a, j->b);
-    return NULL;
+static void round_amx(const GemmRun *g) {
+    round_rows(g->in.x, g->k, g->group, g->in.xq, g->in.xscale, g->in.xsum, g->a, g->b, (Layout){1, g->padded});
 }
 
-static void set_range(void *job, int64_t a, int64_t b) { ((SplitJob *)job)->a = a; ((SplitJob *)job)->b = b; }
+static int vnni_blocks(const GemmRun *j) {
+    blocks(j->w, j->in.xq, j->in.xscale, j->in.xsum, j->rows, j->y, j->a, j->b);
+    return 0;
+}
+
+static int amx_blocks(const GemmRun *j) {
+    return ps_gemm_int4_amx_blocks(j->w, j->in.xq, j->in.xscale, j->in.xsum, j->rows, j->padded, j->y, j->a, j->b);
+}
 
 /* allow_amx: whether many rows may take the AMX tile (same bits as the VNNI tile; 0 to measure one against
-   the other). The AMX tile reads whole tiles: the rounded rows are padded with zeros to AMX_PAD_ROWS. */
+   the other). The AMX tile reads whole tiles: the rounded rows are padded with zeros to AMX_PAD_ROWS. Only the
+   padding reads zeros: it shares its 16-row tiles with the last rows, so the whole last tile is cleared before
+   the rounding writes them (a whole-buffer calloc cleared a prefill chunk's ~MB per call). */
 static int gemm_s8(const GemvInt4 *w, const float *x, int64_t rows, float *y, int threads, int allow_amx) {
     const int amx = allow_amx && rows >= AMX_MIN_ROWS && w->k % 64 == 0 && ps_gemm_int4_amx_ready();
-    const int64_t k = w->k, groups = k / w->group;
     const int64_t padded = amx ? (rows + AMX_PAD_ROWS - 1) / AMX_PAD_ROWS * AMX_PAD_ROWS : rows;
-    /* Only the padding reads zeros: it shares its 16-row tiles with the last rows, so the whole last tile is
-       cleared before the rounding writes them (a whole-buffer calloc cleared a prefill chunk's ~MB per call). */
-    int8_t *xq = malloc((size_t)(padded * k));
-    if (xq && padded > rows) memset(xq + rows / 16 * 16 * k, 0, (size_t)((padded - rows / 16 * 16) * k));
-    float *sums = calloc((size_t)(2 * padded * groups), sizeof(float));
-    int rc = 1;
-    if (xq && sums) {
-        SplitJob jobs[MAX_THREADS];
-        for (int t = 0; t < MAX_THREADS; ++t)
-            jobs[t] = (SplitJob){w, x, xq, sums, sums + padded * groups, y, rows, 0, 0, amx ? padded : 0};
-        rc = ps_run_split(threads, rows, jobs, sizeof(SplitJob), round_job, set_range);
-        if (!rc) rc = ps_run_split(threads, w->n / 64, jobs, sizeof(SplitJob), blocks_job, set_range);
-    }
-    free(xq);
-    free(sums);
-    return rc;
+    return ps_gemm_threads((GemmRun){.w = w, .n = w->n, .k = w->k, .group = w->group, .rows = rows, .padded = padded,
+                                     .cleared_from = rows / AMX_TILE_ROWS * AMX_TILE_ROWS, .x_bytes = 1,
+                                     .scale_per_group = 1, .round = amx ? round_amx : round_vnni,
+                                     .blocks = amx ? amx_blocks : vnni_blocks, .in = {.x = x}, .y = y},
+                           threads);
 }
 
 static int takes_s8(int64_t n, int64_t k, int64_t group, int64_t sz_form, int64_t rows) {

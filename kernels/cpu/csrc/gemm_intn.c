@@ -5,7 +5,7 @@ llama-quantize writes most of a Q4_K_M file's layers as Q5_0 where a width is no
 and 360M models), so a token read 30 % more bytes than the file holds (issue 25). Here the codes keep their
 width: the low four bits are unpacked as gemm_int4.c's VBMI path unpacks a pair of columns (two byte
 shuffles, int4_pairs.h), and each further bit is one masked 16-bit add from a plane laid out in the same
-order. Inputs are rounded to int16 as there (ps_round_rows), sums are exact int32 per group (at most
+order. Inputs are rounded to int16 as there (ps_round_int16), sums are exact int32 per group (at most
 group * 63 * 32767 < 2^31) scaled into float32 once per group, four input rows a pass over a block's codes.
 A many-row call (a prefill chunk) widens the weight to bfloat16 once for oneDNN instead (ps_dequant_intn_t). */
 
@@ -24,7 +24,7 @@ enum { INTN_ROWS = 4 };            /* rows a pass: 16 int32 sums in registers be
    its 64-byte pairs. */
 enum { INTN_PREFETCH_RECORDS = 65 };
 
-typedef RoundedGemm IntNJob;      /* w: a GemvIntN */
+typedef GemmRun IntNJob;          /* w: a GemvIntN */
 
 typedef struct {
     const GemvIntN *w;
@@ -63,7 +63,7 @@ static inline __attribute__((always_inline)) void block_rows(const IntNJob *j, i
     const int64_t k = w->k, group = w->group, groups = k / group, rec = ps_intn_record_bytes(w->bits);
     const PairShuffle sh = pair_shuffle();
     const uint8_t *p = w->packed + nb * (k / 2) * rec;
-    const int16_t *xq = j->in.xq + r0 * k;
+    const int16_t *xq = (const int16_t *)j->in.xq + r0 * k;
     const GemvInt4 sz = {NULL, w->sz, w->n, k, group, w->sz_form};
     for (int r = 0; r < R; ++r) memset(j->y + (r0 + r) * w->n + nb * 64, 0, 64 * sizeof(float));
     for (int64_t g = 0; g < SCALE_PREFETCH_GROUPS && g < groups; ++g) ps_int4_prefetch_scales(&sz, g, nb);
@@ -99,12 +99,13 @@ static inline __attribute__((always_inline)) void block_rows(const IntNJob *j, i
         default: block_rows(j, nb, r0, 4, P); break;                                                        \
     }
 
-static void blocks(const IntNJob *j) {
+static int blocks(const IntNJob *j) {
     for (int64_t nb = j->a; nb < j->b; ++nb)
         for (int64_t r0 = 0; r0 < j->rows; r0 += INTN_ROWS) {
             if (((const GemvIntN *)j->w)->bits == 5) ROWS_CASES(1)
             else ROWS_CASES(2)
         }
+    return 0;
 }
 
 /* Sixteen floats to bfloat16, rounded to nearest even as f32_to_bf16 rounds. */
@@ -143,7 +144,7 @@ static void widen_blocks(const WidenJob *j) {
     }
 }
 #else
-static void blocks(const IntNJob *j) { (void)j; }
+static int blocks(const IntNJob *j) { return (void)j, 2; }
 static void widen_blocks(const WidenJob *j) { (void)j; }
 #endif
 
@@ -151,8 +152,7 @@ int ps_gemm_intn_built(void) { return GEMM_INTN_BUILT; }
 
 int ps_gemm_intn_part(const GemvIntN *w, const float *x, int64_t rows, float *y, int64_t nb0, int64_t nb1) {
     if (!GEMM_INTN_BUILT || rows < 1 || !takes(w)) return 2;
-    return ps_rounded_part((RoundedGemm){w, {NULL, NULL, NULL, NULL}, y, rows, 0, 0, blocks}, x, w->k, w->group,
-                           nb0, nb1);
+    return ps_gemm_part(ps_int16_run(w, w->n, w->k, w->group, x, rows, y, blocks), nb0, nb1);
 }
 
 /* y [rows, n] = x [rows, k] @ w^T on `threads` OpenMP threads: 0 on success, 2 for what it does not take. */
@@ -160,8 +160,7 @@ int ps_gemm_intn(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int
                  int64_t group, const float *x, int64_t rows, float *y, int threads) {
     const GemvIntN w = {packed, sz, n, k, group, sz_form, bits};
     if (!GEMM_INTN_BUILT || rows < 1 || !takes(&w)) return 2;
-    return ps_rounded_threads((RoundedGemm){&w, {NULL, NULL, NULL, NULL}, y, rows, 0, 0, blocks}, x, k, group, n / 64,
-                              threads);
+    return ps_gemm_threads(ps_int16_run(&w, n, k, group, x, rows, y, blocks), threads);
 }
 
 static void *widen_job(void *arg) {
