@@ -1,5 +1,6 @@
 /* The driver every integer weight-only GEMM runs under (gemm_driver.c): its inputs rounded, then its 64-channel
-   blocks multiplied (gemm_int4.c, gemm_intn.c, gemm_int4_s8.c). */
+   blocks multiplied. gemm_blocks.h has the block loops; a format's file (gemm_int4.c, gemm_intn.c,
+   gemm_int4_s8.c) holds only how its inputs are rounded and how its codes are unpacked and multiplied. */
 #ifndef PAGEDSERVE_GEMM_DRIVER_H
 #define PAGEDSERVE_GEMM_DRIVER_H
 
@@ -7,6 +8,11 @@
 
 /* Group sizes up to 256 (kernels/weight_only.INT4_GROUP_SIZES): a group's unpacked codes fill an L1 tile. */
 enum { GEMM_MAX_GROUP = 256 };
+/* Bytes ahead of the codes being read that the int4 forms' register-unpacked passes (gemm_blocks.h's
+   few_rows) prefetch: the stream of one 64-channel block. On the 1.7B model 2048 ran 27-32 ms a token and
+   4160 / 8256 19-20 in the same minutes (issue 25, the 2-core EPYC VM, whose read bandwidth itself switches
+   between ~43 and ~72 GiB/s phases: compare within one). */
+enum { FEW_ROWS_PREFETCH = 4160 };
 
 /* Inputs rounded to integers: what every thread's blocks read. */
 typedef struct {
