@@ -63,8 +63,10 @@ int ps_gemm_threads(GemmRun g, int threads) {
     int rc = 1;
     if (xq && sums) {
         place(&g, xq, sums);
+        /* ps_run_split takes at most `threads` jobs (and MAX_THREADS): only those are filled, a copy each. */
+        const int used = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
         GemmRun jobs[MAX_THREADS];
-        for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = g;
+        for (int t = 0; t < used; ++t) jobs[t] = g;
         rc = ps_run_split(threads, g.rows, jobs, sizeof(GemmRun), round_job, set_range);
         if (!rc) rc = ps_run_split(threads, g.n / 64, jobs, sizeof(GemmRun), blocks_job, set_range);
     }
