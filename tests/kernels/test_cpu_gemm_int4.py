@@ -50,7 +50,7 @@ def _rounded(x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_gemm
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, 64, 131])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, 17, 64, 131, 200])
 @pytest.mark.parametrize("out,cols,group", [(64, 64, 32), (192, 576, 32), (128, 256, 64), (128, 512, 128),
                                             (64, 512, 256)])
 def test_int4_gemm_matches_the_weights(rows, out, cols, group):
@@ -113,7 +113,7 @@ def test_int4_linear_takes_it_below_the_dense_rows():
 
 
 @needs_s8
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 64, 131, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, 64, 131, 200, 300])
 @pytest.mark.parametrize("out,cols,group", [(64, 64, 32), (192, 576, 32), (128, 256, 64), (128, 512, 128),
                                             (64, 512, 256)])
 def test_int8_form_matches_the_weights(rows, out, cols, group):

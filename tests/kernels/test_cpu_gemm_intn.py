@@ -80,7 +80,7 @@ def test_the_pack_refuses_what_it_cannot_hold():
 
 
 @needs_intn
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13, 17, 33, 64, 200])
 @pytest.mark.parametrize("out,cols,bits,group,zeros", SHAPES)
 def test_intn_gemm_matches_the_weights(rows, out, cols, bits, group, zeros):
     w, dense = _case(out, cols, bits, group, zeros, seed=rows + out + bits)

@@ -2,36 +2,20 @@
 #ifndef PAGEDSERVE_GEMM_INT4_H
 #define PAGEDSERVE_GEMM_INT4_H
 
+#include "gemm_driver.h"
 #include "gemv.h"
 
-/* Inputs rounded to int16: what every thread's blocks read. */
-typedef struct {
-    const float *x;            /* [rows, k] float32 */
-    int16_t *xq;               /* [rows, k] */
-    float *xscale;             /* [rows] */
-    float *xsum;               /* [rows, k / group]: each group's sum of the rounded inputs, as floats */
-} Rounded;
+/* Rows g->a..g->b-1 of x as int16, one scale per row (round to nearest), and each group's sum of the rounded
+   values: the rounding of this file's GEMM and of the 5/6-bit one (gemm_intn.c). */
+void ps_round_int16(const GemmRun *g);
 
-/* Rows a..b-1 of in->x as int16, one scale per row (round to nearest), and each group's sum of the rounded
-   values (gemm_int4.c; the 5/6-bit GEMM of gemm_intn.c rounds its inputs the same way). */
-void ps_round_rows(const Rounded *in, int64_t k, int64_t group, int64_t a, int64_t b);
-
-/* A GEMM over inputs rounded to int16 (this file's int4 one, gemm_intn.c's 5/6-bit one): `blocks` runs output
-   blocks a..b-1 of the weight w points to for all `rows` rows of `in`. */
-typedef struct RoundedGemm RoundedGemm;
-struct RoundedGemm {
-    const void *w;             /* GemvInt4 or GemvIntN */
-    Rounded in;
-    float *y;                  /* [rows, n] */
-    int64_t rows, a, b;        /* rows a..b-1 while rounding, output blocks a..b-1 after */
-    void (*blocks)(const RoundedGemm *);
-};
-
-/* One thread's share: x [rows, k] rounded into its own stack (144 KB at most, past it the heap: a decode step
-   of 16-32 rows at a wide down_proj), then blocks nb0..nb1-1. 0 on success, 1 out of memory. */
-int ps_rounded_part(RoundedGemm g, const float *x, int64_t k, int64_t group, int64_t nb0, int64_t nb1);
-/* The whole product on `threads` OpenMP threads: the rows rounded split between them, then `units` blocks. */
-int ps_rounded_threads(RoundedGemm g, const float *x, int64_t k, int64_t group, int64_t units, int threads);
+/* A product over inputs rounded by ps_round_int16: `blocks` multiplies the codes of w. */
+static inline GemmRun ps_int16_run(const void *w, int64_t n, int64_t k, int64_t group, const float *x, int64_t rows,
+                                   float *y, int (*blocks)(const GemmRun *)) {
+    return (GemmRun){.w = w, .n = n, .k = k, .group = group, .rows = rows, .padded = rows, .cleared_from = rows,
+                     .x_bytes = 2, .scale_per_group = 0, .round = ps_round_int16, .blocks = blocks,
+                     .in = {.x = x}, .y = y};
+}
 
 /* 1 where this build has the kernel (AVX512-VNNI); elsewhere the calls below return 2. */
 int ps_gemm_int4_vectorized(void);

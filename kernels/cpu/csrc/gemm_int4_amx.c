@@ -4,7 +4,7 @@ gemm_int4_s8.c's VNNI tile spends about half its instructions on vpdpbusd (64 mu
 scaling each group's int32 sums into the float outputs. One AMX tdpbusd multiplies a tile of 16 channels'
 codes by a tile of 16 input rows over up to 64 columns (16 x 16 x 64 multiply-adds) on its own unit, so what
 remains on the vector units is that scaling: the same products and sums in the same order per row and group as
-the VNNI tile (s8_add16's), so every output gets the VNNI tile's bits.
+the VNNI tile (gemm_blocks.h's scale_group), so every output gets the VNNI tile's bits.
 
 tdpbusd multiplies unsigned bytes (its first tile) by signed bytes (its second): the codes (0..15) are the
 first, the inputs the second, and the int32 sums are the VNNI tile's exactly. A tile's rows are the first
@@ -119,7 +119,7 @@ static inline __attribute__((always_inline)) void add_tile(__m512 *acc, int32_t 
                                                            const float *zero, __m512 xs, __m512 xm) {
 #pragma GCC unroll 16
     for (int ch = 0; ch < 16; ++ch) {
-        /* s8_add16's operations with the roles of the broadcast and the vector swapped: the same products. */
+        /* scale_group's operations with the roles of the broadcast and the vector swapped: the same products. */
         const __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(zero[ch]), xm, acc[ch]);
         acc[ch] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[ch])),
                                   _mm512_mul_ps(_mm512_set1_ps(scale[ch]), xs), v);

@@ -1,5 +1,5 @@
 /* What the int8-input int4 GEMM's VNNI tiles (gemm_int4_s8.c) and AMX tile (gemm_int4_amx.c) share: the codes
-unpacked four columns at a time, and the scaling of a group's sums into the outputs. */
+unpacked four columns at a time. */
 #ifndef PAGEDSERVE_INT4_QUADS_H
 #define PAGEDSERVE_INT4_QUADS_H
 
@@ -44,14 +44,6 @@ static inline __attribute__((always_inline)) void unpack_quad(const QuadShuffle 
     w[3] = _mm512_and_si512(_mm512_srli_epi16(v1, 4), sh->low);
 }
 
-/* One group's sums of 16 channels added into their outputs y: y + cvt(acc) * (scale * xscale) + zero * xsum,
-   in the one order every row is summed in (the VNNI tiles and the AMX tile share it, so a row's bits never
-   depend on which ran it). */
-static inline __attribute__((always_inline)) __m512 s8_add16(__m512 y, __m512i acc, __m512 scale, __m512 zero,
-                                                             float xs, float xsum) {
-    const __m512 v = _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum), y);
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(scale, _mm512_set1_ps(xs)), v);
-}
 #endif
 
 #endif
