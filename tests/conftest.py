@@ -11,7 +11,13 @@ from pagedserve.common.model.model_files import embedded_model_path
 # Two cores shared by the xdist workers (and the engine processes their tests start): each worker's own torch
 # work (HF oracles, in-process engines) takes its share of the cores, so workers never oversubscribe them.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
+_THREADS = max(1, min(2, os.cpu_count() or 1) // _WORKERS)
+torch.set_num_threads(_THREADS)
+# The engine processes the tests start (servers, cores, workers, torchrun ranks) take the same share. With more
+# threads than the cores left to them, every parallel region of a small model's step waits for a descheduled
+# thread: a regex-constrained chat of 86 tokens on the tiny model took 12 s with two threads beside another busy
+# process, 0.6 s with one. Multi-threaded kernels are tested with explicit thread counts (tests/kernels).
+os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 
 @pytest.fixture(scope="session")
