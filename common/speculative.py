@@ -7,9 +7,10 @@ checkpoint that reads the model's hidden states) run here.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from pagedserve.common.config.arg_utils import parse_json_object
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 PLANNED_METHODS = ("medusa", "mtp")
@@ -55,10 +56,7 @@ def parse_speculative_config(value: dict[str, Any] | str | None,
     if value is None or value == "" or value == {}:
         return None
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"speculative_config must be a JSON object: {exc}") from None
+        value = parse_json_object(value, "speculative_config")
     if not isinstance(value, dict):
         raise ValueError(f"speculative_config must be an object of vLLM's keys, got {type(value).__name__}")
     unknown = sorted(set(value) - set(_KEYS))

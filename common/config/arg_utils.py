@@ -145,15 +145,23 @@ def json_str_list(value: str) -> tuple[str, ...]:
     return tuple(items)
 
 
+def parse_json_object(value: str, what: str) -> dict[str, Any]:
+    """`value` read as a JSON object; ValueError naming `what` (a setting, a file's line) otherwise."""
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what}: not JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{what}: expected a JSON object such as '{{\"key\": 1}}', got a {type(obj).__name__}")
+    return obj
+
+
 def json_object(value: str) -> dict[str, Any]:
     """An object flag's value: a JSON object, as vLLM takes them (`--speculative-config '{"method": "ngram"}'`)."""
     try:
-        obj = json.loads(value)
-    except json.JSONDecodeError:
-        obj = None
-    if not isinstance(obj, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": 1}}', got {value!r}")
-    return obj
+        return parse_json_object(value, "value")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": 1}}', got {value!r}") from None
 
 
 def _help_text(meta: Mapping[str, Any], default: Any) -> str:

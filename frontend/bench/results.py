@@ -15,6 +15,7 @@ import subprocess
 import sys
 from typing import Any
 
+from pagedserve.common.config.arg_utils import parse_json_object
 from pagedserve.common.version import __version__
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,13 +66,7 @@ def read_results(path: str) -> list[dict[str, Any]]:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: not a JSON object")
-            records.append(record)
+            records.append(parse_json_object(line, f"{path}:{number}"))
     return records
 
 

@@ -209,3 +209,24 @@ def test_environment_variables_are_read_in_envs_only():
             found += [(path, m.group(1) or m.group(2)) for m in _ENV_READ.finditer(text)
                       if (m.group(1) or m.group(2)) in ours or (m.group(1) or m.group(2)).startswith("PAGEDSERVE_")]
     assert found == []
+
+
+def test_one_json_object_rule_for_flags_api_values_and_result_files(tmp_path):
+    """A JSON object is read by one rule (arg_utils.parse_json_object): a flag's value, the Python API's
+    speculative_config string and a results file's line each name what is wrong."""
+    from pagedserve.common.config.arg_utils import json_object, parse_json_object
+    from pagedserve.common.speculative import parse_speculative_config
+    from pagedserve.frontend.bench.results import read_results
+    assert parse_json_object('{"a": 1}', "x") == {"a": 1}
+    with pytest.raises(ValueError, match=r"^x: not JSON"):
+        parse_json_object("{", "x")
+    with pytest.raises(ValueError, match=r"^x: expected a JSON object .* got a list"):
+        parse_json_object("[1]", "x")
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a JSON object"):
+        json_object("[1]")
+    with pytest.raises(ValueError, match=r"^speculative_config: not JSON"):
+        parse_speculative_config("{")
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"a": 1}\n\n"s"\n')
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:3: expected a JSON object"):
+        read_results(str(path))

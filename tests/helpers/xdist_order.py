@@ -9,16 +9,20 @@ import pytest
 
 from pagedserve.tests.helpers.server_pool import _module_of
 
-# The modules of a minute or more: started first. Seconds, summed per module from one serial run's junit report
-# (`pytest -p no:xdist --junitxml=...`, 2026-12-02).
+# The modules of 40 s or more: started first. Seconds, summed per module from one two-worker run's junit report
+# (`pytest --junitxml=...`, 2026-12-02, on a VM running W1 at 164 tok/s where the last session's ran 283).
 HEAVY: dict[str, float] = {
-    "tests/e2e/test_docs.py": 157, "tests/e2e/test_tool_calling.py": 147,
-    "tests/core/structured_output/test_structured_outputs.py": 99, "tests/executor/test_beam_search.py": 93,
-    "tests/executor/procs/test_multiproc.py": 89, "tests/e2e/test_data_parallel.py": 83,
-    "tests/e2e/reliability/test_faults.py": 76, "tests/executor/model/test_parity.py": 72,
-    "tests/e2e/test_structured_outputs_http.py": 66, "tests/e2e/test_data_parallel_ray.py": 63,
-    "tests/executor/procs/test_tp_scripts.py": 63, "tests/executor/procs/test_pipeline_parallel.py": 61,
-    "tests/e2e/test_server.py": 60, "tests/executor/procs/test_ray_executor.py": 57, "tests/e2e/test_bench_cli.py": 54,
+    "tests/executor/procs/test_multiproc.py": 163, "tests/executor/procs/test_ray_executor.py": 162,
+    "tests/executor/model/test_parity.py": 132, "tests/e2e/test_tool_calling.py": 127,
+    "tests/e2e/reliability/test_faults.py": 122, "tests/executor/procs/test_pipeline_parallel.py": 117,
+    "tests/executor/procs/test_tp_scripts.py": 117, "tests/e2e/test_data_parallel.py": 112,
+    "tests/executor/worker/spec_decode/test_spec_decode.py": 109, "tests/e2e/test_docs.py": 96,
+    "tests/e2e/test_data_parallel_ray.py": 85, "tests/e2e/test_structured_outputs_http.py": 65,
+    "tests/e2e/test_bench_cli.py": 64, "tests/common/test_hub_models.py": 64,
+    "tests/kernels/test_cpu_decode_step.py": 60, "tests/e2e/test_lm_eval.py": 60,
+    "tests/e2e/reliability/test_load.py": 52, "tests/e2e/reliability/test_http_fuzz.py": 45,
+    "tests/executor/worker/rl/test_weight_updates.py": 44, "tests/e2e/test_client_examples.py": 43,
+    "tests/e2e/test_server.py": 40,
 }
 
 
