@@ -1,4 +1,5 @@
-"""Reading a JSON object from a file the user pointed at, with one error shape for every caller."""
+"""Reading a JSON object, from a file the user pointed at or from a value (a flag, a setting, a results file's line),
+with one error shape for every caller."""
 from __future__ import annotations
 
 import json
@@ -15,3 +16,14 @@ def read_json_object(path: str, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{what}: {path} must hold a JSON object")
     return data
+
+
+def parse_json_object(value: str, what: str) -> dict[str, Any]:
+    """`value` read as a JSON object; ValueError naming `what` (a setting, a file's line) otherwise."""
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what}: not JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{what}: expected a JSON object such as '{{\"key\": 1}}', got a {type(obj).__name__}")
+    return obj

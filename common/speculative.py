@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.common.config.arg_utils import parse_json_object
+from pagedserve.common.json_file import parse_json_object
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 PLANNED_METHODS = ("medusa", "mtp")

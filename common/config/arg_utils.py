@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from pagedserve.common import envs
+from pagedserve.common.json_file import parse_json_object
 
 T = TypeVar("T")
 
@@ -143,17 +144,6 @@ def json_str_list(value: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"a\", \"b\"]', "
                                          f"got {value!r}")
     return tuple(items)
-
-
-def parse_json_object(value: str, what: str) -> dict[str, Any]:
-    """`value` read as a JSON object; ValueError naming `what` (a setting, a file's line) otherwise."""
-    try:
-        obj = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{what}: not JSON ({exc.msg})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{what}: expected a JSON object such as '{{\"key\": 1}}', got a {type(obj).__name__}")
-    return obj
 
 
 def json_object(value: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from typing import Any
 
-from pagedserve.common.config.arg_utils import parse_json_object
+from pagedserve.common.json_file import parse_json_object
 from pagedserve.common.version import __version__
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

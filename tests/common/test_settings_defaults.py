@@ -212,9 +212,10 @@ def test_environment_variables_are_read_in_envs_only():
 
 
 def test_one_json_object_rule_for_flags_api_values_and_result_files(tmp_path):
-    """A JSON object is read by one rule (arg_utils.parse_json_object): a flag's value, the Python API's
+    """A JSON object is read by one rule (json_file.parse_json_object): a flag's value, the Python API's
     speculative_config string and a results file's line each name what is wrong."""
-    from pagedserve.common.config.arg_utils import json_object, parse_json_object
+    from pagedserve.common.config.arg_utils import json_object
+    from pagedserve.common.json_file import parse_json_object
     from pagedserve.common.speculative import parse_speculative_config
     from pagedserve.frontend.bench.results import read_results
     assert parse_json_object('{"a": 1}', "x") == {"a": 1}

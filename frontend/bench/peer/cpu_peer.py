@@ -42,7 +42,8 @@ from pagedserve.frontend.bench.results import append_result, run_metadata
 
 def run_pagedserve(cfg: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     import torch
-    from pagedserve import LLM, SamplingParams
+    from pagedserve.common.params.sampling_params import SamplingParams
+    from pagedserve.frontend.offline.llm import LLM
 
     llm = LLM(cfg["gguf"], **options)
     prompt = single_prompt(cfg)

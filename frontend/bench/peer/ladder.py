@@ -84,7 +84,8 @@ def child_main(payload: str) -> None:
     """In the child (child.py): pagedserve's measurements, in a process of their own so OMP_NUM_THREADS and
     ru_maxrss are its alone."""
     import torch
-    from pagedserve import LLM, SamplingParams
+    from pagedserve.common.params.sampling_params import SamplingParams
+    from pagedserve.frontend.offline.llm import LLM
     cfg = json.loads(payload)
     llm = LLM(cfg["gguf"], **cfg["options"])
 

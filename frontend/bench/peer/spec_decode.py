@@ -91,7 +91,7 @@ def engine_names(spec: dict[str, Any], llama_spec_types: list[str] | None) -> li
 
 
 def prompt_ids(gguf: str) -> dict[str, list[int]]:
-    from pagedserve import LLM
+    from pagedserve.frontend.offline.llm import LLM
     with LLM(gguf, max_model_len=2048) as llm:
         tok = llm.get_tokenizer()
         return {name: list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
@@ -113,7 +113,8 @@ def ms_per_token(generate: Callable[[list[int], int], int], ids: list[int], max_
 
 
 def run_pagedserve(cfg: dict[str, Any], spec: dict[str, Any] | None) -> dict[str, Any]:
-    from pagedserve import LLM, SamplingParams
+    from pagedserve.common.params.sampling_params import SamplingParams
+    from pagedserve.frontend.offline.llm import LLM
     llm = LLM(cfg["gguf"], max_model_len=2048, speculative_config=spec)
 
     def generate(ids: list[int], n: int) -> int:
