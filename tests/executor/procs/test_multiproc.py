@@ -252,6 +252,26 @@ def test_torchrun_collective_rpc_takes_kwargs_and_survives_refusals(tiny_llama_d
     assert len(tagged["TOKENS"][0]) == 4
 
 
+def _torchrun_rank(launcher_pid: int, rank: str, wait_s: float = 30.0) -> psutil.Process:
+    """The rank's own process: the highest one in the launcher's tree whose environment says RANK=rank
+    (its own children inherit the variable; a process caught between fork and exec does not have it yet)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        seen = []
+        for p in psutil.Process(launcher_pid).children(recursive=True):
+            try:
+                env_rank = p.environ().get("RANK")
+                seen.append((p.pid, env_rank, p.status()))
+                alive = p.status() != psutil.STATUS_ZOMBIE
+                if env_rank == rank and alive and p.parent().environ().get("RANK") != rank:
+                    return p
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no live process with RANK={rank} under the launcher: {seen}")
+        time.sleep(0.2)
+
+
 def test_torchrun_stopped_rank_fails_the_launch(tiny_llama_dir):
     """A SIGSTOPped rank keeps the others waiting in a collective: bounded by --worker-heartbeat-timeout,
     the launch fails with an error instead of hanging. torchrun then ends the job with SIGTERM, which a
@@ -277,8 +297,7 @@ def test_torchrun_stopped_rank_fails_the_launch(tiny_llama_dir):
             lines.append(line)
             if "engine core ready" in line:
                 break
-        ranks = {p.environ().get("RANK"): p for p in psutil.Process(proc.pid).children(recursive=True)}
-        rank1 = ranks["1"]
+        rank1 = _torchrun_rank(proc.pid, "1")
         rank1.suspend()
         stopped_at = time.monotonic()
         hung = threading.Timer(timeout_s + 120, os.killpg, (proc.pid, signal.SIGKILL))   # fails the asserts
