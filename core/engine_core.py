@@ -17,6 +17,7 @@ from pagedserve.common.request_checks import (check_request, check_request_id, c
                                               generation_budget)
 from pagedserve.core.kv_cache.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.lora.registry import LoRARegistry
+from pagedserve.core.multimodal.checks import check_mm_features, multimodal_info
 from pagedserve.core.pooling.requests import check_runner, pooling_info
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.rl.control import RLControl
@@ -61,7 +62,7 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.structured_outputs = make_structured_output_manager(config)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured_outputs,
-                                   config.speculative)
+                                   config.speculative, config.multimodal)
         self.block_hasher = BlockHasher(cache.block_size) if cache.enable_prefix_caching else None
         self.loras: LoRARegistry | None = None
         if config.lora is not None:
@@ -119,11 +120,13 @@ class EngineCore:
         structured = params.structured_outputs if req.pooling_params is None else None
         if structured is not None:
             check_structured_outputs(structured)
+        mm_features = check_mm_features(req.mm_features, len(req.prompt_token_ids), self.config.multimodal)
         digest = self.rl.cache_salt(self._lora_digest(req.lora_int_id))
         request = Request(req.request_id, list(req.prompt_token_ids), params, self.eos_token_ids,
                           max_tokens, self.block_hasher, req.arrival_time, req.priority, req.client_index,
                           req.lora_int_id, digest, req.pooling_params,
-                          whole_prompt=self.config.pooler is not None and self.config.pooler.whole_prompt)
+                          whole_prompt=self.config.pooler is not None and self.config.pooler.whole_prompt,
+                          mm_features=mm_features)
         if structured is not None:
             request.structured = self.structured_outputs.submit(structured)
         self.scheduler.add_request(request)
@@ -261,7 +264,8 @@ class EngineCore:
                 max_waiting_requests=cfg.scheduler.max_waiting_requests, block_size=cfg.cache.block_size,
                 num_blocks=self.num_blocks, default_sampling=dict(cfg.model.default_sampling),
                 reasoning_parser=cfg.structured_outputs.reasoning_parser,
-                max_loras=cfg.lora.max_loras if cfg.lora is not None else 0, **pooling_info(cfg))
+                max_loras=cfg.lora.max_loras if cfg.lora is not None else 0, **pooling_info(cfg),
+                **multimodal_info(cfg.multimodal))
         return self._info
 
     def call_utility(self, method: str, args: Sequence[Any] = ()) -> Any:

@@ -8,7 +8,7 @@ from typing import Any
 from pagedserve.core.block_hash import BlockHasher
 from pagedserve.common.params.pooling_params import PoolingParams
 from pagedserve.common.params.sampling_params import SamplingParams
-from pagedserve.ipc.messages import LogprobsEntry, PromptLogprobsChunk
+from pagedserve.ipc.messages import LogprobsEntry, MultiModalFeature, PromptLogprobsChunk
 
 
 class RequestStatus(enum.IntEnum):
@@ -40,7 +40,8 @@ class Request:
                  eos_token_ids: tuple[int, ...], max_tokens: int, block_hasher: BlockHasher | None,
                  arrival_time: float | None = None, priority: int = 0, client_index: int = 0,
                  lora_int_id: int = 0, lora_digest: bytes | None = None,
-                 pooling_params: PoolingParams | None = None, whole_prompt: bool = False) -> None:
+                 pooling_params: PoolingParams | None = None, whole_prompt: bool = False,
+                 mm_features: list[MultiModalFeature] | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
@@ -75,6 +76,8 @@ class Request:
         # the pooler reads every prompt position in one step, so the prompt is never chunked.
         self.pooling_params = pooling_params
         self.whole_prompt = whole_prompt
+        # Its images, in prompt order, with their processed data (sent to the workers when encoded).
+        self.mm_features: list[MultiModalFeature] = mm_features or []
         self._stop_ids = frozenset(self.eos_token_ids) | frozenset(sampling_params.stop_token_ids or ())
         self._update_hashes()
 
@@ -127,7 +130,7 @@ class Request:
 
     def _update_hashes(self) -> None:
         if self._hasher is not None:
-            self._hasher.extend(self.block_hashes, self.all_token_ids, self._lora_digest)
+            self._hasher.extend(self.block_hashes, self.all_token_ids, self._lora_digest, self.mm_features)
 
     def sort_key(self) -> tuple[int, float]:
         return (self.priority, self.arrival_time)

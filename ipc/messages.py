@@ -9,6 +9,34 @@ from pagedserve.common.errors import error_field, error_kind
 from pagedserve.common.params.pooling_params import PoolingParams
 from pagedserve.common.params.sampling_params import SamplingParams
 
+# ---------------------------------------------------------------- multimodal items
+
+
+class TensorData(msgspec.Struct, array_like=True):
+    """A tensor as raw little-endian bytes: ipc/ stays free of torch and numpy, and no pickle crosses."""
+    dtype: str              # a torch dtype's name: "float32", "bfloat16", "int64", ...
+    shape: list[int]
+    data: bytes
+
+
+class MultiModalFeature(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One image (or video) of a prompt: where its placeholder tokens sit and what the encoder reads.
+    mm_hash identifies the item's content and processing: the encoder cache and the prefix cache key on it."""
+    modality: str            # "image" | "video"
+    mm_hash: str
+    offset: int              # its first placeholder token in the prompt
+    length: int              # its placeholder tokens, all embedded from the encoder's output
+    # The processor's outputs for this item (pixel_values, image_grid_thw, ...); None where the receiver
+    # already holds them (the workers are sent them only with the step that encodes the item).
+    data: Optional[dict[str, TensorData]] = None
+
+
+class EncoderInput(msgspec.Struct, array_like=True):
+    """An item the workers encode this step, into their encoder cache under mm_hash."""
+    mm_hash: str
+    modality: str
+    data: dict[str, TensorData]
+
 # ---------------------------------------------------------------- frontend -> engine core
 
 
@@ -23,6 +51,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag
     # A pooling request (embed, classify, score): its prompt is computed, pooled and answered, never decoded;
     # its sampling_params are then only max_tokens=0 and the output kind.
     pooling_params: Optional[PoolingParams] = None
+    mm_features: Optional[list[MultiModalFeature]] = None    # images of the prompt, in prompt order
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
@@ -124,6 +153,13 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     is_matryoshka: bool = False
     matryoshka_dimensions: Optional[list[int]] = None
     max_whole_prompt: Optional[int] = None
+    # A multimodal model: the most items of each modality one prompt may hold ({}: text only), the HF
+    # processor's overrides (--mm-processor-kwargs) and where file:// media may come from.
+    mm_limits: dict[str, int] = {}
+    mm_processor_kwargs: dict[str, Any] = {}
+    allowed_local_media_path: Optional[str] = None
+    mm_max_tokens_per_item: int = 0
+    mm_processor_cache_gb: float = 0.0
 
 
 class EngineReady(msgspec.Struct, array_like=True, tag="ready"):
@@ -165,6 +201,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     num_computed_tokens: int
     lora_int_id: int = 0
     pooling_params: Optional[PoolingParams] = None
+    mm_features: Optional[list[MultiModalFeature]] = None     # positions and hashes only (data is None)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -199,6 +236,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # Draft model / EAGLE head (the workers propose): how many tokens to propose after this step, by request,
     # for the next step's verify pass (the core's plan; an absent request gets no proposal pass).
     num_draft_tokens_to_propose: dict[str, int] = {}
+    # Multimodal: items to encode before this step's forward, and encoder outputs the workers may drop (the
+    # core's encoder cache evicted them); frees come first.
+    encoder_inputs: list[EncoderInput] = []
+    free_encoder_mm_hashes: list[str] = []
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True):

@@ -14,6 +14,7 @@ from pagedserve.common.config.dtype import DTYPE_CHOICES, checkpoint_dtype, reso
 from pagedserve.common.model.generation_config import AUTO, check_setting, load_generation_defaults
 from pagedserve.common.model.hub import TOKENIZER_FILES, local_or_hub_path, looks_like_hub_id
 from pagedserve.common.model.model_files import ModelSource, load_hf_config, resolve_model
+from pagedserve.common.multimodal.config import DEFAULT_MM_PROCESSOR_CACHE_GB, resolve_multimodal
 from pagedserve.common.pooler_config import CONVERTS, RUNNERS, PoolerConfig, position_limit, resolve_pooler
 from pagedserve.common.quantization import (QUANTIZATION_CHOICES, checkpoint_quant_spec, resolve_quantization)
 from pagedserve.common.reasoning import REASONING_PARSERS
@@ -178,6 +179,17 @@ class EngineArgs:
                    f"{CORE_HEARTBEAT_INTERVAL_S:g} s) before it declares the core dead: the server then ends "
                    "open streams with an error and turns /health 503")
 
+    limit_mm_per_prompt: dict[str, Any] | None = setting(
+        None, help="multimodal models: the most items of each modality one prompt may hold, as a JSON object "
+                   "({\"image\": 2, \"video\": 0}; unset: 999 each, as vLLM); a text model takes none")
+    mm_processor_kwargs: dict[str, Any] | None = setting(
+        None, help="multimodal models: overrides for the HF processor, as a JSON object (e.g. "
+                   "{\"max_pixels\": 200704} for Qwen2-VL)")
+    mm_processor_cache_gb: float = setting(
+        DEFAULT_MM_PROCESSOR_CACHE_GB, help="GiB of processed images the frontend keeps, by content hash, so a "
+                                            "repeated image is neither processed nor sent to the engine again")
+    allowed_local_media_path: str | None = setting(
+        None, help="a folder file:// image URLs may be read from (unset: file:// URLs are refused)")
     worker_extension_cls: str | None = setting(
         None, help="a class (\"module.Class\") whose methods are added to every worker, callable with "
                    "collective_rpc (RL weight syncing: docs/rl_weight_updates.md)")
@@ -217,8 +229,12 @@ class EngineArgs:
         structured = StructuredOutputsConfig(reasoning_parser=self.reasoning_parser,
                                              compile_timeout_s=float(self.structured_outputs_compile_timeout))
         speculative = parse_speculative_config(self.speculative_config, self.tensor_parallel_size)
-        return EngineConfig(model=model, cache=cache, scheduler=self._scheduler_config(model.max_model_len),
-                            parallel=parallel, structured_outputs=structured, speculative=speculative,
+        scheduler = self._scheduler_config(model.max_model_len)
+        multimodal = resolve_multimodal(model.arch_config, self.limit_mm_per_prompt, self.mm_processor_kwargs,
+                                        self.mm_processor_cache_gb, self.allowed_local_media_path,
+                                        scheduler.max_num_batched_tokens)
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler,
+                            parallel=parallel, multimodal=multimodal, structured_outputs=structured, speculative=speculative,
                             draft_model=self._draft_model_config(speculative, model), lora=self._lora_config(model),
                             pooler=self._check_pooler(pooler),
                             rl=RLConfig(worker_extension_cls=self.worker_extension_cls,
@@ -246,7 +262,8 @@ class EngineArgs:
 
     def _model_config(self) -> ModelConfig:
         source = resolve_model(self.model, self.revision, self.download_dir)
-        hf_config = load_hf_config(source)
+        full_config = load_hf_config(source)
+        hf_config = full_config.get_text_config() if hasattr(full_config, "get_text_config") else full_config
         gen = load_generation_defaults(self.generation_config, source.path if source.format == "hf" else None)
         device = resolve_device(self.device, self.executor_backend())
         quantization = resolve_quantization(self.quantization, checkpoint_quant_spec(hf_config),
@@ -258,7 +275,8 @@ class EngineArgs:
             max_model_len=self._max_model_len(hf_config), seed=self.seed,
             served_model_name=self.served_model_name or source.name, enforce_eager=self.enforce_eager,
             tokenizer=self._resolve_tokenizer(source), default_sampling=gen.sampling,
-            generation_eos_token_ids=gen.eos_token_ids, quantization=quantization)
+            generation_eos_token_ids=gen.eos_token_ids, quantization=quantization,
+            mm_config=full_config if hf_config is not full_config else None)
 
     def _max_model_len(self, hf_config: Any) -> int:
         limit = position_limit(hf_config)

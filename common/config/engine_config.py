@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.common.model.model_files import ModelSource
+from pagedserve.common.multimodal.config import MultiModalConfig
 from pagedserve.common.pooler_config import PoolerConfig
 from pagedserve.common.quantization import QuantSpec
 from pagedserve.common.speculative import SpeculativeConfig
@@ -26,6 +27,14 @@ class ModelConfig:
     default_sampling: dict = field(compare=False)
     generation_eos_token_ids: tuple[int, ...]
     quantization: QuantSpec | None  # resolved from --quantization and the checkpoint; None: float
+    # A multimodal checkpoint's whole config (vision tower, projector, placeholder ids); hf_config is then its
+    # language model's. None for a text model.
+    mm_config: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def arch_config(self) -> Any:
+        """The config that names the architecture (the model class is built from it)."""
+        return self.mm_config if self.mm_config is not None else self.hf_config
 
     @property
     def num_layers(self) -> int:
@@ -133,3 +142,4 @@ class EngineConfig:
     lora: LoRAConfig | None                   # None: no adapters (enable_lora off)
     pooler: PoolerConfig | None               # --runner pooling: how prompts become vectors; None: generate
     rl: RLConfig                              # worker extension, sleep mode
+    multimodal: MultiModalConfig | None       # None: a text model

@@ -17,7 +17,9 @@ from pagedserve.common.config.engine_args import EngineConfig
 def config_to_builtins(config: EngineConfig) -> dict[str, Any]:
     # The transformers config first, by hand: msgspec would take a transformers 5 config (a dataclass) field
     # by field, class-level tables included, and a 4.x one not at all.
-    model = dataclasses.replace(config.model, hf_config=config.model.hf_config.to_dict())
+    mm = config.model.mm_config
+    model = dataclasses.replace(config.model, hf_config=config.model.hf_config.to_dict(),
+                                mm_config=mm.to_dict() if mm is not None else None)
     draft = config.draft_model
     if draft is not None:
         draft = dataclasses.replace(draft, hf_config=draft.hf_config.to_dict())
@@ -30,7 +32,9 @@ def config_from_builtins(data: Any) -> EngineConfig:
         config = msgspec.convert(data, EngineConfig)
     except msgspec.ValidationError as exc:
         raise ValueError(f"not an encoded EngineConfig: {exc}") from None
-    model = dataclasses.replace(config.model, hf_config=hf_config_from_dict(config.model.hf_config))
+    mm = config.model.mm_config
+    model = dataclasses.replace(config.model, hf_config=hf_config_from_dict(config.model.hf_config),
+                                mm_config=hf_config_from_dict(mm) if mm is not None else None)
     draft = config.draft_model
     if draft is not None:
         draft = dataclasses.replace(draft, hf_config=hf_config_from_dict(draft.hf_config))

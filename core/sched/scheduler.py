@@ -5,11 +5,16 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+import msgspec
+
 from pagedserve.common.config.engine_args import SchedulerConfig
+from pagedserve.common.multimodal.config import MultiModalConfig
 from pagedserve.common.speculative import SpeculativeConfig
 from pagedserve.core.kv_cache.kv_cache_manager import KVCacheManager
+from pagedserve.core.multimodal.encoder_scheduler import EncoderScheduler
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched.request_queue import make_queue
+from pagedserve.core.sched.step_tokens import append_tokens, step_tokens
 from pagedserve.core.spec_decode.state import SpecDecodeState
 from pagedserve.core.structured_output import StructuredOutputManager
 from pagedserve.core.structured_output.waiting import GrammarWaiters
@@ -32,8 +37,9 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  structured: StructuredOutputManager | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, multimodal: MultiModalConfig | None = None) -> None:
         self.config = config
+        self.mm = EncoderScheduler(multimodal) if multimodal is not None else None
         self.spec = SpecDecodeState(speculative, config) if speculative is not None else None
         self.lookahead = speculative.num_lookahead_tokens if speculative is not None else 0
         self.kv = kv_cache_manager
@@ -99,6 +105,8 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv.free(request)
+        if self.mm is not None:
+            self.mm.release_all(request)
         if request.lora_int_id and self.on_lora_done is not None:
             self.on_lora_done(request.lora_int_id)
         del self.requests[request.request_id]
@@ -121,11 +129,16 @@ class Scheduler:
             self._admit_compiled()
         if self.spec is not None:        # each request's drafts for this step, from the step cost model
             self.spec.plan(self.running, budget)
+        if self.mm is not None:
+            self.mm.begin_step()
 
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
             num_new = 0 if request.request_id in self._in_flight else self._num_new_tokens(request, budget)
+            if self.mm is not None and num_new > 0:
+                num_new = self.mm.fit(request, request.num_computed_tokens, num_new,
+                                      self.config.enable_chunked_prefill)
             if num_new <= 0:
                 idx += 1
                 continue
@@ -153,6 +166,8 @@ class Scheduler:
                 break
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            if self.mm is not None:
+                self.mm.commit(request, request.num_computed_tokens, num_new)
             self._emit(request, num_new, [b.block_id for b in new_blocks], new_reqs, cached)
             idx += 1
 
@@ -184,6 +199,8 @@ class Scheduler:
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached, num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=self._finished_ids, scheduled_spec_decode_tokens=drafts)
+        if self.mm is not None:
+            out.encoder_inputs, out.free_encoder_mm_hashes = self.mm.step_inputs, self.mm.take_freed()
         self._finished_ids = []
         sampling = self._advance(num_scheduled)
         out.num_draft_tokens_to_propose = self.spec.to_propose(self.running, sampling, drafts) if self.spec else {}
@@ -203,6 +220,8 @@ class Scheduler:
         for rid, n in num_scheduled.items():
             request = self.requests[rid]
             request.num_computed_tokens += n
+            if self.mm is not None:
+                self.mm.release_done(request)
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1
                 sampling.append(request)
@@ -242,6 +261,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        if self.mm is not None:
+            self.mm.release_all(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0  # recompute: prefix caching usually makes this cheap
         request.spec_token_ids = []      # proposed from KV the preemption dropped
@@ -259,9 +280,16 @@ class Scheduler:
         if (request.whole_prompt or not self.config.enable_chunked_prefill) and num_new > budget:
             return None
         num_new = min(num_new, budget)
+        if self.mm is not None:
+            num_new = self.mm.fit(request, num_hit, num_new, self.config.enable_chunked_prefill
+                                  and not request.whole_prompt)
+            if num_new <= 0:
+                return None
         new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks, num_hit, self.lookahead)
         if new_blocks is None:
             return None
+        if self.mm is not None:
+            self.mm.commit(request, num_hit, num_new)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit
         request.num_computed_tokens = num_hit
@@ -283,10 +311,13 @@ class Scheduler:
             req_id=rid, prompt_token_ids=request.prompt_token_ids,
             output_token_ids=list(request.output_token_ids), sampling_params=request.sampling_params,
             block_ids=self.kv.get_block_ids(rid), num_computed_tokens=request.num_computed_tokens,
-            lora_int_id=request.lora_int_id, pooling_params=request.pooling_params))
+            lora_int_id=request.lora_int_id, pooling_params=request.pooling_params,
+            mm_features=[msgspec.structs.replace(f, data=None) for f in request.mm_features] or None))
 
     def _unemit(self, request: Request, new_reqs: list[NewRequestData], cached: CachedRequestData) -> None:
         rid = request.request_id
+        if self.mm is not None:
+            self.mm.take_back(request)
         for i, data in enumerate(new_reqs):
             if data.req_id == rid:       # the workers never saw it: nothing for them to drop
                 del new_reqs[i]
@@ -330,8 +361,8 @@ class Scheduler:
             if result.draft_token_ids is not None:
                 request.spec_token_ids = result.draft_token_ids[i]
             if request.max_tokens > 0:
-                tokens, entries = self._step_tokens(sched, result, i, request, token)
-                status = self._append_tokens(request, tokens, entries, out)
+                tokens, entries = step_tokens(sched, result, i, request, token, self.spec)
+                status = append_tokens(request, tokens, entries, out, self.config.max_model_len)
             if status is not None:
                 self._unqueue(request)
                 request.status = status
@@ -353,38 +384,6 @@ class Scheduler:
         out.queue_time = request.take_queue_time()
         self._free(request)
         return out
-
-    def _step_tokens(self, sched: SchedulerOutput, result: ModelRunnerOutput, i: int, request: Request,
-                     token: int) -> tuple[list[int], list[LogprobsEntry | None]]:
-        """Row i's new tokens (accepted drafts, then the sampled one) and their logprobs entries. Rejected
-        drafts' KV slots are given back: num_computed_tokens counted them, the next step overwrites them."""
-        entry = result.logprobs[i] if result.logprobs is not None else None
-        scheduled = sched.scheduled_spec_decode_tokens.get(request.request_id)
-        if not scheduled:
-            return [token], [entry]
-        accepted = result.spec_token_ids[i] if result.spec_token_ids is not None else []
-        request.num_computed_tokens -= len(scheduled) - len(accepted)
-        self.spec.record(request, len(scheduled), len(accepted))
-        spec_entries = result.spec_logprobs[i] if result.spec_logprobs is not None else None
-        return [*accepted, token], [*(spec_entries or [None] * len(accepted)), entry]
-
-    def _append_tokens(self, request: Request, tokens: list[int], entries: list[LogprobsEntry | None],
-                       out: EngineCoreOutput) -> RequestStatus | None:
-        """Append one step's tokens up to the first that ends the request (tokens past a stop are never
-        emitted); fills the output's ids and logprobs. Returns the finished status, or None."""
-        status = None
-        for n, token in enumerate(tokens, 1):
-            request.append_output_token(token)
-            status = request.check_stop(self.config.max_model_len)
-            if (request.structured is not None and request.structured.accept(token, request.output_token_ids)
-                    and status is None):
-                status = RequestStatus.FINISHED_STOPPED      # the grammar is complete
-            if status is not None:
-                break
-        out.new_token_ids = tokens[:n]
-        kept = entries[:n]
-        out.new_logprobs = kept if all(e is not None for e in kept) else None
-        return status
 
     def make_stats(self) -> SchedulerStats:
         stats = self.kv.prefix_stats

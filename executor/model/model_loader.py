@@ -57,14 +57,14 @@ def load_model(model_config: ModelConfig, tp: TPGroup, pp: PPGroup = PPGroup(),
     without one (an embedding model saved as its base model, Qwen3-Embedding / gte-Qwen2) loads too."""
     if model_config.dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {model_config.dtype!r}")
-    cls = get_model_class(model_config.hf_config)
+    cls = get_model_class(model_config.arch_config)
     start = time.perf_counter()
     dtype = _DTYPES[model_config.dtype]
     # Parameters are allocated directly on the target device in the target dtype: no CPU fp32 detour.
     # (A quantized layer's dense weight is allocated but never written, so it never takes memory.)
     with torch.device(model_config.device), _default_dtype(dtype), \
             engine_max_model_len(model_config.max_model_len):       # hook: longrope picks its factors by it
-        model = cls(model_config.hf_config, tp, pp) if pp.size > 1 else cls(model_config.hf_config, tp)
+        model = cls(model_config.arch_config, tp, pp) if pp.size > 1 else cls(model_config.arch_config, tp)
     method = model_config.quantization.method if model_config.quantization else None
     if method in PACKED_METHODS:
         begin_packed(model)

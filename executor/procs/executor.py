@@ -39,7 +39,7 @@ class Executor(ABC):
         # An unsupported checkpoint is the user's error: one line naming what is supported, raised in the
         # engine core before any worker starts or weight is read (the registry imports no torch).
         from pagedserve.executor.model.models import resolve_architecture
-        resolve_architecture(config.model.hf_config)
+        resolve_architecture(config.model.arch_config)
 
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple[Any, ...] = (),

@@ -18,6 +18,7 @@ from pagedserve.executor.worker.spec_decode.eagle_proposer import EagleProposer
 from pagedserve.executor.worker.sample.grammar_mask import grammar_rows
 from pagedserve.executor.worker.input_prep import prepare_inputs
 from pagedserve.executor.worker.lora.manager import LoRAManager
+from pagedserve.executor.worker.multimodal.encoder_runner import EncoderRunner
 from pagedserve.executor.worker.pooling_step import pooling_output, token_type_ids
 from pagedserve.executor.worker.sample.prompt_logprobs import compute_prompt_logprobs
 from pagedserve.executor.worker.spec_decode.rejection_sampler import verify_drafts
@@ -91,6 +92,8 @@ class ModelRunner:
         self._lock = threading.RLock()
         self._pinned = PinnedPool(sched.max_num_seqs, device)
         self.lora = LoRAManager(model, config.lora, dtype, device) if config.lora is not None else None
+        multimodal = config.multimodal is not None and pp.is_first
+        self.encoder = EncoderRunner(model, device) if multimodal else None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
@@ -166,13 +169,18 @@ class ModelRunner:
         # Steps with adapter tokens replay no CUDA graph; the whole-decoder step takes them where it holds the
         # adapter slots (the C step), else the layers apply them.
         plain = self.lora is None or not self.lora.prepare(host.req_ids, self.states, host.query_start_loc)
-        decode_only = host.num_decodes == host.num_seqs
+        mm = self.encoder.gather(host, self.states) if self.encoder is not None else None
+        decode_only = host.num_decodes == host.num_seqs and mm is None
         size = self.graphs.padded_size(host.num_seqs) if self.graphs is not None and decode_only and plain else None
         batch = self.buffers.commit(host, pad_to=size)
         if host.pending_inputs:
             self.buffers.apply_pending(batch.input_ids, host.pending_inputs)
         if size is not None:
             return batch, self.graphs.replay(size)
+        if mm is not None:          # placeholder tokens take the encoder's rows: no whole-decoder C step
+            embeds = self.model.embed_input_ids(batch.input_ids)
+            embeds[mm[0]] = mm[1].to(embeds.dtype)
+            return batch, self.model(batch.input_ids, batch.positions, batch.meta, inputs_embeds=embeds)
         lora_slots = None if plain else self.lora.context.row_slots
         if self.decode_step is not None and (plain or lora_slots is not None):
             hidden = self.decode_step(batch.input_ids, batch.positions, batch.meta, lora_slots)
@@ -194,6 +202,8 @@ class ModelRunner:
         sampling reads its earlier ids (penalties, bad words) waits for them; drafts and a draft model
         need the ids on the host, so those steps finish here."""
         self._update_states(sched)
+        if self.encoder is not None:
+            self.encoder.run(sched)
         if sched.total_num_scheduled_tokens == 0:
             return PendingStep.ready(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         batch, hidden = self._forward(sched)

@@ -9,7 +9,7 @@ import torch
 from pagedserve.common.params.pooling_params import PoolingParams
 from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.executor.worker.sample.logit_constraints import RowConstraints
-from pagedserve.ipc.messages import NewRequestData
+from pagedserve.ipc.messages import MultiModalFeature, NewRequestData
 
 _MASK63 = (1 << 63) - 1
 
@@ -31,6 +31,7 @@ class CachedRequestState:
     pending: dict[int, tuple[Any, int]] = field(default_factory=dict, repr=False)
     lora_int_id: int = 0              # its LoRA adapter (0: the base model)
     pooling_params: PoolingParams | None = None     # a pooling request: pooled, never sampled
+    mm_features: list[MultiModalFeature] = field(default_factory=list)   # its images' placeholder runs
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "CachedRequestState":
@@ -41,7 +42,7 @@ class CachedRequestState:
                    sampling_params=params, block_ids=list(data.block_ids),
                    num_computed_tokens=data.num_computed_tokens, generator=generator,
                    constraints=RowConstraints.of(params), lora_int_id=data.lora_int_id,
-                   pooling_params=data.pooling_params)
+                   pooling_params=data.pooling_params, mm_features=list(data.mm_features or ()))
 
     def step_generator(self) -> torch.Generator | None:
         """The seeded generator for the next sampled token.

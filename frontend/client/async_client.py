@@ -41,6 +41,9 @@ class AsyncEngineClient:
         # Tokenizing a multi-MiB prompt takes seconds; on the event loop it would stall every stream.
         # One thread: calls stay serialized, as they were on the loop.
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        # Images are fetched, decoded and processed on a pool of their own: a large image takes the tokenizer
+        # thread from no text request (vLLM #49317). PIL and numpy drop the GIL for the heavy parts.
+        self._media_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="media") if info.mm_limits else None
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._children: dict[str, list[str]] = {}
         self._handler: asyncio.Task | None = None
@@ -136,9 +139,17 @@ class AsyncEngineClient:
                           template_kwargs: dict[str, Any] | None = None,
                           continue_final_message: bool = False,
                           tools: list[dict[str, Any]] | None = None) -> ProcessedPrompt:
-        return await self.run_tokenizer(self.processors.input.apply_chat_template, messages,
-                                         add_generation_prompt, template_kwargs=template_kwargs,
-                                         continue_final_message=continue_final_message, tools=tools)
+        prompt = await self.run_tokenizer(self.processors.input.apply_chat_template, messages,
+                                          add_generation_prompt, template_kwargs=template_kwargs,
+                                          continue_final_message=continue_final_message, tools=tools)
+        if prompt.pending_media:
+            prompt = await asyncio.get_running_loop().run_in_executor(
+                self._media_pool, self.processors.input.attach_media, prompt)
+        return prompt
+
+    @property
+    def is_multimodal(self) -> bool:
+        return bool(self.info.mm_limits)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         return await self.run_tokenizer(self.processors.tokenizer.decode, token_ids)
@@ -207,6 +218,8 @@ class AsyncEngineClient:
         self._fail_all(EngineDeadError("the client was shut down"))
         self.client.close()
         self._tokenizer_pool.shutdown(wait=False)
+        if self._media_pool is not None:
+            self._media_pool.shutdown(wait=False)
 
     # ---------------------------------------------------------------- outputs
 

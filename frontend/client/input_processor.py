@@ -11,7 +11,9 @@ from pagedserve.common.params.pooling_params import check_generation_allowed
 from pagedserve.common.request_checks import check_params, check_prompt
 from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.frontend.client.prompt_constraints import bad_words_token_ids, truncated_ids
-from pagedserve.ipc.messages import EngineCoreRequest, EngineInfo
+from pagedserve.frontend.multimodal.chat_parts import MediaRef, take_images
+from pagedserve.frontend.multimodal.processor import MultiModalProcessor, load_images
+from pagedserve.ipc.messages import EngineCoreRequest, EngineInfo, MultiModalFeature
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -20,6 +22,9 @@ PromptType = Union[str, list[int], dict[str, Any]]
 class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
+    mm_features: list[MultiModalFeature] | None = None     # its images, placeholders expanded in the ids
+    # A chat's images, not yet loaded: attach_media loads and processes them (placeholders still single).
+    pending_media: list[MediaRef] | None = None
 
 
 @dataclass
@@ -33,10 +38,13 @@ class PreparedRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, info: EngineInfo, chat_template: str | None = None) -> None:
-        """chat_template: the template to render chats with instead of the tokenizer's own."""
+    def __init__(self, tokenizer: Any, info: EngineInfo, chat_template: str | None = None,
+                 mm: MultiModalProcessor | None = None) -> None:
+        """chat_template: the template to render chats with instead of the tokenizer's own; mm: a multimodal
+        model's image processing."""
         self.tokenizer = tokenizer
         self.info = info
+        self.mm = mm
         self.chat_template = chat_template
         self._reserved: set[str] | None = None
 
@@ -44,6 +52,8 @@ class InputProcessor:
         if isinstance(prompt, str):
             return ProcessedPrompt(prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data") is not None:
+                return self._multimodal_prompt(prompt, add_special_tokens)
             if "prompt_token_ids" in prompt:
                 return ProcessedPrompt(prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"]))
             if isinstance(prompt.get("prompt"), str):
@@ -53,6 +63,28 @@ class InputProcessor:
             return ProcessedPrompt(None, self._check_ids(prompt))
         raise RequestError("prompt", "prompt must be a string, a list of token ids or a dict, got "
                            f"{type(prompt).__name__}")
+
+    def _multimodal_prompt(self, prompt: dict[str, Any], add_special_tokens: bool) -> ProcessedPrompt:
+        """{"prompt": text with one placeholder per image (or "prompt_token_ids"), "multi_modal_data":
+        {"image": an image or a list of them}}."""
+        data = prompt["multi_modal_data"]
+        if self.mm is None:
+            raise RequestError.at("multi_modal_data", "this model takes text only")
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise RequestError.at("multi_modal_data", "must be {'image': image or list of images}; this model "
+                                  f"takes images only, got {sorted(data) if isinstance(data, dict) else data!r}")
+        images = data.get("image") or []
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        base = self.parse_prompt({k: v for k, v in prompt.items() if k != "multi_modal_data"}, add_special_tokens)
+        return self.with_images(base, images)
+
+    def with_images(self, prompt: ProcessedPrompt, images: list[Any], field: str = "multi_modal_data") -> ProcessedPrompt:
+        """The prompt with each image's placeholder expanded and its feature attached (blocking: images are
+        processed here; the async client runs it on its media pool)."""
+        if self.mm is None:
+            raise RequestError.at(field, "this model takes text only")
+        ids, features = self.mm.expand(prompt.prompt_token_ids, images, field)
+        return ProcessedPrompt(prompt.prompt, ids, features or None)
 
     def _check_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
@@ -81,6 +113,7 @@ class InputProcessor:
         if reserved:
             raise RequestError.at("chat_template_kwargs", f"{', '.join(reserved)} cannot be set per request")
         try:
+            messages, media = take_images(messages) if self.mm is not None else (messages, [])
             text = self.tokenizer.apply_chat_template(_with_text_content(messages), tokenize=False,
                                                       chat_template=chat_template,
                                                       add_generation_prompt=add_generation_prompt,
@@ -92,7 +125,17 @@ class InputProcessor:
         if not isinstance(text, str):
             raise RequestError.at("messages", "the chat template did not render to text")
         # The template already placed any BOS: do not add special tokens again.
-        return ProcessedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+        return ProcessedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False),
+                               pending_media=media or None)
+
+    def attach_media(self, prompt: ProcessedPrompt) -> ProcessedPrompt:
+        """A rendered chat with its images loaded (URLs fetched, within the media limits) and processed
+        (blocking: the async client runs it on its media pool, never on the event loop)."""
+        if not prompt.pending_media:
+            return prompt
+        self.mm.check_count(len(prompt.pending_media), "messages")
+        images = load_images(prompt.pending_media, self.mm.media_limits, "messages")
+        return self.with_images(ProcessedPrompt(prompt.prompt, prompt.prompt_token_ids), images, "messages")
 
     def _reserved_template_args(self) -> set[str]:
         if self._reserved is None:
@@ -103,13 +146,20 @@ class InputProcessor:
     def truncate(self, prompt: ProcessedPrompt, keep: int | None) -> ProcessedPrompt:
         """truncate_prompt_tokens: the prompt's last `keep` tokens (its text no longer matches them)."""
         ids = truncated_ids(prompt.prompt_token_ids, keep, self.info.max_model_len)
-        return prompt if len(ids) == len(prompt.prompt_token_ids) else ProcessedPrompt(None, ids)
+        if len(ids) == len(prompt.prompt_token_ids):
+            return prompt
+        if prompt.mm_features:
+            raise RequestError.at("truncate_prompt_tokens", "a prompt with images is not cut (an image's "
+                                  "placeholders must stay whole)")
+        return ProcessedPrompt(None, ids)
 
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                       priority: int = 0, arrival_time: float | None = None, lora_int_id: int = 0) -> PreparedRequest:
         """Validate (the rules the core runs again at its socket, run here once and early) and build one
         engine request per sample: n > 1 fans out into children that share the prompt's blocks through the
         prefix cache. truncate_prompt_tokens is applied here, and only here."""
+        if prompt.pending_media:        # a caller's bug, not the user's: the images were never loaded
+            raise RuntimeError("make_requests: the prompt's images were not attached (attach_media)")
         check_params(params, priority)
         check_generation_allowed(self.info.pooling_tasks)
         prompt = self.truncate(prompt, params.truncate_prompt_tokens)
@@ -124,8 +174,8 @@ class InputProcessor:
             children = [(f"{request_id}#{i}", params.clone(
                 n=1, seed=None if params.seed is None else params.seed + i,
                 prompt_logprobs=params.prompt_logprobs if i == 0 else None)) for i in range(params.n)]
-        requests = [EngineCoreRequest(cid, prompt.prompt_token_ids, p, arrival, priority, lora_int_id=lora_int_id)
-                    for cid, p in children]
+        requests = [EngineCoreRequest(cid, prompt.prompt_token_ids, p, arrival, priority, lora_int_id=lora_int_id,
+                                      mm_features=prompt.mm_features) for cid, p in children]
         return PreparedRequest(request_id, prompt, params, [c for c, _ in children], requests)
 
 

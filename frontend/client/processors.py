@@ -12,6 +12,7 @@ from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.frontend.client.input_processor import InputProcessor, PreparedRequest, ProcessedPrompt
 from pagedserve.frontend.client.output_processor import OutputProcessor
 from pagedserve.frontend.client.tokenizer import load_tokenizer
+from pagedserve.frontend.multimodal.processor import MultiModalProcessor
 from pagedserve.ipc.messages import EngineInfo
 
 
@@ -25,7 +26,8 @@ class Processors:
     def from_info(cls, info: EngineInfo, chat_template: str | None = None) -> "Processors":
         """chat_template: rendered instead of the tokenizer's own (--chat-template)."""
         tokenizer = load_tokenizer(info.tokenizer)
-        return cls(tokenizer, InputProcessor(tokenizer, info, chat_template), OutputProcessor(tokenizer))
+        mm = MultiModalProcessor(info, tokenizer, info.mm_processor_cache_gb) if info.mm_limits else None
+        return cls(tokenizer, InputProcessor(tokenizer, info, chat_template, mm), OutputProcessor(tokenizer))
 
     def prepare(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                 priority: int = 0, lora_int_id: int = 0) -> PreparedRequest:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedserve.common.errors import RequestError
+from pagedserve.frontend.multimodal.chat_parts import IMAGE_PARTS
 
 # OpenAI's schemas allow null for these, meaning the default; here they are plain-typed with that default.
 _NULL_IS_DEFAULT = ("n", "presence_penalty", "frequency_penalty", "stream", "echo", "logprobs")
@@ -106,7 +107,7 @@ class ExtraCompletionFields(ExtraRequestFields):
             raise RequestError.at("suffix", "insertion (text after the completion) is not supported")
 
 
-# Chat content parts taken as text; any other type (image_url, input_audio, file, ...) is refused.
+# Chat content parts taken as text; any other type (input_audio, file, ...; image_url for a text model) is refused.
 _TEXT_PARTS = ("text", "refusal")
 
 
@@ -139,14 +140,19 @@ class ExtraChatFields(ExtraRequestFields):
         return variables
 
 
-def text_content(messages: list[Any]) -> list[dict[str, Any]]:
+def text_content(messages: list[Any], images: bool = False) -> list[dict[str, Any]]:
     """Messages as the chat template takes them: content parts joined into text. A part that is not text
-    is a ValueError naming it: dropping it would answer a different question than the one asked."""
+    is a ValueError naming it: dropping it would answer a different question than the one asked. images (a
+    multimodal model): a message with image parts keeps its parts, for frontend/multimodal/chat_parts.py."""
     out = []
     for i, message in enumerate(messages):
         d = message.model_dump(exclude_none=True)
         if "audio" in d:
             raise RequestError.at(f"messages[{i}].audio", "audio is not supported (this model takes text only)")
+        parts = message.content if isinstance(message.content, list) else []
+        if images and any(p.get("type") in IMAGE_PARTS for p in parts):
+            out.append(d)
+            continue
         if isinstance(message.content, list):
             for j, part in enumerate(message.content):
                 kind = part.get("type")

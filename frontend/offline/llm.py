@@ -102,9 +102,9 @@ class LLM:
              continue_final_message: bool = False,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        parsed = [self.input_processor.apply_chat_template(c, add_generation_prompt, chat_template,
-                                                           chat_template_kwargs, continue_final_message)
-                  for c in conversations]
+        parsed = [self.input_processor.attach_media(self.input_processor.apply_chat_template(
+            c, add_generation_prompt, chat_template, chat_template_kwargs, continue_final_message))
+            for c in conversations]
         return self._run(parsed, sampling_params, use_tqdm, None, lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,

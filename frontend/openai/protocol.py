@@ -115,8 +115,9 @@ class ChatCompletionRequest(ToolFields, _SamplingFields, ExtraChatFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(max_tokens, logprobs, defaults)
 
-    def text_messages(self) -> list[dict[str, Any]]:
-        return template_messages(text_content(self.messages))
+    def text_messages(self, images: bool = False) -> list[dict[str, Any]]:
+        """images: the model takes images, and a message's image parts are kept (chat_parts.take_images)."""
+        return template_messages(text_content(self.messages, images))
 
 
 class TokenizeRequest(StrictModel):

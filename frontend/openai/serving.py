@@ -135,7 +135,8 @@ class OpenAIServing:
 
     async def _render_chat(self, body: ChatCompletionRequest) -> ProcessedPrompt:
         body.check_supported()      # before rendering: a field we cannot honour is the error to report
-        return await self.engine.render_chat(body.text_messages(), body.add_generation_prompt,
+        messages = body.text_messages(images=self.engine.is_multimodal)
+        return await self.engine.render_chat(messages, body.add_generation_prompt,
                                              body.template_variables(body.chat_template_kwargs),
                                              body.continue_final_message, tools=body.template_tools())
 

@@ -1,0 +1,29 @@
+"""What the engine needs to know of each multimodal family before any image arrives: the modalities it takes
+and the most placeholder tokens one item can become (the encoder budget's size). The processing itself is the
+HF processor's (frontend/multimodal/), the model the executor's."""
+from __future__ import annotations
+
+from typing import Any
+
+# model_type of the checkpoint's top-level config -> family
+_FAMILIES = {"llava": "llava"}
+MODALITIES: dict[str, tuple[str, ...]] = {"llava": ("image",)}
+
+
+def family_of(full_config: Any) -> str | None:
+    """The multimodal family of a checkpoint's top-level config; None for a text model."""
+    return _FAMILIES.get(getattr(full_config, "model_type", None))
+
+
+def image_token_id(full_config: Any) -> int:
+    value = getattr(full_config, "image_token_id", None)
+    return int(value if value is not None else full_config.image_token_index)
+
+
+def max_tokens_per_item(family: str, full_config: Any, processor_kwargs: dict[str, Any]) -> int:
+    if family == "llava":
+        vision = full_config.vision_config
+        patches = (vision.image_size // vision.patch_size) ** 2
+        # "default" drops the CLS token's feature, "full" keeps it
+        return patches + (1 if full_config.vision_feature_select_strategy == "full" else 0)
+    raise ValueError(f"no token count for multimodal family {family!r}")
