@@ -23,6 +23,7 @@ _BY_ARCHITECTURE: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
 }
 # Pooling models (--runner pooling: common/pooler_config.py), tested against sentence-transformers and HF in
 # tests/executor/model/test_pooling_models.py rather than by generation parity.
@@ -73,6 +74,16 @@ def resolve_architecture(hf_config: Any) -> str:
         raise ValueError(f"model_type: {model_type!r} is not supported (supported: {', '.join(_BY_MODEL_TYPE)}; "
                          f"architectures: {', '.join(_BY_ARCHITECTURE)})")
     return _BY_MODEL_TYPE[model_type]
+
+
+def text_model_class(text_config: Any) -> type[nn.Module]:
+    """The causal LM a multimodal config's text_config names by its model_type (Llava's language model)."""
+    model_type = getattr(text_config, "model_type", None)
+    if model_type not in _BY_MODEL_TYPE:
+        raise ValueError(f"text_config.model_type: {model_type!r} is not supported (supported: "
+                         f"{', '.join(_BY_MODEL_TYPE)})")
+    module, name = _BY_ARCHITECTURE[_BY_MODEL_TYPE[model_type]]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
 def get_model_class(hf_config: Any) -> type[nn.Module]:

@@ -119,11 +119,14 @@ class LlamaModel(nn.Module):
         self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> Any:
         """Final-normed hidden states; on a stage before the last, (hidden, residual) for the next stage, which
-        passes them in as `intermediate`."""
+        passes them in as `intermediate`. inputs_embeds [T, hidden] (first stage): the embeddings to start from
+        in place of the tokens' own (a multimodal model's, image features merged in)."""
         if intermediate is None:
-            h, residual = self.embed_tokens(input_ids), None
+            h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             h, residual = intermediate
         rope = self.rotary_emb.cos_sin(positions, h.dtype)
@@ -198,10 +201,18 @@ class LlamaForCausalLM(LoadableModel):
         return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> Any:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]; before the last pipeline
-        stage, (hidden, residual) for the next, which gets them as `intermediate`."""
-        return self.model(input_ids, positions, meta, intermediate)
+        stage, (hidden, residual) for the next, which gets them as `intermediate`. inputs_embeds [T, hidden]
+        (first stage) replace the embeddings of input_ids."""
+        return self.model(input_ids, positions, meta, intermediate, inputs_embeds=inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> their token embeddings [T, hidden_size] (first pipeline stage only)."""
+        if self.model.embed_tokens is None:
+            raise ValueError(f"input_ids: pipeline stage {self.pp.rank} holds no token embedding (the first does)")
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size], full vocabulary on every rank."""

@@ -1,0 +1,180 @@
+"""Llava (LlavaForConditionalGeneration): a CLIP vision tower, a two-layer projector into the text model's
+embedding space, and a registered causal LM (Llama, Mistral, Qwen2, Qwen3) that reads the projected image
+features in place of the image placeholder tokens' embeddings.
+
+The runner merges the two: `embed_input_ids(ids)`, the rows at `image_token_id` replaced by the concatenated
+`embed_multimodal(pixel_values)`, passed to `forward` as inputs_embeds.
+
+Checkpoint names are canonicalised to the layout transformers 5's save_pretrained writes (`language_model.model.*`,
+`language_model.lm_head.*`, `vision_tower.*`, `multi_modal_projector.*`), which is this module's own parameter
+layout; the hub's classic llava-hf names and transformers 5's in-memory ones are renamed to it (_canonical).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.executor.model.layers.activation import get_activation
+from pagedserve.executor.model.layers.attention import PagedAttention
+from pagedserve.executor.model.layers.linear import copy_weight
+from pagedserve.executor.model.models import text_model_class
+from pagedserve.executor.model.models.vision.clip import CLIPVisionTower, hidden_state_indices
+from pagedserve.executor.model.models.weight_loading import LoadableModel
+from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
+from pagedserve.kernels.attention.metadata import AttentionMetadata
+
+_LM = "language_model."
+# (incoming prefix, canonical prefix), first match wins: transformers 5's in-memory names.
+_PREFIXES = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+             ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector."))
+# The classic hub layout nests CLIP's modules one level deeper (CLIPVisionModel.vision_model).
+_CLASSIC_TOWER = "vision_tower.vision_model."
+_STRATEGIES = ("default", "full")
+
+
+def _canonical(name: str) -> str:
+    for old, new in _PREFIXES:
+        if name.startswith(old):
+            name = new + name[len(old):]
+            break
+    if name.startswith(_CLASSIC_TOWER):
+        name = "vision_tower." + name[len(_CLASSIC_TOWER):]
+    return name
+
+
+class LlavaMultiModalProjector(nn.Module):
+    def __init__(self, hf_config: Any, num_feature_layers: int) -> None:
+        super().__init__()
+        text_hidden = hf_config.text_config.hidden_size
+        bias = bool(getattr(hf_config, "multimodal_projector_bias", True))
+        self.linear_1 = nn.Linear(hf_config.vision_config.hidden_size * num_feature_layers, text_hidden, bias=bias)
+        self.act = get_activation(getattr(hf_config, "projector_hidden_act", "gelu"), "projector_hidden_act")
+        self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(features)))
+
+
+class LlavaForConditionalGeneration(LoadableModel):
+    """hf_config: the whole LlavaConfig. The vision tower and projector live on the first pipeline stage (the
+    one that embeds); every stage holds its share of the language model."""
+
+    def __init__(self, hf_config: Any, tp: TPGroup, pp: PPGroup = PPGroup()) -> None:
+        super().__init__()
+        self.config, self.pp = hf_config, pp
+        strategy = getattr(hf_config, "vision_feature_select_strategy", "default")
+        if strategy not in _STRATEGIES:
+            raise ValueError(f"vision_feature_select_strategy: {strategy!r} is not supported (supported: "
+                             f"{', '.join(_STRATEGIES)})")
+        self.drop_class_token = strategy == "default"
+        vision_config = hf_config.vision_config
+        layers = hidden_state_indices(getattr(hf_config, "vision_feature_layer", -2), vision_config.num_hidden_layers)
+        text_config = hf_config.text_config
+        self.language_model = text_model_class(text_config)(text_config, tp, pp)
+        self.vision_tower: CLIPVisionTower | None = None
+        self.multi_modal_projector: LlavaMultiModalProjector | None = None
+        if pp.is_first:
+            # Replicated on every TP rank, not sharded: the tower is small, and a whole copy per rank saves an
+            # all-reduce per encoder layer (vLLM's mm_encoder_tp_mode="data" does the same).
+            self.vision_tower = CLIPVisionTower(vision_config, layers)
+            self.multi_modal_projector = LlavaMultiModalProjector(hf_config, len(layers))
+
+    @property
+    def image_token_id(self) -> int:
+        """The placeholder token each image's features replace, one per feature row."""
+        token = getattr(self.config, "image_token_id", None)
+        return int(token if token is not None else self.config.image_token_index)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> Any:
+        """The language model's forward: hidden states [T, hidden] (or (hidden, residual) before the last
+        stage); inputs_embeds [T, hidden], image features merged in, replace the embeddings of input_ids."""
+        return self.language_model(input_ids, positions, meta, intermediate, inputs_embeds=inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_input_ids(input_ids)
+
+    def embed_multimodal(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
+        """pixel_values [n_images, channels, H, W] (the HF processor's) -> per image, its features
+        [num_image_tokens, text hidden_size] in the model's dtype, one row per placeholder token."""
+        if self.vision_tower is None or self.multi_modal_projector is None:
+            raise ValueError(f"pixel_values: pipeline stage {self.pp.rank} holds no vision tower (the first does)")
+        if pixel_values.dim() != 4:
+            raise ValueError(f"pixel_values: expected [n_images, channels, H, W], got shape "
+                             f"{tuple(pixel_values.shape)}")
+        weight = self.multi_modal_projector.linear_1.weight
+        states = self.vision_tower(pixel_values.to(weight.device, weight.dtype))
+        if self.drop_class_token:
+            states = [s[:, 1:] for s in states]
+        return list(self.multi_modal_projector(torch.cat(states, dim=-1)).unbind(0))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return self.language_model.attention_layers()
+
+    def make_decode_step(self) -> Any:
+        return self.language_model.make_decode_step()
+
+    # ---------------------------------------------------------------- weights
+
+    def stream_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Tensors in any of the three layouts (module docstring); the canonical names consumed, comparable
+        with expected_weights(). The language model's tensors stream on to its own stream_weights."""
+        loaded: set[str] = set()
+        current: list[str | None] = [None]
+        try:
+            text_loaded = self.language_model.stream_weights(self._route(weights, loaded, current))
+        except ValueError as exc:       # the language model names the tensor without our prefix
+            name = current[0]
+            if name is None or name in str(exc):
+                raise
+            raise ValueError(f"{exc} (checkpoint tensor {name!r})") from exc
+        return loaded | {_LM + name for name in text_loaded}
+
+    def _route(self, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str],
+               current: list[str | None]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The language model's tensors, prefix stripped; the vision tower's and projector's copied here."""
+        params = dict(self.named_parameters())
+        for raw, tensor in weights:
+            current[0] = raw
+            name = _canonical(raw)
+            if name.startswith(_LM):
+                yield name[len(_LM):], tensor
+                continue
+            if self._skipped(name):
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {raw!r} has no matching parameter in {type(self).__name__}")
+            copy_weight(params[name].data, tensor, f"checkpoint tensor {raw!r}")
+            loaded.add(name)
+        current[0] = None
+
+    def _skipped(self, name: str) -> bool:
+        """A vision-side tensor the model has no use for: the tower's layers past the deepest feature layer, its
+        post_layernorm, old checkpoints' position_ids buffer, and everything on a stage without the tower."""
+        if not name.startswith(("vision_tower.", "multi_modal_projector.")):
+            return False
+        if self.vision_tower is None:
+            return True
+        if name.startswith(("vision_tower.post_layernorm.", "vision_tower.embeddings.position_ids")):
+            return True
+        parts = name.split(".")
+        if parts[1:3] == ["encoder", "layers"] and len(parts) > 3 and parts[3].isdigit():
+            # a layer past the checkpoint's own count is no layer of it: refused as unknown
+            return self.vision_tower.num_layers <= int(parts[3]) < self.config.vision_config.num_hidden_layers
+        return False
+
+    def expected_weights(self) -> set[str]:
+        """Every canonical checkpoint name this rank needs."""
+        names = {_LM + name for name in self.language_model.expected_weights()}
+        vision = (("vision_tower.", self.vision_tower), ("multi_modal_projector.", self.multi_modal_projector))
+        for prefix, module in vision:
+            if module is not None:
+                names.update(prefix + name for name, _ in module.named_parameters())
+        return names

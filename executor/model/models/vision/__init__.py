@@ -1,0 +1,1 @@
+"""Vision encoders of multimodal models (the towers their language models read image features from)."""

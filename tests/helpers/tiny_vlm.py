@@ -1,0 +1,60 @@
+"""A tiny random-weight Llava (CLIP vision tower + Llama) saved as HF writes it, with its processor, and random
+images to feed it."""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedserve.tests.helpers.tiny_models import embedded_tokenizer
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+IMAGE_TOKEN = "<image>"
+# Role-prefixed turns; an {'type': 'image'} part becomes the placeholder the processor expands per image. The
+# newline is an expression: transformers renders with trim_blocks, which drops a literal one after a tag.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'].upper() }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def make_tiny_llava(path: str, seed: int = 0) -> str:
+    """Write config.json + model.safetensors of a random Llava (32x32 images in 8x8 patches: 16 image tokens
+    under the "default" strategy) and its LlavaProcessor (tokenizer with `<image>` added) into path."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    tok = embedded_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=32, patch_size=8)
+    text = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=128, vocab_size=len(tok), max_position_embeddings=1024,
+                       initializer_range=0.2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = LlavaConfig(vision_config=vision, text_config=text,
+                         image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN), vision_feature_layer=-2,
+                         vision_feature_select_strategy="default")
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=8,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(path)
+    return path
+
+
+def random_image(seed: int, w: int, h: int) -> Image.Image:
+    """Uniform random RGB noise of w x h pixels."""
+    import numpy as np
+    from PIL import Image
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(h, w, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)      # uint8 [h, w, 3]: RGB
