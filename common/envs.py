@@ -53,6 +53,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # vLLM's switch for the development routes RL trainers use: /sleep, /wake_up, /is_sleeping,
     # /reset_prefix_cache, /collective_rpc (frontend/rl/dev_routes.py).
     "VLLM_SERVER_DEV_MODE": lambda: os.environ.get("VLLM_SERVER_DEV_MODE", "0").lower() in ("1", "true"),
+    # vLLM's seconds an http(s) image URL in a request may take to download, all of it (frontend/multimodal/).
+    "VLLM_IMAGE_FETCH_TIMEOUT": _float("VLLM_IMAGE_FETCH_TIMEOUT", 5.0),
     # "torch" runs the PyTorch kernels on CUDA too (A/B checks against the Triton ones).
     "PAGEDSERVE_KERNELS": _choice("PAGEDSERVE_KERNELS", "triton", ("triton", "torch")),
     # "0" keeps quantized CPU decode steps on the layer stack instead of the one-call C step (A/B runs).
