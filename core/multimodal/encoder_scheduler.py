@@ -34,18 +34,25 @@ class EncoderScheduler:
         runs). can_cut False (no chunked prefill): all of it or nothing."""
         if not request.mm_features or start >= request.num_prompt_tokens:
             return num_new
-        items = _touched(request, start, num_new)
-        keep = {f.mm_hash for f in items if self.cache.has(f.mm_hash)}
-        budget, extra, planned = self.step_budget, 0, set()
-        for item in items:
-            if item.mm_hash in keep or item.mm_hash in planned:
+        budget, extra = self.step_budget, 0
+        keep: set[str] = set()          # cached entries the chunk so far reads: never evicted for it
+        planned: set[str] = set()
+        for item in _touched(request, start, num_new):
+            h = item.mm_hash
+            if h in planned:
                 continue
-            if item.length > budget or not self.cache.can_fit(extra + item.length, keep):
-                cut = max(item.offset - start, 0)
-                return cut if can_cut else 0
+            if self.cache.has(h):
+                fits = self.cache.can_fit(extra, keep | {h})      # room for the new ones with this one kept
+            else:
+                fits = item.length <= budget and self.cache.can_fit(extra + item.length, keep)
+            if not fits:
+                return max(item.offset - start, 0) if can_cut else 0
+            if self.cache.has(h):
+                keep.add(h)
+                continue
             budget -= item.length
             extra += item.length
-            planned.add(item.mm_hash)
+            planned.add(h)
         return num_new
 
     def commit(self, request: Request, start: int, num_new: int) -> None:
@@ -53,9 +60,12 @@ class EncoderScheduler:
         if not request.mm_features or start >= request.num_prompt_tokens:
             return
         rid = request.request_id
-        for item in _touched(request, start, num_new):
+        items = _touched(request, start, num_new)
+        for item in items:              # the cached ones first: referenced, they are out of eviction's reach
             if self.cache.has(item.mm_hash):
                 self.cache.acquire(item.mm_hash, rid)
+        for item in items:
+            if self.cache.has(item.mm_hash):
                 continue
             self.cache.add(item.mm_hash, item.length, rid)
             self.step_inputs.append(encoder_input(item))

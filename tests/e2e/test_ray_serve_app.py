@@ -44,7 +44,7 @@ def _alive(pids: set[int]) -> set[int]:
 @pytest.fixture
 def local_serve(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)     # never another module's cluster
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:

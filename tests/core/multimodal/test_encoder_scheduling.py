@@ -146,3 +146,17 @@ def test_without_chunked_prefill_a_prompt_waits_whole_for_its_images():
     sched.add_request(make_request("a", ids, [image("x", offs[0]), image("y", offs[1])]))
     out = sched.schedule()
     assert out.num_scheduled_tokens == {}          # both images cannot be had in one step: nothing partial
+
+
+def test_a_chunk_over_a_new_item_then_a_cached_one_stops_between_them_when_both_do_not_fit():
+    sched = make_scheduler(budget=3 * ITEM, cache_tokens=ITEM + ITEM // 2)     # room for one item only
+    ids, offs = prompt_with(2, text=2)
+    sched.add_request(make_request("warm", ids[:offs[1]] + ids[offs[1]:offs[1] + ITEM], [image("y", offs[1])]))
+    # "warm" has only image y at the second offset; once it is done, y is cached and idle.
+    while sched.requests:
+        step(sched)
+    sched.add_request(make_request("a", ids, [image("x", offs[0]), image("y", offs[1])]))
+    out = step(sched)
+    assert [i.mm_hash for i in out.encoder_inputs] == ["x"] and out.num_scheduled_tokens["a"] == offs[1]
+    while sched.requests:          # and it finishes: y is encoded again once x is done with
+        step(sched)

@@ -1,0 +1,138 @@
+"""Images through the whole engine (offline LLM: frontend processing, core scheduling, workers' encoder) at
+token parity with HF transformers' Llava, across batching, chunked prefill, preemption and prefix hits."""
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.common.errors import RequestError
+from pagedserve.tests.helpers.tiny_vlm import IMAGE_TOKEN, make_tiny_llava, random_image
+
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory) -> str:
+    return make_tiny_llava(str(tmp_path_factory.mktemp("llava")))
+
+
+@pytest.fixture(scope="module")
+def hf(llava_dir):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    model = LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(llava_dir)
+
+
+def hf_greedy(hf, text: str, images: list) -> list[int]:
+    model, processor = hf
+    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+CASES = [  # (text, number of images)
+    (f"USER: {IMAGE_TOKEN}describe it\nASSISTANT:", 1),
+    (f"USER: compare {IMAGE_TOKEN} and {IMAGE_TOKEN}\nASSISTANT:", 2),
+    (f"USER: {IMAGE_TOKEN}{IMAGE_TOKEN}{IMAGE_TOKEN} three in a row, then a longer question about them\n", 3),
+    ("USER: no image at all here\nASSISTANT:", 0),
+]
+
+
+def case_inputs(seed: int) -> list[tuple[str, list]]:
+    return [(text, [random_image(seed * 10 + i, 40 + 7 * i, 30 + 5 * i) for i in range(n)]) for text, n in CASES]
+
+
+@pytest.fixture(scope="module")
+def want(hf) -> list[list[int]]:
+    return [hf_greedy(hf, text, images) for text, images in case_inputs(0)]
+
+
+def run(llm: LLM, seed: int = 0) -> list[list[int]]:
+    prompts = [{"prompt": text, "multi_modal_data": {"image": images}} if images else text
+               for text, images in case_inputs(seed)]
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def llm(llava_dir):
+    with LLM(llava_dir, dtype="float32", max_model_len=512, kv_cache_memory=0.05) as engine:
+        yield engine
+
+
+def test_batched_prompts_with_zero_to_three_images_match_hf(llm, want):
+    assert run(llm) == want
+
+
+def test_the_same_images_again_hit_the_prefix_cache_and_still_match(llm, want):
+    outs = llm.generate([{"prompt": CASES[1][0], "multi_modal_data": {"image": case_inputs(0)[1][1]}}], greedy(),
+                        use_tqdm=False)
+    assert list(outs[0].outputs[0].token_ids) == want[1]
+    assert outs[0].num_cached_tokens >= 16          # the image's blocks came back from the cache
+
+
+def test_the_same_text_beside_other_images_reuses_no_image_kv(llm, hf):
+    text, images = case_inputs(5)[1]
+    out = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}], greedy(), use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == hf_greedy(hf, text, images)
+    first_image = len(llm.get_tokenizer().encode(text.split(IMAGE_TOKEN)[0]))
+    assert out.num_cached_tokens <= first_image
+
+
+@pytest.mark.parametrize("engine", [
+    dict(max_num_batched_tokens=24, max_model_len=128),    # chunks split the images' placeholder runs
+    dict(num_gpu_blocks_override=10, block_size=8, max_model_len=80),     # too few blocks for all: preemption
+], ids=["chunked", "preempted"])
+def test_chunked_prefill_and_preemption_keep_parity(llava_dir, want, engine):
+    with LLM(llava_dir, dtype="float32", enable_prefix_caching=False, **engine) as small:
+        assert run(small) == want
+        if "num_gpu_blocks_override" in engine:
+            assert small.engine.scheduler.num_preemptions > 0
+
+
+def test_chat_with_image_url_parts_matches_hf(llm, hf):
+    image = random_image(42, 36, 36)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is "},
+                                             {"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "?"}]}]
+    out = llm.chat(messages, greedy(), use_tqdm=False)[0]
+    text = hf[1].apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert list(out.outputs[0].token_ids) == hf_greedy(hf, text, [image])
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ({"prompt": "no placeholder", "multi_modal_data": {"image": [None]}}, "placeholder"),
+    ({"prompt": f"{IMAGE_TOKEN}", "multi_modal_data": {"image": ["not an image"]}}, "PIL"),
+    ({"prompt": f"{IMAGE_TOKEN}", "multi_modal_data": {"video": []}}, "images only"),
+])
+def test_bad_multimodal_prompts_name_the_field(llm, prompt, match):
+    with pytest.raises(RequestError, match=match):
+        llm.generate([prompt], greedy(), use_tqdm=False)
+
+
+def test_more_images_than_the_limit_are_refused(llava_dir):
+    with LLM(llava_dir, dtype="float32", max_model_len=256, limit_mm_per_prompt={"image": 1}) as one:
+        with pytest.raises(RequestError, match="limit-mm-per-prompt"):
+            one.generate([{"prompt": IMAGE_TOKEN * 2, "multi_modal_data": {"image": case_inputs(0)[1][1]}}],
+                         greedy(), use_tqdm=False)
+        out = one.generate([{"prompt": CASES[0][0], "multi_modal_data": {"image": case_inputs(0)[0][1]}}],
+                           greedy(), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == MAX_NEW
+
+
+def test_a_text_model_refuses_images(tiny_llama_dir):
+    with LLM(tiny_llama_dir, dtype="float32", max_model_len=128) as text_only:
+        with pytest.raises(RequestError, match="text only"):
+            text_only.generate([{"prompt": "x", "multi_modal_data": {"image": random_image(0, 8, 8)}}],
+                               greedy(), use_tqdm=False)
