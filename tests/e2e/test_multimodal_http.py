@@ -1,0 +1,176 @@
+"""Images over HTTP: the openai SDK's and LangChain's image_url parts (data:, http:// and file:// URLs) on a
+real engine-serve of a tiny Llava, answers equal to HF transformers', and every bad image a 400 with an
+OpenAI-shaped body while the server keeps serving."""
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+
+from pagedserve.tests.helpers.server import Server
+from pagedserve.tests.helpers.tiny_vlm import make_tiny_llava, random_image
+
+MAX_NEW = 6
+
+
+def png_bytes(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(raw: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(raw).decode()
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory) -> str:
+    return make_tiny_llava(str(tmp_path_factory.mktemp("llava_http")))
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "cat.png").write_bytes(png_bytes(random_image(3, 40, 40)))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def server(llava_dir, media_dir) -> Iterator[Server]:
+    srv = Server("--allowed-local-media-path", media_dir, "--limit-mm-per-prompt", '{"image": 2}',
+                 "--max-num-seqs", "8", "--kv-cache-memory", "0.05", model=llava_dir, max_model_len=256)
+    os.environ.setdefault("VLLM_IMAGE_FETCH_TIMEOUT", "5")
+    yield srv
+    srv.stop_and_check_clean()
+
+
+@pytest.fixture(scope="module")
+def image_site(media_dir) -> Iterator[str]:
+    """A real HTTP server on a free port serving the media folder."""
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=media_dir)   # noqa: E731
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{site.server_address[1]}"
+    site.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_text(llava_dir):
+    """HF transformers' greedy answer, as text, to one user turn of `text` around one image."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    model = LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(llava_dir)
+
+    def answer(text: str, image) -> str:
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+        prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        inputs = processor(text=prompt, images=[image], return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+        return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    return answer
+
+
+def image_message(url: str, text: str = "what is it?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+def ask(server: Server, messages: list[dict], **fields) -> httpx.Response:
+    body = {"messages": messages, "max_tokens": MAX_NEW, "temperature": 0, **fields}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, headers=server.auth, timeout=60)
+
+
+def test_the_openai_sdk_with_a_data_url_gets_hf_s_answer(server, hf_text):
+    image = random_image(1, 48, 40)
+    out = server.client().chat.completions.create(model=server.client().models.list().data[0].id,
+                                                  messages=image_message(data_url(png_bytes(image))),
+                                                  max_tokens=MAX_NEW, temperature=0)
+    assert out.choices[0].message.content == hf_text("what is it?", image)
+    assert out.usage.prompt_tokens > 16              # the image's 16 placeholder tokens are counted
+
+
+def test_http_and_file_urls_load_the_same_image(server, image_site, media_dir, hf_text):
+    from PIL import Image
+    want = hf_text("what is it?", Image.open(os.path.join(media_dir, "cat.png")).convert("RGB"))
+    for url in (f"{image_site}/cat.png", "file://" + os.path.join(media_dir, "cat.png")):
+        r = ask(server, image_message(url))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want
+
+
+def test_a_streamed_answer_with_an_image_equals_the_whole_one(server):
+    url = data_url(png_bytes(random_image(2, 33, 33)))
+    whole = ask(server, image_message(url)).json()["choices"][0]["message"]["content"]
+    stream = server.client().chat.completions.create(model=server.client().models.list().data[0].id,
+                                                     messages=image_message(url), max_tokens=MAX_NEW,
+                                                     temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole
+
+
+def test_langchain_human_message_with_image_content(server, hf_text):
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+    image = random_image(4, 30, 50)
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key=server.api_key, temperature=0, max_tokens=MAX_NEW,
+                     model=server.client().models.list().data[0].id)
+    msg = HumanMessage(content=[{"type": "image_url", "image_url": {"url": data_url(png_bytes(image))}},
+                                {"type": "text", "text": "describe"}])
+    assert llm.invoke([msg]).content == hf_text("describe", image)
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/x.png"
+
+
+def _tiff() -> bytes:
+    buf = io.BytesIO()
+    random_image(0, 8, 8).save(buf, format="TIFF")
+    return buf.getvalue()
+
+
+BAD = {
+    "broken base64": (lambda d: "data:image/png;base64,!!notbase64", "base64"),
+    "not an image": (lambda d: data_url(b"hello, world"), "not an image"),
+    "unsupported format": (lambda d: data_url(_tiff(), "image/tiff"), "unsupported"),
+    "outside the allowed folder": (lambda d: "file:///etc/hostname", "allowed-local-media-path"),
+    "unreachable URL": (lambda d: _closed_port_url(), "127.0.0.1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_each_bad_image_is_a_400_and_the_server_keeps_serving(server, media_dir, case):
+    make, match = BAD[case]
+    start = time.monotonic()
+    r = ask(server, image_message(make(media_dir)))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and match in error["message"], error
+    assert time.monotonic() - start < 10
+    ok = ask(server, image_message(data_url(png_bytes(random_image(9, 20, 20)))))
+    assert ok.status_code == 200
+
+
+def test_more_images_than_the_limit_is_a_400(server):
+    url = data_url(png_bytes(random_image(5, 20, 20)))
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}] * 3}]
+    r = ask(server, messages)
+    assert r.status_code == 400 and "limit-mm-per-prompt" in r.json()["error"]["message"]
+
+
+def test_an_image_sent_to_a_text_model_is_a_400(api_server):
+    url = data_url(png_bytes(random_image(6, 20, 20)))
+    r = ask(api_server, image_message(url))
+    assert r.status_code == 400 and "text only" in r.json()["error"]["message"]
