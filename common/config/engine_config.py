@@ -29,7 +29,7 @@ class ModelConfig:
     quantization: QuantSpec | None  # resolved from --quantization and the checkpoint; None: float
     # A multimodal checkpoint's whole config (vision tower, projector, placeholder ids); hf_config is then its
     # language model's. None for a text model.
-    mm_config: Any = field(default=None, repr=False, compare=False)
+    mm_config: Any = field(repr=False, compare=False)
 
     @property
     def arch_config(self) -> Any:

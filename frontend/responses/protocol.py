@@ -21,7 +21,8 @@ from pagedserve.frontend.http.protocol_extras import PlatformFields, drop_nulls
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # include values that ask for nothing this server makes: there is no encrypted reasoning to return.
 _INERT_INCLUDES = frozenset({"reasoning.encrypted_content"})
-# Content part types read as text; any other (input_image, input_file, input_audio) is refused.
+# Content part types read as text; input_image is kept for a multimodal model; any other (input_file,
+# input_audio) is refused.
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal", "reasoning_text", "summary_text"})
 _ROLES = frozenset({"user", "system", "developer", "assistant"})
 # Chat field -> the Responses field it came from, for the names in error messages.
@@ -127,6 +128,11 @@ def _input_item(item: dict[str, Any], where: str) -> dict[str, Any]:
         if role not in _ROLES:
             raise RequestError.at(f"{where}.role", f"must be one of {', '.join(sorted(_ROLES))}, got {role!r}")
         part = "output_text" if role == "assistant" else "input_text"
+        content = item.get("content")
+        if role == "user" and isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                                for p in content):
+            return {"type": "message", "role": role,
+                    "content": [_image_or_text(p, f"{where}.content[{j}]") for j, p in enumerate(content)]}
         return {"type": "message", "role": role,
                 "content": [{"type": part, "text": _text(item.get("content"), f"{where}.content")}]}
     if kind == "function_call":
@@ -150,6 +156,24 @@ def _input_item(item: dict[str, Any], where: str) -> dict[str, Any]:
                                            "function_call, function_call_output, reasoning)")
 
 
+def _image_or_text(part: Any, where: str) -> dict[str, Any]:
+    """A user message's part in normal form: an input_image by its URL (data:, http(s)://, file://), else text."""
+    if isinstance(part, dict) and part.get("type") == "input_image":
+        url = part.get("image_url")
+        if not isinstance(url, str) or not url:
+            raise RequestError.at(f"{where}.image_url", "an image URL is required (file_id is not supported)")
+        return {"type": "input_image", "image_url": url}
+    return {"type": "input_text", "text": _text([part], where)}
+
+
+def _chat_content(content: Any) -> Any:
+    """A normal-form message's content as chat takes it: text, or chat parts where it holds images."""
+    if isinstance(content, list) and any(p.get("type") == "input_image" for p in content):
+        return [{"type": "image_url", "image_url": {"url": p["image_url"]}} if p["type"] == "input_image"
+                else {"type": "text", "text": p["text"]} for p in content]
+    return _text(content, "input")
+
+
 def _text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
@@ -171,7 +195,7 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = item["type"]
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
-            messages.append({"role": role, "content": _text(item["content"], "input")})
+            messages.append({"role": role, "content": _chat_content(item["content"])})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}

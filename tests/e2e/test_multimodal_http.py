@@ -174,3 +174,36 @@ def test_an_image_sent_to_a_text_model_is_a_400(api_server):
     url = data_url(png_bytes(random_image(6, 20, 20)))
     r = ask(api_server, image_message(url))
     assert r.status_code == 400 and "text only" in r.json()["error"]["message"]
+
+
+def test_rss_stays_flat_over_500_distinct_images(server):
+    """vLLM #15294: RSS grew without bound under image traffic. Every cache here is bounded (processed items
+    by bytes, encoder outputs by tokens, pixel data dropped with its request)."""
+    import asyncio
+
+    async def send(client: httpx.AsyncClient, seed: int) -> None:
+        url = data_url(png_bytes(random_image(1000 + seed, 128, 128)))
+        body = {"messages": image_message(url), "max_tokens": 1, "temperature": 0}
+        r = await client.post(server.url + "/v1/chat/completions", json=body, headers=server.auth)
+        assert r.status_code == 200, r.text
+
+    async def wave(seeds: range) -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            for start in range(seeds.start, seeds.stop, 16):
+                await asyncio.gather(*(send(client, s) for s in range(start, min(start + 16, seeds.stop))))
+
+    asyncio.run(wave(range(0, 250)))
+    server.wait_idle()
+    half = server.usage()[0]
+    asyncio.run(wave(range(250, 500)))
+    server.wait_idle()
+    assert server.usage()[0] - half < 100 * 2**20
+
+
+def test_the_responses_api_takes_input_image(server, hf_text):
+    image = random_image(7, 40, 40)
+    content = [{"type": "input_image", "image_url": data_url(png_bytes(image))},
+               {"type": "input_text", "text": "what is it?"}]
+    out = server.client().responses.create(model=server.client().models.list().data[0].id, max_output_tokens=MAX_NEW,
+                                           temperature=0, input=[{"role": "user", "content": content}])
+    assert out.output_text == hf_text("what is it?", image)

@@ -142,7 +142,7 @@ def _act_order_config(path: str):
     return ModelConfig(source=source, hf_config=hf_config, dtype="float32", device="cpu",
                        max_model_len=hf_config.max_position_embeddings, seed=0, served_model_name=source.name,
                        enforce_eager=False, tokenizer=None, default_sampling={}, generation_eos_token_ids=(),
-                       quantization=spec)
+                       quantization=spec, mm_config=None)
 
 
 def _tp_worker(rank: int, world: int, init_method: str, path: str, prompt: list[int], out: str) -> None:
