@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.common.multimodal.families import MODALITIES, family_of, max_tokens_per_item
+from pagedserve.common.multimodal.families import MODALITIES, family_of, item_shapes, max_tokens_per_item
 
 # What --mm-processor-cache-gb defaults to (vLLM's 4 GiB).
 DEFAULT_MM_PROCESSOR_CACHE_GB = 4.0
@@ -23,6 +23,7 @@ class MultiModalConfig:
     processor_cache_gb: float                # --mm-processor-cache-gb: the frontend's processed-item cache
     allowed_local_media_path: str | None     # file:// media only under it; None: no file:// URLs
     max_tokens_per_item: int                 # placeholder tokens of the largest item the processor makes
+    item_shapes: dict[str, list[int]] = field(compare=False)    # each item's tensors, exactly these shapes
     encoder_budget: int                      # encoder tokens one step may compute
     encoder_cache_size: int                  # encoder-output tokens the workers keep, least recently used
 
@@ -43,7 +44,7 @@ def resolve_multimodal(full_config: Any, limit_mm_per_prompt: dict[str, Any] | N
     return MultiModalConfig(
         limit_per_prompt=limits, processor_kwargs=dict(mm_processor_kwargs or {}),
         processor_cache_gb=float(mm_processor_cache_gb), allowed_local_media_path=allowed_local_media_path,
-        max_tokens_per_item=per_item, encoder_budget=max(max_num_batched_tokens, per_item),
+        max_tokens_per_item=per_item, item_shapes=item_shapes(family, full_config), encoder_budget=max(max_num_batched_tokens, per_item),
         encoder_cache_size=max(max_num_batched_tokens, per_item))
 
 

@@ -27,3 +27,13 @@ def max_tokens_per_item(family: str, full_config: Any, processor_kwargs: dict[st
         # "default" drops the CLS token's feature, "full" keeps it
         return patches + (1 if full_config.vision_feature_select_strategy == "full" else 0)
     raise ValueError(f"no token count for multimodal family {family!r}")
+
+
+def item_shapes(family: str, full_config: Any) -> dict[str, list[int]]:
+    """The tensors one item carries and their exact shapes: the core refuses any other (a hostile client's
+    shapes would otherwise fail the vision tower inside a step, every request of the batch with it)."""
+    if family == "llava":
+        vision = full_config.vision_config
+        size = vision.image_size
+        return {"pixel_values": [1, getattr(vision, "num_channels", 3), size, size]}
+    raise ValueError(f"no item shapes for multimodal family {family!r}")

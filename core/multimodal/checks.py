@@ -32,18 +32,23 @@ def check_mm_features(features: list[MultiModalFeature] | None, num_prompt_token
         if item.offset < end or item.length <= 0 or item.offset + item.length > num_prompt_tokens:
             raise RequestError.at(f"{_FIELD}[{i}]", "its placeholder tokens must lie inside the prompt, after the "
                                   "item before it")
-        if item.length > config.max_tokens_per_item:
-            raise RequestError.at(f"{_FIELD}[{i}]", f"{item.length} placeholder tokens, more than the "
-                                  f"{config.max_tokens_per_item} the model's largest item takes")
+        if item.length != config.max_tokens_per_item:
+            raise RequestError.at(f"{_FIELD}[{i}]", f"{item.length} placeholder tokens, where the model's items "
+                                  f"take {config.max_tokens_per_item}")
         if item.data is None:
             raise RequestError.at(f"{_FIELD}[{i}]", "the item's processed data is missing")
+        if sorted(item.data) != sorted(config.item_shapes):
+            raise RequestError.at(f"{_FIELD}[{i}]", f"the item holds {sorted(item.data)}, where the model reads "
+                                  f"{sorted(config.item_shapes)}")
         for name, tensor in item.data.items():
-            _check_tensor(f"{_FIELD}[{i}].{name}", tensor)
+            _check_tensor(f"{_FIELD}[{i}].{name}", tensor, config.item_shapes[name])
         end = item.offset + item.length
     return list(features)
 
 
-def _check_tensor(field: str, tensor: TensorData) -> None:
+def _check_tensor(field: str, tensor: TensorData, shape: list[int]) -> None:
+    if list(tensor.shape) != shape:
+        raise RequestError.at(field, f"shape {tensor.shape}, where the model reads {shape}")
     size = _ITEMSIZE.get(tensor.dtype)
     if size is None:
         raise RequestError.at(field, f"dtype {tensor.dtype!r} is not one of {', '.join(_ITEMSIZE)}")

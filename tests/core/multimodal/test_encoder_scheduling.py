@@ -22,7 +22,7 @@ def make_scheduler(budget=64, cache_tokens=16, encoder_budget=None, num_blocks=6
                           enable_chunked_prefill=chunked, max_waiting_requests=None, async_scheduling=False,
                           batch_queue_size=1, max_loras=0)
     mm = MultiModalConfig(limit_per_prompt={"image": 4}, processor_kwargs={}, processor_cache_gb=0.0,
-                          allowed_local_media_path=None, max_tokens_per_item=ITEM,
+                          allowed_local_media_path=None, max_tokens_per_item=ITEM, item_shapes={"pixel_values": [1]},
                           encoder_budget=encoder_budget or cache_tokens, encoder_cache_size=cache_tokens)
     return Scheduler(cfg, kv, multimodal=mm)
 

@@ -136,3 +136,33 @@ def test_a_text_model_refuses_images(tiny_llama_dir):
         with pytest.raises(RequestError, match="text only"):
             text_only.generate([{"prompt": "x", "multi_modal_data": {"image": random_image(0, 8, 8)}}],
                                greedy(), use_tqdm=False)
+
+
+def test_the_core_refuses_hostile_items_and_keeps_serving(llm, want):
+    """The core's trust boundary: items a client could forge are refused by name, before any step runs them."""
+    import time
+
+    import msgspec
+
+    from pagedserve.ipc.messages import EngineCoreRequest, TensorData
+    text, images = case_inputs(0)[0]
+    good = llm.input_processor.parse_prompt({"prompt": text, "multi_modal_data": {"image": images}})
+    item = good.mm_features[0]
+    pixels = item.data["pixel_values"]
+    forged = {
+        "too few tokens": msgspec.structs.replace(item, length=item.length - 1),
+        "outside the prompt": msgspec.structs.replace(item, offset=len(good.prompt_token_ids)),
+        "no data": msgspec.structs.replace(item, data=None),
+        "another tensor": msgspec.structs.replace(item, data={"pixels": pixels}),
+        "wrong shape": msgspec.structs.replace(item, data={"pixel_values": TensorData("float32", [1, 3, 16, 64],
+                                                                                      pixels.data)}),
+        "short bytes": msgspec.structs.replace(item, data={"pixel_values": TensorData("float32", pixels.shape,
+                                                                                      pixels.data[:-4])}),
+        "unknown dtype": msgspec.structs.replace(item, data={"pixel_values": TensorData("complex64", pixels.shape,
+                                                                                        pixels.data)}),
+    }
+    for i, (name, bad) in enumerate(forged.items()):
+        request = EngineCoreRequest(f"forged-{i}", good.prompt_token_ids, greedy(), time.time(), mm_features=[bad])
+        with pytest.raises(RequestError, match="multi_modal_data"):
+            llm.engine.add_request(request)
+    assert run(llm) == want
