@@ -90,7 +90,8 @@ def test_the_same_text_beside_other_images_reuses_no_image_kv(llm, hf):
 @pytest.mark.parametrize("engine", [
     dict(max_num_batched_tokens=24, max_model_len=128),    # chunks split the images' placeholder runs
     dict(num_gpu_blocks_override=10, block_size=8, max_model_len=80),     # too few blocks for all: preemption
-], ids=["chunked", "preempted"])
+    dict(tensor_parallel_size=2, max_model_len=128),       # a replicated tower on each rank beside a sharded LM
+], ids=["chunked", "preempted", "tp2"])
 def test_chunked_prefill_and_preemption_keep_parity(llava_dir, want, engine):
     with LLM(llava_dir, dtype="float32", enable_prefix_caching=False, **engine) as small:
         assert run(small) == want
