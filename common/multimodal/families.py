@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 # model_type of the checkpoint's top-level config -> family
-_FAMILIES = {"llava": "llava"}
-MODALITIES: dict[str, tuple[str, ...]] = {"llava": ("image",)}
+_FAMILIES = {"llava": "llava", "idefics3": "idefics3"}
+MODALITIES: dict[str, tuple[str, ...]] = {"llava": ("image",), "idefics3": ("image",)}
 
 
 def family_of(full_config: Any) -> str | None:
@@ -26,4 +26,9 @@ def max_tokens_per_item(family: str, full_config: Any, processor_kwargs: dict[st
         patches = (vision.image_size // vision.patch_size) ** 2
         # "default" drops the CLS token's feature, "full" keeps it
         return patches + (1 if full_config.vision_feature_select_strategy == "full" else 0)
+    if family == "idefics3":
+        # An item is one sub-image (the processor splits an image into a grid plus a global view): its
+        # patches, pixel-shuffled by scale_factor in each direction (the processor's image_seq_len).
+        vision = full_config.vision_config
+        return (vision.image_size // vision.patch_size) ** 2 // full_config.scale_factor ** 2
     raise ValueError(f"no token count for multimodal family {family!r}")
