@@ -20,7 +20,8 @@ class TensorData(msgspec.Struct, array_like=True):
 
 
 class MultiModalFeature(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One image (or video) of a prompt: where its placeholder tokens sit and what the encoder reads.
+    """One image (or video), or one sub-image, of a prompt: where its placeholder tokens sit and what the
+    encoder reads.
     mm_hash identifies the item's content and processing: the encoder cache and the prefix cache key on it."""
     modality: str            # "image" | "video"
     mm_hash: str
@@ -29,6 +30,9 @@ class MultiModalFeature(msgspec.Struct, array_like=True, omit_defaults=True):
     # The processor's outputs for this item (pixel_values, image_grid_thw, ...); None where the receiver
     # already holds them (the workers are sent them only with the step that encodes the item).
     data: Optional[dict[str, TensorData]] = None
+    # Which piece of its image the item is: Idefics3 sends each sub-image as an item, parts 0, 1, ... in a
+    # row; a whole image is part 0. The per-prompt limits count images, i.e. parts 0.
+    part: int = 0
 
 
 class EncoderInput(msgspec.Struct, array_like=True):

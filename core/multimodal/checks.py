@@ -24,7 +24,8 @@ def check_mm_features(features: list[MultiModalFeature] | None, num_prompt_token
     counts: dict[str, int] = {}
     end = 0
     for i, item in enumerate(features):
-        counts[item.modality] = counts.get(item.modality, 0) + 1
+        _check_part(features, i)
+        counts[item.modality] = counts.get(item.modality, 0) + (item.part == 0)
         limit = config.limit_per_prompt.get(item.modality, 0)
         if counts[item.modality] > limit:
             raise RequestError.at(_FIELD, f"at most {limit} {item.modality} item(s) per prompt "
@@ -44,6 +45,16 @@ def check_mm_features(features: list[MultiModalFeature] | None, num_prompt_token
             _check_tensor(f"{_FIELD}[{i}].{name}", tensor, config.item_shapes[name])
         end = item.offset + item.length
     return list(features)
+
+
+def _check_part(features: list[MultiModalFeature], i: int) -> None:
+    """A sub-image follows its image's part before it, so counting parts 0 counts the images."""
+    item = features[i]
+    before = features[i - 1] if i else None
+    if item.part == 0 or (before is not None and before.modality == item.modality and before.part == item.part - 1):
+        return
+    raise RequestError.at(f"{_FIELD}[{i}].part", f"part {item.part} must follow part {item.part - 1} of the "
+                          "same image")
 
 
 def _check_tensor(field: str, tensor: TensorData, shape: list[int]) -> None:

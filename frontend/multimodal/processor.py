@@ -1,10 +1,10 @@
-"""Images in, placeholder-expanded token ids and one MultiModalFeature per image out (the frontend's side of
-vLLM V1's multimodal split).
+"""Images in, placeholder-expanded token ids and their MultiModalFeatures out (the frontend's side of vLLM
+V1's multimodal split).
 
 The HF image processor (its PIL backend: torchvision is optional) turns each image into the tensors the
-vision tower reads. Its output is cached by the image's content hash, so a repeated image is processed once.
-The prompt keeps one placeholder token per image; each is expanded to the item's token count as the HF
-processor expands it, and the item's run of placeholders is recorded.
+vision tower reads, and the family's expansion (expansion.py) into the token ids that replace the image's one
+placeholder and the items among them: one per image for Llava, one per sub-image for Idefics3. The expansion
+is cached by the image's content hash, so a repeated image is processed once.
 """
 from __future__ import annotations
 
@@ -14,19 +14,13 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-import numpy as np
-
 from pagedserve.common.errors import RequestError
 from pagedserve.frontend.multimodal.chat_parts import MediaRef
+from pagedserve.frontend.multimodal.expansion import Expansion, expander_for
 from pagedserve.frontend.multimodal.media import MediaLimits, load_image
-from pagedserve.ipc.messages import EngineInfo, MultiModalFeature, TensorData
+from pagedserve.ipc.messages import EngineInfo, MultiModalFeature
 
 _FIELD = "multi_modal_data"
-
-
-def tensor_data(array: np.ndarray) -> TensorData:
-    array = np.ascontiguousarray(array)
-    return TensorData(dtype=str(array.dtype), shape=list(array.shape), data=array.tobytes())
 
 
 def image_hash(image: Any, salt: str) -> str:
@@ -39,22 +33,22 @@ def image_hash(image: Any, salt: str) -> str:
 
 
 class _ProcessedCache:
-    """Processed items by hash, least recently used out past the byte budget (--mm-processor-cache-gb)."""
+    """Processed images by hash, least recently used out past the byte budget (--mm-processor-cache-gb)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes, self.nbytes = max_bytes, 0
-        self.items: OrderedDict[str, dict[str, TensorData]] = OrderedDict()
+        self.items: OrderedDict[str, Expansion] = OrderedDict()
         self._lock = threading.Lock()       # the processing pool's threads share it
 
-    def get(self, key: str) -> dict[str, TensorData] | None:
+    def get(self, key: str) -> Expansion | None:
         with self._lock:
             data = self.items.get(key)
             if data is not None:
                 self.items.move_to_end(key)
             return data
 
-    def put(self, key: str, data: dict[str, TensorData]) -> None:
-        size = sum(len(t.data) for t in data.values())
+    def put(self, key: str, data: Expansion) -> None:
+        size = data.nbytes
         if size > self.max_bytes:
             return
         with self._lock:
@@ -64,7 +58,7 @@ class _ProcessedCache:
             self.nbytes += size
             while self.nbytes > self.max_bytes:
                 _, old = self.items.popitem(last=False)
-                self.nbytes -= sum(len(t.data) for t in old.values())
+                self.nbytes -= old.nbytes
 
 
 class MultiModalProcessor:
@@ -78,6 +72,7 @@ class MultiModalProcessor:
         self.image_processor = self.hf.image_processor
         self.image_token = self.hf.image_token
         self.image_token_id = int(tokenizer.convert_tokens_to_ids(self.image_token))
+        self.expander = expander_for(self.hf, tokenizer, info)
         self._salt = json.dumps(self.image_processor.to_dict(), sort_keys=True, default=str)
         self.cache = _ProcessedCache(int(cache_gb * 2**30))
 
@@ -101,27 +96,29 @@ class MultiModalProcessor:
         features = []
         prev = 0
         for mark, image in zip(marks, images):
-            mm_hash, data, length = self._item(image, field)
+            mm_hash, expansion = self._processed(image, field)
             ids.extend(token_ids[prev:mark])
-            features.append(MultiModalFeature(modality="image", mm_hash=mm_hash, offset=len(ids), length=length,
-                                              data=data))
-            ids.extend([self.image_token_id] * length)
+            start = len(ids)
+            features.extend(MultiModalFeature(modality="image", mm_hash=item.hash(mm_hash, expansion.whole),
+                                              offset=start + item.offset, length=item.length, data=item.data,
+                                              part=item.part)
+                            for item in expansion.items)
+            ids.extend(expansion.token_ids)
             prev = mark + 1
         ids.extend(token_ids[prev:])
         return ids, features
 
-    def _item(self, image: Any, field: str) -> tuple[str, dict[str, TensorData], int]:
+    def _processed(self, image: Any, field: str) -> tuple[str, Expansion]:
         from PIL import Image
         if not isinstance(image, Image.Image):
             raise RequestError.at(field, f"an image must be a PIL.Image.Image, got {type(image).__name__}")
         image = image.convert("RGB") if image.mode != "RGB" else image
         mm_hash = image_hash(image, self._salt)
-        data = self.cache.get(mm_hash)
-        if data is None:
-            out = self.image_processor(images=[image], return_tensors="np")
-            data = {name: tensor_data(np.asarray(value)) for name, value in out.items()}
-            self.cache.put(mm_hash, data)
-        return mm_hash, data, self.info.mm_max_tokens_per_item
+        expansion = self.cache.get(mm_hash)
+        if expansion is None:
+            expansion = self.expander.expand(image)
+            self.cache.put(mm_hash, expansion)
+        return mm_hash, expansion
 
 
 def load_images(refs: list[MediaRef], limits: MediaLimits, field: str) -> list[Any]:

@@ -58,3 +58,38 @@ def random_image(seed: int, w: int, h: int) -> Image.Image:
     from PIL import Image
     pixels = np.random.default_rng(seed).integers(0, 256, size=(h, w, 3), dtype=np.uint8)
     return Image.fromarray(pixels)      # uint8 [h, w, 3]: RGB
+
+
+# The tokens SmolVLM's tokenizer holds for Idefics3's image expansion: the sub-image grid positions up to the
+# processor's 6x6, the global image's tag, and the markers around each sub-image.
+IDEFICS3_TOKENS = (["<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>"]
+                   + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)])
+
+
+def make_tiny_idefics3(path: str, seed: int = 0, grid_tokens: bool = True) -> str:
+    """Write a random Idefics3 (SmolVLM layout: 32x32 sub-images in 4x4 patches, pixel shuffle by 2: 16 image
+    tokens per sub-image; a Llama text model) and its Idefics3Processor into path. Images are resized to a
+    longest edge of 64, so most split into 2x2 sub-images plus the global one. grid_tokens=False leaves
+    `<row_i_col_j>` and `<global-img>` as plain text, as a tokenizer without them spells them."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor, Idefics3VisionConfig
+    from transformers import LlamaConfig
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    tok = embedded_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS if grid_tokens else IDEFICS3_TOKENS[:3]})
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=16,
+                                  chat_template=CHAT_TEMPLATE)
+    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=32, patch_size=4)
+    text = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=128, vocab_size=len(tok), max_position_embeddings=1024,
+                       initializer_range=0.2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=2,
+                            image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN))
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path

@@ -24,6 +24,7 @@ _BY_ARCHITECTURE: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+    "Idefics3ForConditionalGeneration": ("idefics3", "Idefics3ForConditionalGeneration"),
 }
 # Pooling models (--runner pooling: common/pooler_config.py), tested against sentence-transformers and HF in
 # tests/executor/model/test_pooling_models.py rather than by generation parity.
@@ -77,7 +78,7 @@ def resolve_architecture(hf_config: Any) -> str:
 
 
 def text_model_class(text_config: Any) -> type[nn.Module]:
-    """The causal LM a multimodal config's text_config names by its model_type (Llava's language model)."""
+    """The causal LM a multimodal config's text_config names by its model_type (a VLM's language model)."""
     model_type = getattr(text_config, "model_type", None)
     if model_type not in _BY_MODEL_TYPE:
         raise ValueError(f"text_config.model_type: {model_type!r} is not supported (supported: "

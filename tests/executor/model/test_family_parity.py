@@ -24,8 +24,8 @@ from pagedserve.tests.helpers.tp_ranks import run_ranks
 GREEDY_NEW_TOKENS = 16
 CASES = list(ARCH_CASES)
 ENGINE_CASES = [name for name, case in ARCH_CASES.items() if case.engine]
-# Image-and-text models, checked against HF with images merged in: test_llava.py.
-MULTIMODAL = {"LlavaForConditionalGeneration"}
+# Image-and-text models, checked against HF with images merged in: test_llava.py, test_idefics3.py.
+MULTIMODAL = {"LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration"}
 
 
 @pytest.fixture(scope="module")

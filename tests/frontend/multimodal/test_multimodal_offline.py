@@ -1,30 +1,64 @@
 """Images through the whole engine (offline LLM: frontend processing, core scheduling, workers' encoder) at
-token parity with HF transformers' Llava, across batching, chunked prefill, preemption and prefix hits."""
+token parity with HF transformers, for each family (Llava: one item per image; Idefics3: one per sub-image),
+across batching, chunked prefill, preemption and prefix hits."""
 from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.errors import RequestError
-from pagedserve.tests.helpers.tiny_vlm import IMAGE_TOKEN, make_tiny_llava, random_image
+from pagedserve.tests.helpers.tiny_vlm import IMAGE_TOKEN, make_tiny_idefics3, make_tiny_llava, random_image
 
 MAX_NEW = 8
 
 
-@pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory) -> str:
-    return make_tiny_llava(str(tmp_path_factory.mktemp("llava")))
+@dataclass(frozen=True)
+class Family:
+    name: str
+    make: Callable[[str], str]
+    hf_class: str
+    # engines too small for the batch below: chunks smaller than one image's tokens, too few blocks for all
+    chunked: dict[str, Any]
+    preempted: dict[str, Any]
+    tp2: dict[str, Any]          # a replicated tower on each rank beside a sharded language model
+
+
+FAMILIES = [
+    Family("llava", make_tiny_llava, "LlavaForConditionalGeneration",
+           dict(max_num_batched_tokens=24, max_model_len=128),
+           dict(num_gpu_blocks_override=10, block_size=8, max_model_len=80),
+           dict(tensor_parallel_size=2, max_model_len=128)),
+    # prompts of 12 to 294 tokens (each image 2x2 sub-images plus the global one, 16 tokens each); 39 blocks
+    # hold the first two prompts, whose decoding then preempts
+    Family("idefics3", make_tiny_idefics3, "Idefics3ForConditionalGeneration",
+           dict(max_num_batched_tokens=24, max_model_len=320),
+           dict(num_gpu_blocks_override=39, block_size=8, max_model_len=312),
+           dict(tensor_parallel_size=2, max_model_len=320)),
+]
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=[f.name for f in FAMILIES])
+def family(request) -> Family:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def hf(llava_dir):
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-    model = LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32).eval()
-    return model, AutoProcessor.from_pretrained(llava_dir)
+def vlm_dir(family, tmp_path_factory) -> str:
+    return family.make(str(tmp_path_factory.mktemp(family.name)))
+
+
+@pytest.fixture(scope="module")
+def hf(family, vlm_dir):
+    import transformers
+    model = getattr(transformers, family.hf_class).from_pretrained(vlm_dir, dtype=torch.float32).eval()
+    return model, transformers.AutoProcessor.from_pretrained(vlm_dir)
 
 
 def hf_greedy(hf, text: str, images: list) -> list[int]:
@@ -63,8 +97,8 @@ def run(llm: LLM, seed: int = 0) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def llm(llava_dir):
-    with LLM(llava_dir, dtype="float32", max_model_len=512, kv_cache_memory=0.05) as engine:
+def llm(vlm_dir):
+    with LLM(vlm_dir, dtype="float32", max_model_len=512, kv_cache_memory=0.05) as engine:
         yield engine
 
 
@@ -83,19 +117,17 @@ def test_the_same_text_beside_other_images_reuses_no_image_kv(llm, hf):
     text, images = case_inputs(5)[1]
     out = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}], greedy(), use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == hf_greedy(hf, text, images)
-    first_image = len(llm.get_tokenizer().encode(text.split(IMAGE_TOKEN)[0]))
+    hf_ids = hf[1](text=text, images=images)["input_ids"][0]
+    first_image = list(hf_ids).index(hf[0].config.image_token_id)     # its first placeholder token
     assert out.num_cached_tokens <= first_image
 
 
-@pytest.mark.parametrize("engine", [
-    dict(max_num_batched_tokens=24, max_model_len=128),    # chunks split the images' placeholder runs
-    dict(num_gpu_blocks_override=10, block_size=8, max_model_len=80),     # too few blocks for all: preemption
-    dict(tensor_parallel_size=2, max_model_len=128),       # a replicated tower on each rank beside a sharded LM
-], ids=["chunked", "preempted", "tp2"])
-def test_chunked_prefill_and_preemption_keep_parity(llava_dir, want, engine):
-    with LLM(llava_dir, dtype="float32", enable_prefix_caching=False, **engine) as small:
+@pytest.mark.parametrize("mode", ["chunked", "preempted", "tp2"])
+def test_chunked_prefill_and_preemption_keep_parity(family, vlm_dir, want, mode):
+    engine = getattr(family, mode)
+    with LLM(vlm_dir, dtype="float32", enable_prefix_caching=False, **engine) as small:
         assert run(small) == want
-        if "num_gpu_blocks_override" in engine:
+        if mode == "preempted":
             assert small.engine.scheduler.num_preemptions > 0
 
 
@@ -122,8 +154,9 @@ def test_bad_multimodal_prompts_name_the_field(llm, prompt, match):
         llm.generate([prompt], greedy(), use_tqdm=False)
 
 
-def test_more_images_than_the_limit_are_refused(llava_dir):
-    with LLM(llava_dir, dtype="float32", max_model_len=256, limit_mm_per_prompt={"image": 1}) as one:
+def test_more_images_than_the_limit_are_refused(vlm_dir):
+    # an Idefics3 image is five items (its sub-images), still one image to the limit
+    with LLM(vlm_dir, dtype="float32", max_model_len=256, limit_mm_per_prompt={"image": 1}) as one:
         with pytest.raises(RequestError, match="limit-mm-per-prompt"):
             one.generate([{"prompt": IMAGE_TOKEN * 2, "multi_modal_data": {"image": case_inputs(0)[1][1]}}],
                          greedy(), use_tqdm=False)

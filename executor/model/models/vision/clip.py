@@ -57,14 +57,16 @@ class CLIPAttention(nn.Module):
         self.q_proj, self.k_proj = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
         self.v_proj, self.out_proj = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h [n, tokens, hidden]: each image's tokens attend to all of that image's, none of another's."""
+    def forward(self, h: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """h [n, tokens, hidden]: each image's tokens attend to all of that image's, none of another's;
+        key_mask [n, tokens] (bool, True: attended) leaves out an image's padding (Idefics3's padded patches)."""
         n, tokens, _ = h.shape
 
         def heads(x: torch.Tensor) -> torch.Tensor:
             return x.view(n, tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        mask = None if key_mask is None else key_mask[:, None, None, :]
         out = F.scaled_dot_product_attention(heads(self.q_proj(h)), heads(self.k_proj(h)), heads(self.v_proj(h)),
-                                             scale=self.head_dim ** -0.5)
+                                             attn_mask=mask, scale=self.head_dim ** -0.5)
         return self.out_proj(out.transpose(1, 2).reshape(n, tokens, -1))
 
 
@@ -89,8 +91,8 @@ class CLIPEncoderLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.mlp = CLIPMLP(cfg)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.layer_norm1(h))
+    def forward(self, h: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = h + self.self_attn(self.layer_norm1(h), key_mask)
         return h + self.mlp(self.layer_norm2(h))
 
 

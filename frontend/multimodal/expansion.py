@@ -1,0 +1,128 @@
+"""Per family, what one image becomes in the prompt: the token ids that replace its single placeholder, and
+the items (runs of placeholder tokens, each embedded from one encoder output) within them with their tensors.
+
+- Llava: one item, the image, `mm_max_tokens_per_item` `<image>` tokens.
+- Idefics3 (SmolVLM): the processor splits the image into rows x cols sub-images plus a global view; each is
+  one item of `image_seq_len` `<image>` tokens, framed by `<fake_token_around_image>` and a `<row_i_col_j>` or
+  `<global-img>` tag, rows ended by newlines, as Idefics3Processor lays the text out.
+
+An Expansion depends only on the image and the processing settings, so the processor caches it by the
+image's hash.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from pagedserve.ipc.messages import EngineInfo, TensorData
+
+
+def tensor_data(array: np.ndarray) -> TensorData:
+    array = np.ascontiguousarray(array)
+    return TensorData(dtype=str(array.dtype), shape=list(array.shape), data=array.tobytes())
+
+
+@dataclass(frozen=True)
+class ItemSpan:
+    """One item of an image's expansion: its run of placeholder tokens and what the encoder reads for it."""
+    offset: int                         # its first placeholder token, counted from the expansion's start
+    length: int
+    data: dict[str, TensorData]
+    part: int = 0                       # its index among its image's items (MultiModalFeature.part)
+
+    def hash(self, image_hash: str, whole: bool) -> str:
+        """The item's content hash: the image's own for a whole image, `#part` after it for a sub-image."""
+        return image_hash if whole else f"{image_hash}#{self.part}"
+
+
+@dataclass(frozen=True)
+class Expansion:
+    token_ids: list[int]                # what replaces the image's placeholder
+    items: list[ItemSpan]               # in order, inside token_ids
+    whole: bool                         # one item that is the whole image (its hash is the image's)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(t.data) for item in self.items for t in item.data.values())
+
+
+class ImageExpander(Protocol):
+    def expand(self, image: Any) -> Expansion:
+        """An RGB PIL image -> its expansion (the HF image processor run on it)."""
+        ...
+
+
+class LlavaExpander:
+    def __init__(self, hf_processor: Any, tokenizer: Any, info: EngineInfo) -> None:
+        self.image_processor = hf_processor.image_processor
+        self.image_token_id = int(tokenizer.convert_tokens_to_ids(hf_processor.image_token))
+        self.length = info.mm_max_tokens_per_item       # every image is resized to the tower's one size
+
+    def expand(self, image: Any) -> Expansion:
+        out = self.image_processor(images=[image], return_tensors="np")
+        data = {name: tensor_data(np.asarray(value)) for name, value in out.items()}
+        return Expansion([self.image_token_id] * self.length, [ItemSpan(0, self.length, data)], whole=True)
+
+
+class Idefics3Expander:
+    def __init__(self, hf_processor: Any, tokenizer: Any, info: EngineInfo) -> None:
+        self.image_processor = hf_processor.image_processor
+        self.tokenizer = tokenizer
+        self.image_token = hf_processor.image_token
+        self.image_token_id = int(tokenizer.convert_tokens_to_ids(self.image_token))
+        self.fake_token = hf_processor.fake_image_token
+        self.global_tag = hf_processor.global_image_tag
+        self.seq_len = int(hf_processor.image_seq_len)
+        if self.seq_len != info.mm_max_tokens_per_item:
+            raise ValueError(f"image_seq_len: the processor gives {self.seq_len} tokens per sub-image, the model's "
+                             f"config {info.mm_max_tokens_per_item} (vision image_size / patch_size / scale_factor)")
+        self._layout = functools.lru_cache(maxsize=64)(self._layout_ids)
+
+    def expand(self, image: Any) -> Expansion:
+        out = self.image_processor(images=[image], return_tensors="np", return_row_col_info=True)
+        rows, cols = int(out["rows"][0][0]), int(out["cols"][0][0])
+        pixels = np.asarray(out["pixel_values"])[0]                 # [sub-images, channels, H, W]
+        masks = np.asarray(out["pixel_attention_mask"])[0]         # [sub-images, H, W]
+        ids, offsets = self._layout(rows, cols)
+        if len(offsets) != len(pixels):
+            raise ValueError(f"pixel_values: {len(pixels)} sub-images for a {rows}x{cols} grid plus the global "
+                             f"image ({len(offsets)} runs of {self.image_token})")
+        items = [ItemSpan(offset, self.seq_len, {"pixel_values": tensor_data(pixels[k:k + 1]),
+                                                 "pixel_attention_mask": tensor_data(masks[k:k + 1])}, part=k)
+                 for k, offset in enumerate(offsets)]
+        return Expansion(list(ids), items, whole=False)
+
+    def layout_text(self, rows: int, cols: int) -> str:
+        """The text an image of rows x cols sub-images (0 x 0: not split) stands for in the prompt."""
+        run = self.image_token * self.seq_len
+        whole = f"{self.fake_token}{self.global_tag}{run}{self.fake_token}"
+        if rows == 0 and cols == 0:
+            return whole
+        grid = "".join("".join(f"{self.fake_token}<row_{r}_col_{c}>{run}" for c in range(1, cols + 1)) + "\n"
+                       for r in range(1, rows + 1))
+        return f"{grid}\n{whole}"
+
+    def _layout_ids(self, rows: int, cols: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The layout's token ids and where each run of `<image>` tokens starts. Tokenized whole: every piece
+        of text sits between special tokens, so it splits as it does inside the prompt."""
+        ids = self.tokenizer.encode(self.layout_text(rows, cols), add_special_tokens=False)
+        offsets = [i for i, t in enumerate(ids) if t == self.image_token_id and (i == 0 or ids[i - 1] != t)]
+        runs_ok = all(ids[o:o + self.seq_len] == [self.image_token_id] * self.seq_len for o in offsets)
+        if not runs_ok or sum(t == self.image_token_id for t in ids) != self.seq_len * len(offsets):
+            raise ValueError(f"tokenizer: {self.image_token} runs of the sub-images are not {self.seq_len} tokens "
+                             "each (is it a special token of the tokenizer?)")
+        return tuple(ids), tuple(offsets)
+
+
+# The HF processor's class -> the expansion of its family
+_EXPANDERS: dict[str, type] = {"LlavaProcessor": LlavaExpander, "Idefics3Processor": Idefics3Expander}
+
+
+def expander_for(hf_processor: Any, tokenizer: Any, info: EngineInfo) -> ImageExpander:
+    name = type(hf_processor).__name__
+    if name not in _EXPANDERS:
+        raise ValueError(f"processor: {name} is not supported (supported: {', '.join(_EXPANDERS)})")
+    return _EXPANDERS[name](hf_processor, tokenizer, info)
