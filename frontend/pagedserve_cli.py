@@ -2,7 +2,7 @@
 
     pagedserve serve [engine-serve's flags]       the OpenAI-compatible server (the same as `engine-serve`)
     pagedserve chat | complete [-q TEXT]          interactive clients of a running server
-    pagedserve bench serve | throughput | latency | peer | ladder | spec-decode | kernels
+    pagedserve bench serve | throughput | latency | peer | ladder | spec-decode | kernels | mm
                                                   benchmarks (frontend/bench/)
 
 `serve` hands its arguments to engine-serve's own parser untouched, so the two never differ. Each subcommand
@@ -28,6 +28,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "ladder": ("peer.ladder", "llama-server and pagedserve on a ladder of SmolLM2-shaped models (CPU, issue 25)."),
     "spec-decode": ("peer.spec_decode", "Speculative decoding against none and against llama-server's (CPU, "
                                         "issue 26)."),
+    "mm": ("mm", "Image requests: throughput against HF, TTFT with a cached image, text TTFT beside large images "
+                 "(issue 47)."),
     "kernels": ("gpu.kernels", "GPU kernel timings against their bandwidth and FLOP floors (--moe: the fused MoE)."),
 }
 

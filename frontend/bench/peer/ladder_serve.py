@@ -43,11 +43,13 @@ def serve_flags(options: dict[str, Any]) -> list[str]:
 
 
 @contextlib.contextmanager
-def pagedserve_server(gguf: str, threads: int, options: dict[str, Any], timeout_s: float = 900.0) -> Iterator[str]:
+def pagedserve_server(gguf: str, threads: int, options: dict[str, Any], timeout_s: float = 900.0,
+                      extra: tuple[str, ...] = ()) -> Iterator[str]:
+    """`pagedserve serve` on `gguf` (or any model path) at a free port; `extra`: more of its flags."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [*PAGEDSERVE, "serve", gguf, "--host", "127.0.0.1", "--port", str(port),
-           *serve_flags(options)]
+           *serve_flags(options), *extra]
     with tempfile.TemporaryFile("w+") as log:
         # A session of its own: its engine core child can be found (and stopped) by the group id.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
