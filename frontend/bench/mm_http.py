@@ -96,7 +96,10 @@ class Client:
 def _carries_output(message: dict[str, Any]) -> bool:
     # Empty text with no finish reason is a token that decodes to nothing yet (request_func.py's rule).
     for choice in message.get("choices") or []:
-        piece = (choice.get("delta") or {}).get("content")
+        delta = choice.get("delta") or {}
+        if "role" in delta and not delta.get("content"):
+            continue                     # the opening chunk, sent before any token
+        piece = delta.get("content")
         if piece or (piece == "" and choice.get("finish_reason") is None):
             return True
     return False

@@ -2,7 +2,8 @@
 
 TTFT is the time to the first chunk that carries output, ITL the gaps between such chunks, E2EL the time to
 the last one. A chunk carries output when it has text, or empty text with no finish reason (a token that
-decodes to nothing, as vLLM counts it); a chunk with only a role (llama-server's first chat chunk) or only a
+decodes to nothing, as vLLM counts it); a chunk with only a role (llama-server's first chat chunk; vLLM's and
+ours add empty content to it, sent before any token) or only a
 finish reason and usage (its last one) carries none, and counting them would move TTFT and E2EL.
 """
 from __future__ import annotations
@@ -78,7 +79,9 @@ def build_payload(req: RequestInput) -> dict[str, Any]:
 
 def _chunk_text(choice: dict[str, Any], chat: bool) -> str | None:
     if chat:
-        return (choice.get("delta") or {}).get("content")
+        delta = choice.get("delta") or {}
+        # An opening chunk (the role, with empty content: vLLM's and ours) is sent before any token is.
+        return None if "role" in delta and not delta.get("content") else delta.get("content")
     return choice.get("text")
 
 

@@ -101,3 +101,14 @@ def test_results_file_appends_lines_and_writes_inf_as_a_string(tmp_path):
         f.write("not json\n")
     with pytest.raises(ValueError, match=r"r.jsonl:3"):
         read_results(path)
+
+
+def test_a_chat_streams_opening_role_chunk_carries_no_output():
+    """vLLM's server and ours open a chat stream with {"role": "assistant", "content": ""} before any token is
+    sampled: counted, it made TTFT the time to that chunk (a few ms, whatever the prompt)."""
+    from pagedserve.frontend.bench.mm_http import _carries_output
+    from pagedserve.frontend.bench.request_func import _chunk_text
+    opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+    empty_token = {"index": 0, "delta": {"content": ""}, "finish_reason": None}
+    assert _chunk_text(opening, chat=True) is None and _chunk_text(empty_token, chat=True) == ""
+    assert not _carries_output({"choices": [opening]}) and _carries_output({"choices": [empty_token]})
