@@ -182,7 +182,7 @@ def test_rss_stays_flat_over_500_distinct_images(server):
     import asyncio
 
     async def send(client: httpx.AsyncClient, seed: int) -> None:
-        url = data_url(png_bytes(random_image(1000 + seed, 128, 128)))
+        url = data_url(png_bytes(random_image(1000 + seed, 64, 64)))
         body = {"messages": image_message(url), "max_tokens": 1, "temperature": 0}
         r = await client.post(server.url + "/v1/chat/completions", json=body, headers=server.auth)
         assert r.status_code == 200, r.text
