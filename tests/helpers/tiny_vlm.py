@@ -7,21 +7,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedserve.frontend.bench.models import LLAVA_CHAT_TEMPLATE
 from pagedserve.tests.helpers.tiny_models import embedded_tokenizer
 
 if TYPE_CHECKING:
     from PIL import Image
 
 IMAGE_TOKEN = "<image>"
-# Role-prefixed turns; an {'type': 'image'} part becomes the placeholder the processor expands per image. The
-# newline is an expression: transformers renders with trim_blocks, which drops a literal one after a tag.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'].upper() }}: "
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+# Role-prefixed turns, an {'type': 'image'} part rendered as the placeholder the processor expands per image:
+# the bench's Llava template (one place for it).
+CHAT_TEMPLATE = LLAVA_CHAT_TEMPLATE
 
 
 def make_tiny_llava(path: str, seed: int = 0) -> str:

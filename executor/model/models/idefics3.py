@@ -19,13 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.executor.model.layers.attention import PagedAttention
 from pagedserve.executor.model.layers.linear import copy_weight
 from pagedserve.executor.model.models import text_model_class
 from pagedserve.executor.model.models.vision.idefics3_vision import Idefics3VisionTransformer
-from pagedserve.executor.model.models.weight_loading import LoadableModel
+from pagedserve.executor.model.models.vision.vlm import VisionLanguageModel
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
-from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 _TEXT, _HEAD = "model.text_model.", "lm_head."
 # checkpoint prefix -> this module's own, for the vision side
@@ -76,7 +74,7 @@ def _text_config(hf_config: Any) -> Any:
     return text
 
 
-class Idefics3ForConditionalGeneration(LoadableModel):
+class Idefics3ForConditionalGeneration(VisionLanguageModel):
     """hf_config: the whole Idefics3Config. The vision transformer and connector live on the first pipeline
     stage (the one that embeds); every stage holds its share of the language model."""
 
@@ -98,15 +96,6 @@ class Idefics3ForConditionalGeneration(LoadableModel):
         """The placeholder token each sub-image's rows replace, one per row."""
         return int(self.config.image_token_id)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> Any:
-        """The language model's forward (LlavaForConditionalGeneration.forward's contract)."""
-        return self.language_model(input_ids, positions, meta, intermediate, inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
     def embed_multimodal(self, pixel_values: torch.Tensor,
                          pixel_attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
         """pixel_values [n, channels, H, W] and pixel_attention_mask [n, H, W] (1: a real pixel; absent: all
@@ -126,33 +115,10 @@ class Idefics3ForConditionalGeneration(LoadableModel):
         states = self.vision_model(pixel_values.to(weight.device, weight.dtype), pixel_attention_mask.to(weight.device))
         return list(self.connector(states).unbind(0))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def attention_layers(self) -> list[PagedAttention]:
-        return self.language_model.attention_layers()
-
-    def make_decode_step(self) -> Any:
-        return self.language_model.make_decode_step()
-
     # ---------------------------------------------------------------- weights
 
-    def stream_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Tensors in either layout (module docstring); the canonical names consumed, comparable with
-        expected_weights(). The language model's tensors stream on to its own stream_weights."""
-        loaded: set[str] = set()
-        current: list[str | None] = [None]
-        try:
-            text_loaded = self.language_model.stream_weights(self._route(weights, loaded, current))
-        except ValueError as exc:       # the language model names the tensor by its own name
-            name = current[0]
-            if name is None or name in str(exc):
-                raise
-            raise ValueError(f"{exc} (checkpoint tensor {name!r})") from exc
-        return loaded | {_checkpoint_text_name(name) for name in text_loaded}
-
-    def _route(self, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str],
-               current: list[str | None]) -> Iterator[tuple[str, torch.Tensor]]:
+    def route_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str],
+                      current: list[str | None]) -> Iterator[tuple[str, torch.Tensor]]:
         """The language model's tensors under its own names; the vision side's copied here."""
         params = dict(self.named_parameters())
         for raw, tensor in weights:
@@ -172,6 +138,9 @@ class Idefics3ForConditionalGeneration(LoadableModel):
             copy_weight(params[own].data, tensor, f"checkpoint tensor {raw!r}")
             loaded.add(name)
         current[0] = None
+
+    def text_checkpoint_name(self, name: str) -> str:
+        return _checkpoint_text_name(name)
 
     def expected_weights(self) -> set[str]:
         """Every canonical checkpoint name this rank needs."""

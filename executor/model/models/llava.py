@@ -18,13 +18,11 @@ import torch
 from torch import nn
 
 from pagedserve.executor.model.layers.activation import get_activation
-from pagedserve.executor.model.layers.attention import PagedAttention
 from pagedserve.executor.model.layers.linear import copy_weight
 from pagedserve.executor.model.models import text_model_class
 from pagedserve.executor.model.models.vision.clip import CLIPVisionTower, hidden_state_indices
-from pagedserve.executor.model.models.weight_loading import LoadableModel
+from pagedserve.executor.model.models.vision.vlm import VisionLanguageModel
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
-from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 _LM = "language_model."
 # (incoming prefix, canonical prefix), first match wins: transformers 5's in-memory names.
@@ -58,7 +56,7 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
-class LlavaForConditionalGeneration(LoadableModel):
+class LlavaForConditionalGeneration(VisionLanguageModel):
     """hf_config: the whole LlavaConfig. The vision tower and projector live on the first pipeline stage (the
     one that embeds); every stage holds its share of the language model."""
 
@@ -88,16 +86,6 @@ class LlavaForConditionalGeneration(LoadableModel):
         token = getattr(self.config, "image_token_id", None)
         return int(token if token is not None else self.config.image_token_index)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> Any:
-        """The language model's forward: hidden states [T, hidden] (or (hidden, residual) before the last
-        stage); inputs_embeds [T, hidden], image features merged in, replace the embeddings of input_ids."""
-        return self.language_model(input_ids, positions, meta, intermediate, inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
     def embed_multimodal(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
         """pixel_values [n_images, channels, H, W] (the HF processor's) -> per image, its features
         [num_image_tokens, text hidden_size] in the model's dtype, one row per placeholder token."""
@@ -112,33 +100,10 @@ class LlavaForConditionalGeneration(LoadableModel):
             states = [s[:, 1:] for s in states]
         return list(self.multi_modal_projector(torch.cat(states, dim=-1)).unbind(0))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def attention_layers(self) -> list[PagedAttention]:
-        return self.language_model.attention_layers()
-
-    def make_decode_step(self) -> Any:
-        return self.language_model.make_decode_step()
-
     # ---------------------------------------------------------------- weights
 
-    def stream_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Tensors in any of the three layouts (module docstring); the canonical names consumed, comparable
-        with expected_weights(). The language model's tensors stream on to its own stream_weights."""
-        loaded: set[str] = set()
-        current: list[str | None] = [None]
-        try:
-            text_loaded = self.language_model.stream_weights(self._route(weights, loaded, current))
-        except ValueError as exc:       # the language model names the tensor without our prefix
-            name = current[0]
-            if name is None or name in str(exc):
-                raise
-            raise ValueError(f"{exc} (checkpoint tensor {name!r})") from exc
-        return loaded | {_LM + name for name in text_loaded}
-
-    def _route(self, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str],
-               current: list[str | None]) -> Iterator[tuple[str, torch.Tensor]]:
+    def route_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str],
+                      current: list[str | None]) -> Iterator[tuple[str, torch.Tensor]]:
         """The language model's tensors, prefix stripped; the vision tower's and projector's copied here."""
         params = dict(self.named_parameters())
         for raw, tensor in weights:
@@ -169,6 +134,9 @@ class LlavaForConditionalGeneration(LoadableModel):
             # a layer past the checkpoint's own count is no layer of it: refused as unknown
             return self.vision_tower.num_layers <= int(parts[3]) < self.config.vision_config.num_hidden_layers
         return False
+
+    def text_checkpoint_name(self, name: str) -> str:
+        return _LM + name
 
     def expected_weights(self) -> set[str]:
         """Every canonical checkpoint name this rank needs."""

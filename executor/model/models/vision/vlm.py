@@ -1,0 +1,62 @@
+"""What every vision-language model shares: its language model does the per-token work (the engine merges
+the encoder's rows into `inputs_embeds` first), and its checkpoint streams in two parts, the language
+model's tensors on to the language model's own stream_weights, the vision side's copied by the model."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from pagedserve.executor.model.layers.attention import PagedAttention
+from pagedserve.executor.model.models.weight_loading import LoadableModel
+from pagedserve.kernels.attention.metadata import AttentionMetadata
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+class VisionLanguageModel(LoadableModel):
+    language_model: Any        # the registered causal LM of text_config
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> Any:
+        """The language model's forward: hidden states [T, hidden] (or (hidden, residual) before the last
+        stage); inputs_embeds [T, hidden], image features merged in, replace the embeddings of input_ids."""
+        return self.language_model(input_ids, positions, meta, intermediate, inputs_embeds=inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_input_ids(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return self.language_model.attention_layers()
+
+    def make_decode_step(self) -> Any:
+        return self.language_model.make_decode_step()
+
+    def stream_weights(self, weights: NamedTensors) -> set[str]:
+        """Tensors in any of the model's checkpoint layouts; the canonical names consumed, comparable with
+        expected_weights()."""
+        loaded: set[str] = set()
+        current: list[str | None] = [None]
+        try:
+            text_loaded = self.language_model.stream_weights(self.route_weights(weights, loaded, current))
+        except ValueError as exc:       # the language model names the tensor by its own name
+            name = current[0]
+            if name is None or name in str(exc):
+                raise
+            raise ValueError(f"{exc} (checkpoint tensor {name!r})") from exc
+        return loaded | {self.text_checkpoint_name(name) for name in text_loaded}
+
+    def route_weights(self, weights: NamedTensors, loaded: set[str],
+                      current: list[str | None]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield the language model's tensors under its own names; copy the vision side's in, adding their
+        canonical names to `loaded`; current[0]: the checkpoint name being read (for errors)."""
+        raise NotImplementedError
+
+    def text_checkpoint_name(self, name: str) -> str:
+        """A language-model parameter's name as the canonical checkpoint names it."""
+        raise NotImplementedError
