@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pagedserve.common.config.dtype import DTYPE_CHOICES
-from pagedserve.frontend.bench.models import VLM_MODELS, default_vlm, make_vlm
+from pagedserve.frontend.bench.models import VLM_MODELS, default_vlm, make_vlm, random_image
 from pagedserve.frontend.bench.peer.child import report, run_child
 from pagedserve.frontend.bench.peer.engines import engine_args_overrides
 from pagedserve.frontend.bench.results import append_result, run_metadata
@@ -242,13 +242,6 @@ def check_lengths(made: list[int], want: int, engine: str) -> None:
     wrong = [m for m in made if m != want]
     if wrong:
         raise RuntimeError(f"{engine} made {wrong[0]} tokens, asked for {want}")
-
-
-def random_image(seed: int, size: int) -> Any:
-    """Uniform random RGB noise, `size` pixels square, as a PIL image (what the issue's requests send)."""
-    import numpy as np
-    from PIL import Image
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, size=(size, size, 3), dtype=np.uint8))
 
 
 def throughput_table(rows: list[dict[str, Any]]) -> str:

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from pagedserve.frontend.bench import require
-from pagedserve.frontend.bench.mm import random_image
+from pagedserve.frontend.bench.models import random_image
 from pagedserve.frontend.bench.peer.ladder_serve import pagedserve_server
 from pagedserve.frontend.bench.request_func import SSEParser
 from pagedserve.frontend.bench.serve import first_model

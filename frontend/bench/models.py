@@ -152,3 +152,10 @@ def _idefics3(tokenizer: Any) -> tuple[Any, Any]:
                                   image_seq_len=(tile // SIGLIP_B16_512["patch_size"]) ** 2 // scale ** 2,
                                   chat_template=SMOLVLM_CHAT_TEMPLATE)
     return model, processor
+
+
+def random_image(seed: int, size: int) -> Any:
+    """Uniform random RGB noise, `size` pixels square, as a PIL image (what the issue's requests send)."""
+    import numpy as np
+    from PIL import Image
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, size=(size, size, 3), dtype=np.uint8))
