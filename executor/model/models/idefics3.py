@@ -13,16 +13,14 @@ Idefics3Model's names (no `model.` prefix) are renamed to it (_canonical).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from pagedserve.executor.model.layers.linear import copy_weight
 from pagedserve.executor.model.models import text_model_class
 from pagedserve.executor.model.models.vision.idefics3_vision import Idefics3VisionTransformer
-from pagedserve.executor.model.models.vision.vlm import VisionLanguageModel
+from pagedserve.executor.model.models.vision.vlm import SKIP, VisionLanguageModel
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 
 _TEXT, _HEAD = "model.text_model.", "lm_head."
@@ -117,27 +115,19 @@ class Idefics3ForConditionalGeneration(VisionLanguageModel):
 
     # ---------------------------------------------------------------- weights
 
-    def route_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str],
-                      current: list[str | None]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The language model's tensors under its own names; the vision side's copied here."""
-        params = dict(self.named_parameters())
-        for raw, tensor in weights:
-            current[0] = raw
-            name = _canonical(raw)
-            if name.startswith(_TEXT):
-                yield "model." + name[len(_TEXT):], tensor
-                continue
-            if name.startswith(_HEAD):
-                yield name, tensor
-                continue
-            own = _own_name(name)
-            if own is not None and self.vision_model is None:
-                continue            # a later pipeline stage: the first holds the vision side
-            if own is None or own not in params:
-                raise ValueError(f"checkpoint tensor {raw!r} has no matching parameter in {type(self).__name__}")
-            copy_weight(params[own].data, tensor, f"checkpoint tensor {raw!r}")
-            loaded.add(name)
-        current[0] = None
+    def canonical_name(self, raw: str) -> str:
+        return _canonical(raw)
+
+    def text_name(self, name: str) -> str | None:
+        if name.startswith(_TEXT):
+            return "model." + name[len(_TEXT):]
+        return name if name.startswith(_HEAD) else None
+
+    def vision_param(self, name: str) -> str | None:
+        own = _own_name(name)
+        if own is not None and self.vision_model is None:
+            return SKIP             # a later pipeline stage: the first holds the vision side
+        return own
 
     def text_checkpoint_name(self, name: str) -> str:
         return _checkpoint_text_name(name)

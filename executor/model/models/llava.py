@@ -11,17 +11,15 @@ layout; the hub's classic llava-hf names and transformers 5's in-memory ones are
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagedserve.executor.model.layers.activation import get_activation
-from pagedserve.executor.model.layers.linear import copy_weight
 from pagedserve.executor.model.models import text_model_class
 from pagedserve.executor.model.models.vision.clip import CLIPVisionTower, hidden_state_indices
-from pagedserve.executor.model.models.vision.vlm import VisionLanguageModel
+from pagedserve.executor.model.models.vision.vlm import SKIP, VisionLanguageModel
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 
 _LM = "language_model."
@@ -102,23 +100,14 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
 
     # ---------------------------------------------------------------- weights
 
-    def route_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str],
-                      current: list[str | None]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The language model's tensors, prefix stripped; the vision tower's and projector's copied here."""
-        params = dict(self.named_parameters())
-        for raw, tensor in weights:
-            current[0] = raw
-            name = _canonical(raw)
-            if name.startswith(_LM):
-                yield name[len(_LM):], tensor
-                continue
-            if self._skipped(name):
-                continue
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {raw!r} has no matching parameter in {type(self).__name__}")
-            copy_weight(params[name].data, tensor, f"checkpoint tensor {raw!r}")
-            loaded.add(name)
-        current[0] = None
+    def canonical_name(self, raw: str) -> str:
+        return _canonical(raw)
+
+    def text_name(self, name: str) -> str | None:
+        return name[len(_LM):] if name.startswith(_LM) else None
+
+    def vision_param(self, name: str) -> str | None:
+        return SKIP if self._skipped(name) else name
 
     def _skipped(self, name: str) -> bool:
         """A vision-side tensor the model has no use for: the tower's layers past the deepest feature layer, its

@@ -9,10 +9,12 @@ from typing import Any
 import torch
 
 from pagedserve.executor.model.layers.attention import PagedAttention
+from pagedserve.executor.model.layers.linear import copy_weight
 from pagedserve.executor.model.models.weight_loading import LoadableModel
 from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+SKIP = "<skip>"           # vision_param: a tensor this rank reads past (a later stage's, an unused layer's)
 
 
 class VisionLanguageModel(LoadableModel):
@@ -53,8 +55,36 @@ class VisionLanguageModel(LoadableModel):
 
     def route_weights(self, weights: NamedTensors, loaded: set[str],
                       current: list[str | None]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield the language model's tensors under its own names; copy the vision side's in, adding their
-        canonical names to `loaded`; current[0]: the checkpoint name being read (for errors)."""
+        """The language model's tensors under its own names; the vision side's copied here, their canonical
+        names added to `loaded`; current[0]: the checkpoint name being read (for errors)."""
+        params = dict(self.named_parameters())
+        for raw, tensor in weights:
+            current[0] = raw
+            name = self.canonical_name(raw)
+            text = self.text_name(name)
+            if text is not None:
+                yield text, tensor
+                continue
+            own = self.vision_param(name)
+            if own == SKIP:
+                continue
+            if own is None or own not in params:
+                raise ValueError(f"checkpoint tensor {raw!r} has no matching parameter in {type(self).__name__}")
+            copy_weight(params[own].data, tensor, f"checkpoint tensor {raw!r}")
+            loaded.add(name)
+        current[0] = None
+
+    def canonical_name(self, raw: str) -> str:
+        """A checkpoint tensor's name in the model's canonical layout."""
+        raise NotImplementedError
+
+    def text_name(self, name: str) -> str | None:
+        """A canonical name as the language model names it; None for a vision-side tensor."""
+        raise NotImplementedError
+
+    def vision_param(self, name: str) -> str | None:
+        """The parameter a vision-side tensor loads into, SKIP for one this rank has no use for, None for
+        no parameter at all (refused)."""
         raise NotImplementedError
 
     def text_checkpoint_name(self, name: str) -> str:
