@@ -216,7 +216,8 @@ def _hf_calls(job: dict[str, Any], calls: list[list[Any]]) -> tuple[float, int]:
     processor = AutoProcessor.from_pretrained(job["model"])
     processor.tokenizer.padding_side = "left"
     model = AutoModelForImageTextToText.from_pretrained(job["model"], dtype=getattr(torch, job["dtype"]))
-    model.to(device).eval()
+    model = model.to(device)
+    model.eval()
     model.generation_config.eos_token_id = None          # every request runs its full length, as ignore_eos
     pad = processor.tokenizer.pad_token_id
     pad = processor.tokenizer.eos_token_id if pad is None else pad
