@@ -5,6 +5,8 @@ import enum
 import time
 from typing import Any
 
+import msgspec
+
 from pagedserve.core.block_hash import BlockHasher
 from pagedserve.common.params.pooling_params import PoolingParams
 from pagedserve.common.params.sampling_params import SamplingParams
@@ -78,6 +80,8 @@ class Request:
         self.whole_prompt = whole_prompt
         # Its images, in prompt order, with their processed data (sent to the workers when encoded).
         self.mm_features: list[MultiModalFeature] = mm_features or []
+        # The same without their data: what the workers are told with the request (data goes with its encode).
+        self.mm_placements = [msgspec.structs.replace(f, data=None) for f in self.mm_features] or None
         self._stop_ids = frozenset(self.eos_token_ids) | frozenset(sampling_params.stop_token_ids or ())
         self._update_hashes()
 

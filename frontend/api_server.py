@@ -143,7 +143,8 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
             raise RequestError.at("prompt", "give exactly one of prompt or messages")
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages, tools=body.tools)
-            prompt = await engine.render_chat(chat.text_messages(images=engine.is_multimodal), body.add_generation_prompt,
+            messages = chat.text_messages(images=engine.is_multimodal)
+            prompt = await engine.render_chat(messages, body.add_generation_prompt,
                                               continue_final_message=body.continue_final_message,
                                               tools=chat.template_tools())
         else:

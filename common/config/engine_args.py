@@ -234,7 +234,8 @@ class EngineArgs:
                                         self.mm_processor_cache_gb, self.allowed_local_media_path,
                                         scheduler.max_num_batched_tokens)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
-                            parallel=parallel, multimodal=multimodal, structured_outputs=structured, speculative=speculative,
+                            parallel=parallel, multimodal=multimodal, structured_outputs=structured,
+                            speculative=speculative,
                             draft_model=self._draft_model_config(speculative, model), lora=self._lora_config(model),
                             pooler=self._check_pooler(pooler),
                             rl=RLConfig(worker_extension_cls=self.worker_extension_cls,

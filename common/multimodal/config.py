@@ -44,7 +44,8 @@ def resolve_multimodal(full_config: Any, limit_mm_per_prompt: dict[str, Any] | N
     return MultiModalConfig(
         limit_per_prompt=limits, processor_kwargs=dict(mm_processor_kwargs or {}),
         processor_cache_gb=float(mm_processor_cache_gb), allowed_local_media_path=allowed_local_media_path,
-        max_tokens_per_item=per_item, item_shapes=item_shapes(family, full_config), encoder_budget=max(max_num_batched_tokens, per_item),
+        max_tokens_per_item=per_item, item_shapes=item_shapes(family, full_config),
+        encoder_budget=max(max_num_batched_tokens, per_item),
         encoder_cache_size=max(max_num_batched_tokens, per_item))
 
 

@@ -16,6 +16,7 @@ def family_of(full_config: Any) -> str | None:
 
 
 def image_token_id(full_config: Any) -> int:
+    """The placeholder token an item's rows replace (Llava's older configs call it image_token_index)."""
     value = getattr(full_config, "image_token_id", None)
     return int(value if value is not None else full_config.image_token_index)
 

@@ -5,8 +5,6 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-import msgspec
-
 from pagedserve.common.config.engine_args import SchedulerConfig
 from pagedserve.common.multimodal.config import MultiModalConfig
 from pagedserve.common.speculative import SpeculativeConfig
@@ -312,7 +310,7 @@ class Scheduler:
             output_token_ids=list(request.output_token_ids), sampling_params=request.sampling_params,
             block_ids=self.kv.get_block_ids(rid), num_computed_tokens=request.num_computed_tokens,
             lora_int_id=request.lora_int_id, pooling_params=request.pooling_params,
-            mm_features=[msgspec.structs.replace(f, data=None) for f in request.mm_features] or None))
+            mm_features=request.mm_placements))
 
     def _unemit(self, request: Request, new_reqs: list[NewRequestData], cached: CachedRequestData) -> None:
         rid = request.request_id

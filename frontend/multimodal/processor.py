@@ -85,7 +85,8 @@ class MultiModalProcessor:
             raise RequestError.at(field, f"{num_images} images, more than the {self.max_images} a prompt may "
                                   "hold (--limit-mm-per-prompt)")
 
-    def expand(self, token_ids: list[int], images: list[Any], field: str = _FIELD) -> tuple[list[int], list[MultiModalFeature]]:
+    def expand(self, token_ids: list[int], images: list[Any],
+               field: str = _FIELD) -> tuple[list[int], list[MultiModalFeature]]:
         """token_ids with one placeholder per image -> expanded ids and the images' features."""
         self.check_count(len(images), field)
         marks = [i for i, t in enumerate(token_ids) if t == self.image_token_id]

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.common.multimodal.families import image_token_id
 from pagedserve.executor.model.models import text_model_class
 from pagedserve.executor.model.models.vision.idefics3_vision import Idefics3VisionTransformer
 from pagedserve.executor.model.models.vision.vlm import SKIP, VisionLanguageModel
@@ -92,7 +93,7 @@ class Idefics3ForConditionalGeneration(VisionLanguageModel):
     @property
     def image_token_id(self) -> int:
         """The placeholder token each sub-image's rows replace, one per row."""
-        return int(self.config.image_token_id)
+        return image_token_id(self.config)
 
     def embed_multimodal(self, pixel_values: torch.Tensor,
                          pixel_attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:

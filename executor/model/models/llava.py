@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.common.multimodal.families import image_token_id
 from pagedserve.executor.model.layers.activation import get_activation
 from pagedserve.executor.model.models import text_model_class
 from pagedserve.executor.model.models.vision.clip import CLIPVisionTower, hidden_state_indices
@@ -81,8 +82,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
     @property
     def image_token_id(self) -> int:
         """The placeholder token each image's features replace, one per feature row."""
-        token = getattr(self.config, "image_token_id", None)
-        return int(token if token is not None else self.config.image_token_index)
+        return image_token_id(self.config)
 
     def embed_multimodal(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
         """pixel_values [n_images, channels, H, W] (the HF processor's) -> per image, its features

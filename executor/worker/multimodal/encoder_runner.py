@@ -41,7 +41,8 @@ class EncoderRunner:
             for item, out in zip(items, self.model.embed_multimodal(**batch)):
                 self.cache[item.mm_hash] = out
 
-    def gather(self, host: HostBatch, states: dict[str, CachedRequestState]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def gather(self, host: HostBatch,
+               states: dict[str, CachedRequestState]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(token rows of the step, their encoder embeddings) for the placeholder tokens the step runs, or
         None when it runs none."""
         rows: list[torch.Tensor] = []
