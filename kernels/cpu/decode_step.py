@@ -167,7 +167,9 @@ class CpuDecodeStep:
     @classmethod
     def build(cls, w: DecoderWeights) -> CpuDecodeStep | None:
         lib = cpu_native.library()
-        if lib is None or not lib.ps_gemv_vectorized() or not w.layers:
+        # its int4 layers read torch's AVX-512 pack alone (kernels/cpu/int4_pack.py)
+        if (lib is None or not lib.ps_gemv_vectorized() or not w.layers
+                or int4_pack.pack_layout() != int4_pack.PACK_AVX512):
             return None
         hidden, d = w.final_norm.numel(), w.head_dim
         hq, hkv = w.num_heads, w.num_kv_heads

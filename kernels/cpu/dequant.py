@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels.cpu.int4_pack import pack_layout
 from pagedserve.kernels.cpu.native import SZ_K, check, int4_sz_form, library, threads_for
 
 # Weights per thread below which a second thread does not pay (measured: a 576x576 int4 weight widens in
@@ -34,7 +35,7 @@ def int4_to_bf16_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_fea
     _expect(out, torch.bfloat16, "out")
     if packed.numel() != out_features * in_features // 2 or out.numel() != out_features * in_features:
         raise ValueError(f"int4 widening: sizes do not match a [{out_features}, {in_features}] weight")
-    check(lib.ps_dequant_int4_t(packed.data_ptr(), scales_and_zeros.data_ptr(), form,
+    check(lib.ps_dequant_int4_t(packed.data_ptr(), scales_and_zeros.data_ptr(), form, pack_layout(),
                                  out.data_ptr(), out_features, in_features, group_size, threads_for(out.numel(), MIN_WEIGHTS_PER_THREAD)),
           "int4 widening")
     return out

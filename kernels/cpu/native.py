@@ -33,10 +33,10 @@ _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 _LINK_FLAGS = ("-shared", "-fopenmp")
 I64, PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
-    "ps_dequant_int4_t": [PTR, PTR, I64, PTR, I64, I64, I64, ctypes.c_int],
+    "ps_dequant_int4_t": [PTR, PTR, I64, I64, PTR, I64, I64, I64, ctypes.c_int],
     "ps_dequant_int8_rows": [PTR, PTR, PTR, I64, I64, I64, I64, I64, ctypes.c_int],
-    "ps_int4_rows": [PTR, PTR, I64, I64, I64, I64, PTR, I64, PTR],
-    "ps_gemv_int4": [PTR, PTR, I64, I64, I64, I64, PTR, I64, PTR, ctypes.c_int],
+    "ps_int4_rows": [PTR, PTR, I64, I64, I64, I64, I64, PTR, I64, PTR],
+    "ps_gemv_int4": [PTR, PTR, I64, I64, I64, I64, I64, PTR, I64, PTR, ctypes.c_int],
     "ps_gemv_int8": [PTR, PTR, I64, I64, I64, PTR, I64, PTR, ctypes.c_int],
     "ps_gemv_vectorized": [],
     "ps_gemm_int4": [PTR, PTR, I64, I64, I64, I64, PTR, I64, PTR, ctypes.c_int],

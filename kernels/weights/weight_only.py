@@ -36,6 +36,7 @@ import torch
 from pagedserve.common import envs
 from pagedserve.common.config.dtype import cpu_has_amx_bf16, cpu_has_native_bf16
 from pagedserve.kernels.cpu import dequant as cpu_dequant
+from pagedserve.kernels.cpu import int4_pack
 from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.weights.weight_kquant import k_form_scale_offset, k_form_scales
 
@@ -132,7 +133,7 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
         packed = torch._convert_weight_to_int4pack(nibbles.contiguous(), _INNER_K_TILES)
         return Int4Weight(packed, sz.to(device), group_size, out, cols)
     packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
-    if _native().gemv and _native().int4_gemm:
+    if _native().int4_gemv and _native().int4_gemm:
         if not bool(sz[..., 1].any()):                  # symmetric: scales alone, 4.5 bits a weight
             return Int4Weight(packed, sz[..., :1].contiguous(), group_size, out, cols)
         k_form = None if offset is None else k_form_scales(scale, offset)     # 4.625 bits, else pairs' 5
@@ -175,6 +176,7 @@ class _Native(NamedTuple):
     # that form's entry point: ps_gemm_int4_s8 takes AMX tiles where the CPU has them (gemm_int4_amx.c, the same
     # bits as the VNNI tile), ps_gemm_int4_s8_vnni never does (PAGEDSERVE_CPU_AMX=0, read once)
     int4_gemm_int8_kernel: str = "ps_gemm_int4_s8"
+    int4_gemv: bool = False  # the AVX-512 int4 GEMV: gemv, on a pack in the form it reads
 
 
 @functools.lru_cache(maxsize=1)
@@ -183,9 +185,13 @@ def _native() -> _Native:
     lib = cpu_native.library()
     if lib is None:
         return _Native(False, False, 0, False)
-    return _Native(bool(lib.ps_gemv_vectorized()), bool(lib.ps_gemm_int4_vectorized()),
-                   int(lib.ps_gemm_int4_min_rows()), bool(lib.ps_gemm_int4_s8_built()),
-                   "ps_gemm_int4_s8" if envs.PAGEDSERVE_CPU_AMX else "ps_gemm_int4_s8_vnni")
+    # The vector int4 kernels read torch's AVX-512 pack alone (kernels/cpu/int4_pack.py): where torch writes
+    # another, its own kernel keeps the int4 calls.
+    vector_pack = int4_pack.pack_layout() == int4_pack.PACK_AVX512
+    return _Native(bool(lib.ps_gemv_vectorized()), vector_pack and bool(lib.ps_gemm_int4_vectorized()),
+                   int(lib.ps_gemm_int4_min_rows()), vector_pack and bool(lib.ps_gemm_int4_s8_built()),
+                   "ps_gemm_int4_s8" if envs.PAGEDSERVE_CPU_AMX else "ps_gemm_int4_s8_vnni",
+                   vector_pack and bool(lib.ps_gemv_vectorized()))
 
 
 def int4_dense_min_rows(w: Int4Weight | None = None) -> int:
@@ -201,18 +207,20 @@ def int4_dense_min_rows(w: Int4Weight | None = None) -> int:
     return INT4_DENSE_MIN_ROWS_AFTER_GEMM if native.int4_gemm else INT4_DENSE_MIN_ROWS
 
 
-def _gemv_path(x2: torch.Tensor) -> bool:
+def _gemv_path(x2: torch.Tensor, int4: bool = False) -> bool:
     """A CPU call of a few rows that the AVX-512 GEMV of kernels/cpu/csrc/gemv.c takes (float32, weight read once
     for all rows; torch's int8 kernel reads it once per row and wants bfloat16 activations)."""
-    return x2.device.type == "cpu" and x2.shape[0] <= GEMV_MAX_ROWS and _native().gemv
+    native = _native()
+    return x2.device.type == "cpu" and x2.shape[0] <= GEMV_MAX_ROWS and (native.int4_gemv if int4 else native.gemv)
 
 
-def _int4_native(x2: torch.Tensor, w: Int4Weight, kernel: str) -> torch.Tensor:
-    """One of the C int4 kernels with the pack's signature: ps_gemm_int4 (integer GEMM) or ps_gemv_int4."""
+def _int4_native(x2: torch.Tensor, w: Int4Weight, kernel: str, *layout: int) -> torch.Tensor:
+    """One of the C int4 kernels with the pack's signature: ps_gemm_int4 (integer GEMM) or ps_gemv_int4 (which
+    is told the pack's form, layout)."""
     x2 = x2.to(torch.float32).contiguous()
     y = torch.empty(x2.shape[0], w.out_features, dtype=torch.float32)
     cpu_native.check(getattr(cpu_native.library(), kernel)(
-        w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), w.sz_form, w.out_features,
+        w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), w.sz_form, *layout, w.out_features,
         w.in_features, w.group_size,
         x2.data_ptr(), x2.shape[0], y.data_ptr(),
         cpu_native.threads_for(w.packed.numel() * 2, GEMV_MIN_WEIGHTS_PER_THREAD)), kernel)
@@ -228,7 +236,7 @@ def _int4_gemm_s8(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 
 
 def _int4_gemv(x2: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    return _int4_native(x2, w, "ps_gemv_int4")
+    return _int4_native(x2, w, "ps_gemv_int4", int4_pack.pack_layout())
 
 
 def _int8_gemv(x2: torch.Tensor, w: Int8Weight) -> torch.Tensor:
@@ -254,7 +262,7 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
             y = _int4_gemm_s8(x2, w)
         elif native.int4_gemm and native.int4_gemm_min_rows <= x2.shape[0] < dense_min_rows:
             y = _int4_gemm(x2, w)
-        elif _gemv_path(x2):
+        elif _gemv_path(x2, int4=True):
             y = _int4_gemv(x2, w)
     if y is not None:
         y = y.to(dtype).reshape(*shape[:-1], w.out_features)
@@ -321,20 +329,18 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None
 
 def int4_embedding(ids: torch.Tensor, w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
     """Rows of an int4 table (a 4-bit source kept in the pack its tied head streams), widened: the C gather
-    (dequant.c), else the same from the pack's layout in PyTorch ([n / 64, k, 32] bytes, channel j of a block
-    in byte j % 32, its low nibble for j < 32)."""
+    (dequant.c), else the same in PyTorch; both read the pack in the form this process's torch writes
+    (kernels/cpu/int4_pack.py)."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     k = w.in_features
     lib = cpu_native.library()
     if lib is not None:
         rows = torch.empty(flat.numel(), k, dtype=torch.float32)
         cpu_native.check(lib.ps_int4_rows(w.packed.data_ptr(), w.scales_and_zeros.data_ptr(),
-                                          w.sz_form, w.out_features, k, w.group_size,
+                                          w.sz_form, int4_pack.pack_layout(), w.out_features, k, w.group_size,
                                           flat.data_ptr(), flat.numel(), rows.data_ptr()), "int4 embedding")
         return rows.to(dtype).reshape(*ids.shape, k)
-    blocks = w.packed.view(-1, k, 32).index_select(0, flat // 64)                      # [T, k, 32]
-    byte = blocks.gather(2, (flat % 32).view(-1, 1, 1).expand(-1, k, 1)).squeeze(2).to(torch.int32)
-    q = torch.where((flat % 64 < 32).view(-1, 1), byte & 15, byte >> 4).float()
+    q = int4_pack.channel_codes(w.packed, k, flat, int4_pack.pack_layout()).float()
     scale, offset = (t.index_select(1, flat).t().repeat_interleave(w.group_size, 1) for t in scale_offset(w))
     rows = q * scale + offset                                                        # [T, k]
     return rows.to(dtype).reshape(*ids.shape, k)

@@ -19,6 +19,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.kernels.cpu import decode_step as cpu_decode_step
+from pagedserve.kernels.cpu import int4_pack
 from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.weights import weight_only
 from pagedserve.tests.helpers.int4_cases import assert_float64_close as _close, int4_case as _int4_case
@@ -100,14 +101,22 @@ def test_portable_build_gemvs(tmp_path):
     w4, dense4 = _int4_case(128, 96, 32, seed=1)
     w8, dense8 = _int8_case(40, 96, 32, seed=2)
     w4s, dense4s = _int4_case(128, 96, 32, seed=3, symmetric=True)          # scales alone: stride 1
+    scales_alone = w4s.scales_and_zeros[..., :1].contiguous()     # packed so only where the vector kernels run
+    layout = int4_pack.pack_layout()
+    codes = int4_pack.channel_codes(w4.packed, 96, torch.arange(128), layout)
     for rows in (1, 3):
         x = torch.randn(rows, 96)
         y4, y8 = torch.empty(rows, 128), torch.empty(rows, 40)
-        assert lib.ps_gemv_int4(w4s.packed.data_ptr(), w4s.scales_and_zeros.data_ptr(), 1, 128, 96, 32,
+        assert lib.ps_gemv_int4(w4s.packed.data_ptr(), scales_alone.data_ptr(), 1, layout, 128, 96, 32,
                                 x.data_ptr(), rows, y4.data_ptr(), 2) == 0
         _close(y4, x, dense4s)
-        assert lib.ps_gemv_int4(w4.packed.data_ptr(), w4.scales_and_zeros.data_ptr(), 2, 128, 96, 32, x.data_ptr(),
-                                rows, y4.data_ptr(), 2) == 0
+        for other in (int4_pack.PACK_AVX512, int4_pack.PACK_AVX2, int4_pack.PACK_PLAIN):   # each form torch writes
+            packed = int4_pack.pack_codes(codes, other)
+            assert lib.ps_gemv_int4(packed.data_ptr(), w4.scales_and_zeros.data_ptr(), 2, other, 128, 96, 32,
+                                    x.data_ptr(), rows, y4.data_ptr(), 2) == 0
+            _close(y4, x, dense4)
+        assert lib.ps_gemv_int4(w4.packed.data_ptr(), w4.scales_and_zeros.data_ptr(), 2, layout, 128, 96, 32,
+                                x.data_ptr(), rows, y4.data_ptr(), 2) == 0
         assert lib.ps_gemv_int8(w8.q.data_ptr(), w8.scale.data_ptr(), 3, 40, 32, x.data_ptr(), rows,
                                 y8.data_ptr(), 2) == 0
         assert lib.ps_gemm_int4(w4.packed.data_ptr(), w4.scales_and_zeros.data_ptr(), 2, 128, 96, 32, x.data_ptr(),

@@ -20,6 +20,7 @@ from pagedserve.executor.model.quant.gguf_blocks import decode_gguf_tensor
 from pagedserve.executor.model.quant.packing import pack_linear
 from pagedserve.kernels.cpu import dequant as cpu_dequant
 from pagedserve.kernels.cpu import native as cpu_native
+from pagedserve.kernels.cpu.int4_pack import PACK_AVX512
 from pagedserve.kernels.weights import weight_only
 from pagedserve.kernels.weights.weight_kquant import k_form_scale_offset, k_form_scales
 from pagedserve.tests.helpers.gguf_blocks import random_gguf_weight
@@ -69,9 +70,9 @@ def test_scales_that_do_not_factor_keep_their_forms():
     assert k_form_scales(piece.scale[:, :4], piece.offset[:, :4]) is None     # not whole blocks of 8 groups
 
 
-def _native(kernel: str, w: weight_only.Int4Weight, x: torch.Tensor) -> torch.Tensor:
+def _native(kernel: str, w: weight_only.Int4Weight, x: torch.Tensor, *layout: int) -> torch.Tensor:
     y = torch.full((x.shape[0], w.out_features), float("nan"))
-    assert getattr(LIB, kernel)(w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), w.sz_form, w.out_features,
+    assert getattr(LIB, kernel)(w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), w.sz_form, *layout, w.out_features,
                                 w.in_features, w.group_size, x.data_ptr(), x.shape[0], y.data_ptr(), 2) == 0
     return y
 
@@ -84,7 +85,7 @@ def test_the_gemv_and_the_int16_gemm_read_the_k_form(rows):
     x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows))
     offsets = 8 * piece.scale.double().abs().repeat_interleave(32, 1)
     if rows <= 8:
-        assert_float64_close(_native("ps_gemv_int4", w, x), x, dense, offsets=offsets)
+        assert_float64_close(_native("ps_gemv_int4", w, x, PACK_AVX512), x, dense, offsets=offsets)
     assert_float64_close(_native("ps_gemm_int4", w, x), x, dense, int16_inputs=True, offsets=offsets)
     assert_float64_close(weight_only.int4_linear(x, w), x, dense, int16_inputs=True, offsets=offsets)
 

@@ -92,7 +92,7 @@ static void aim(Ahead *ahead, const LinearDesc *l, int tid, int threads) {
 static void form_part(const LinearDesc *l, const float *x, int64_t rows, float *y, int tid, int threads,
                       int64_t *a, int64_t *b) {
     if (l->kind == LINEAR_INT4) {
-        const GemvInt4 w = {(const uint8_t *)l->w, l->scales, l->n, l->k, l->group, l->sz_form};
+        const GemvInt4 w = {(const uint8_t *)l->w, l->scales, l->n, l->k, l->group, l->sz_form, PACK_AVX512};
         split(l->n / 64, tid, threads, a, b);
         if (ps_gemm_int4_part(&w, x, rows, y, *a, *b))           /* 1 row without VBMI: the GEMV, 8 rows a call */
             for (int64_t t = 0; t < rows; t += GEMV_MAX_ROWS)

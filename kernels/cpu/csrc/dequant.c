@@ -10,7 +10,7 @@ own packed layouts, so the weights are stored once. Built at first use by kernel
 #include "gemv.h"
 
 typedef struct {
-    GemvInt4 w;               /* torch's CPU int4 pack ([n / 64, k, 32] bytes, low nibble row j, high row j + 32) */
+    GemvInt4 w;               /* torch's CPU int4 pack, in any of its forms (gemv.h) */
     uint16_t *out;            /* bfloat16 [k, n]: the transposed weight, rows k0..k1 written by this job */
     int64_t k0, k1;
 } Int4Job;
@@ -39,6 +39,11 @@ static void *int4_job(void *arg) {
             loaded = g;
         }
         uint16_t *o = j->out + kk * n;
+        if (w->layout != PACK_AVX512) {
+            for (int64_t c = 0; c < n; ++c)
+                o[c] = f32_to_bf16((float)ps_int4_code(w->packed, w->layout, w->k, c, kk) * scale[c] + zero[c]);
+            continue;
+        }
         for (int64_t nb = 0; nb < n / 64; ++nb) {
             const uint8_t *p = w->packed + (nb * w->k + kk) * 32;
             const float *s = scale + nb * 64, *z = zero + nb * 64;
@@ -107,32 +112,32 @@ static void int8_range(void *job, int64_t a, int64_t b) {
 }
 
 /* Returns 0 on success. n must be a multiple of 64 (the pack's block of output channels). */
-int ps_dequant_int4_t(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, uint16_t *out, int64_t n,
-                      int64_t k, int64_t group, int threads) {
-    if (n % 64 || group <= 0 || k % group || !ps_int4_sz_takes(sz_form, k, group)) return 2;
+int ps_dequant_int4_t(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t layout, uint16_t *out,
+                      int64_t n, int64_t k, int64_t group, int threads) {
+    if (n % 64 || group <= 0 || k % group || !ps_int4_sz_takes(sz_form, k, group) || !ps_int4_pack_takes(layout))
+        return 2;
     Int4Job jobs[MAX_THREADS];
-    for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (Int4Job){{packed, sz, n, k, group, sz_form}, out, 0, 0};
+    for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (Int4Job){{packed, sz, n, k, group, sz_form, layout}, out, 0, 0};
     return ps_run_split(threads, k, jobs, sizeof(Int4Job), int4_job, int4_range);
 }
 
 /* Output channels ids[0..t-1] of an int4 pack, widened to float32 rows of out [t, k]: the lookups of an
    embedding table kept in the pack its tied head's GEMV streams (4-bit sources). Returns 2 for an id outside
    0..n-1 or shapes the pack does not have. */
-int ps_int4_rows(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t n, int64_t k,
+int ps_int4_rows(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t layout, int64_t n, int64_t k,
                  int64_t group, const int64_t *ids, int64_t t, float *out) {
-    if (n % 64 || group <= 0 || k % group || !ps_int4_sz_takes(sz_form, k, group)) return 2;
-    const GemvInt4 w = {packed, sz, n, k, group, sz_form};
+    if (n % 64 || group <= 0 || k % group || !ps_int4_sz_takes(sz_form, k, group) || !ps_int4_pack_takes(layout))
+        return 2;
+    const GemvInt4 w = {packed, sz, n, k, group, sz_form, layout};
     for (int64_t r = 0; r < t; ++r) {
         const int64_t c = ids[r];
         if (c < 0 || c >= n) return 2;
-        /* channel c: byte c % 32 of each column's 32 in its 64-channel block, low nibble for the first 32 */
-        const uint8_t *p = packed + (c / 64) * k * 32 + c % 32;
-        const int shift = c % 64 < 32 ? 0 : 4;
         float *o = out + r * k;
         for (int64_t g = 0; g < k / group; ++g) {
             float s, z;
             ps_int4_scale_zero(&w, g, c, &s, &z);
-            for (int64_t kk = g * group; kk < (g + 1) * group; ++kk) o[kk] = (float)((p[kk * 32] >> shift) & 15) * s + z;
+            for (int64_t kk = g * group; kk < (g + 1) * group; ++kk)
+                o[kk] = (float)ps_int4_code(packed, layout, k, c, kk) * s + z;
         }
     }
     return 0;

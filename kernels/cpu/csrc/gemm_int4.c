@@ -82,7 +82,7 @@ int ps_gemm_int4_part(const GemvInt4 *w, const float *x, int64_t rows, float *y,
 
 int ps_gemm_int4(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t n, int64_t k, int64_t group,
                  const float *x, int64_t rows, float *y, int threads) {
-    const GemvInt4 w = {packed, sz, n, k, group, sz_form};
+    const GemvInt4 w = {packed, sz, n, k, group, sz_form, PACK_AVX512};
     if (!GEMM_INT4_BUILT || !takes(&w, rows)) return 2;
     return ps_gemm_threads(ps_int16_run(&w, n, k, group, x, rows, y, blocks), threads);
 }

@@ -103,13 +103,13 @@ static int takes_s8(int64_t n, int64_t k, int64_t group, int64_t sz_form, int64_
 
 int ps_gemm_int4_s8(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t n, int64_t k,
                     int64_t group, const float *x, int64_t rows, float *y, int threads) {
-    const GemvInt4 w = {packed, sz, n, k, group, sz_form};
+    const GemvInt4 w = {packed, sz, n, k, group, sz_form, PACK_AVX512};
     return takes_s8(n, k, group, sz_form, rows) ? gemm_s8(&w, x, rows, y, threads, 1) : 2;
 }
 
 int ps_gemm_int4_s8_vnni(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t n, int64_t k,
                          int64_t group, const float *x, int64_t rows, float *y, int threads) {
-    const GemvInt4 w = {packed, sz, n, k, group, sz_form};
+    const GemvInt4 w = {packed, sz, n, k, group, sz_form, PACK_AVX512};
     return takes_s8(n, k, group, sz_form, rows) ? gemm_s8(&w, x, rows, y, threads, 0) : 2;
 }
 #else

@@ -52,7 +52,7 @@ static inline __attribute__((always_inline)) void unpack_record(const PairShuffl
 #define FMT_STEP_BYTES(P) ps_intn_record_bytes(4 + (P))
 #define FMT_PREFETCH_AHEAD(P) (INTN_PREFETCH_RECORDS * FMT_STEP_BYTES(P))
 #define FMT_CODE_MID(P) (1 << (3 + (P)))
-#define fmt_scales(w) ((GemvInt4){NULL, (w)->sz, (w)->n, (w)->k, (w)->group, (w)->sz_form})
+#define fmt_scales(w) ((GemvInt4){NULL, (w)->sz, (w)->n, (w)->k, (w)->group, (w)->sz_form, PACK_AVX512})
 enum { FMT_X_BYTES = 2, FMT_SCALE_PER_GROUP = 0, FMT_TILE_FROM_ROWS = 0 };
 #define fmt_shuffle pair_shuffle
 #define fmt_unpack unpack_record

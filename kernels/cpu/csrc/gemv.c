@@ -71,27 +71,21 @@ static void int4_block_avx512(const GemvInt4 *w, const float *x, int64_t rows, f
 }
 #endif
 
-/* torch's CPU int4 pack: blocks of 64 output channels; in a block, input column kk's 64 codes are 32 bytes,
-   channel i in the low nibble of byte i and channel i + 32 in the high one. w = (q - 8) * scale + zero per
-   group of input columns, so y = sum_g scale * (sum_k q x) + (zero - 8 scale) * (sum_k x). */
-void ps_gemv_int4_blocks(const GemvInt4 *w, const float *x, int64_t rows, float *y, int64_t nb0, int64_t nb1) {
-#ifdef __AVX512F__
-    for (int64_t nb = nb0; nb < nb1; ++nb) int4_block_avx512(w, x, rows, y, nb);
-#else
+/* The portable loop, for every form of torch's pack (gemv.h): a block of 64 output channels at a time.
+   w = (q - 8) * scale + zero per group of input columns, so y = sum_g scale * (sum_k q x) + (zero - 8 scale) *
+   (sum_k x). */
+static void int4_blocks_portable(const GemvInt4 *w, const float *x, int64_t rows, float *y, int64_t nb0,
+                                 int64_t nb1) {
     const int64_t k = w->k, n = w->n, group = w->group;
     for (int64_t nb = nb0; nb < nb1; ++nb) {
         float total[GEMV_MAX_ROWS][64] = {{0}};
         for (int64_t g0 = 0; g0 < k; g0 += group) {
             float acc[GEMV_MAX_ROWS][64] = {{0}}, xsum[GEMV_MAX_ROWS] = {0};
-            const uint8_t *p = w->packed + (nb * k + g0) * 32;
-            for (int64_t kk = g0; kk < g0 + group; ++kk, p += 32) {
-                for (int64_t t = 0; t < rows; ++t) {
-                    const float xv = x[t * k + kk];
-                    xsum[t] += xv;
-                    for (int i = 0; i < 32; ++i) {
-                        acc[t][i] += (float)(p[i] & 15) * xv;
-                        acc[t][i + 32] += (float)(p[i] >> 4) * xv;
-                    }
+            for (int64_t kk = g0; kk < g0 + group; ++kk) {
+                for (int64_t t = 0; t < rows; ++t) xsum[t] += x[t * k + kk];
+                for (int i = 0; i < 64; ++i) {
+                    const float q = (float)ps_int4_code(w->packed, w->layout, k, nb * 64 + i, kk);
+                    for (int64_t t = 0; t < rows; ++t) acc[t][i] += q * x[t * k + kk];
                 }
             }
             for (int i = 0; i < 64; ++i) {
@@ -102,7 +96,16 @@ void ps_gemv_int4_blocks(const GemvInt4 *w, const float *x, int64_t rows, float 
         }
         for (int64_t t = 0; t < rows; ++t) memcpy(y + t * n + nb * 64, total[t], sizeof total[t]);
     }
+}
+
+void ps_gemv_int4_blocks(const GemvInt4 *w, const float *x, int64_t rows, float *y, int64_t nb0, int64_t nb1) {
+#ifdef __AVX512F__
+    if (w->layout == PACK_AVX512) {
+        for (int64_t nb = nb0; nb < nb1; ++nb) int4_block_avx512(w, x, rows, y, nb);
+        return;
+    }
 #endif
+    int4_blocks_portable(w, x, rows, y, nb0, nb1);
 }
 
 typedef struct {
@@ -133,10 +136,11 @@ static int run_gemv(const GemvInt4 *i4, const GemvInt8 *i8, const float *x, int6
 }
 
 /* y [rows, n] = x [rows, k] @ w^T; 0 on success, 2 for shapes these kernels do not take. */
-int ps_gemv_int4(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t n, int64_t k, int64_t group,
-                 const float *x, int64_t rows, float *y, int threads) {
-    if (n % 64 || group <= 0 || k % group || !ps_int4_sz_takes(sz_form, k, group)) return 2;
-    GemvInt4 w = {packed, sz, n, k, group, sz_form};
+int ps_gemv_int4(const uint8_t *packed, const uint16_t *sz, int64_t sz_form, int64_t layout, int64_t n, int64_t k,
+                 int64_t group, const float *x, int64_t rows, float *y, int threads) {
+    if (n % 64 || group <= 0 || k % group || !ps_int4_sz_takes(sz_form, k, group) || !ps_int4_pack_takes(layout))
+        return 2;
+    GemvInt4 w = {packed, sz, n, k, group, sz_form, layout};
     return run_gemv(&w, NULL, x, rows, y, n / 64, threads);
 }
 

@@ -14,12 +14,32 @@ enum { GEMV_MAX_ROWS = 8 };    /* input rows one call takes: each row's sums sta
 enum { SZ_SCALES = 1, SZ_PAIRS = 2, SZ_K = 3 };
 enum { SZ_K_GROUPS = 8 };          /* groups that share a super-scale: Q4_K's 256 weights in groups of 32 */
 
+/* torch's CPU int4 pack follows the CPU dispatch torch runs (aten's weight_to_int4pack_kernel). Under AVX-512:
+   blocks of 64 output channels, [n / 64, k, 32] bytes, byte j of a column holding channel j in its low nibble
+   and j + 32 in its high one. Under AVX2: blocks of 32, [n / 32, k, 16], channels j and j + 16. Without either:
+   blocks of 32 whose byte j holds channels 2j and 2j + 1. The vector kernels read the AVX-512 form alone;
+   kernels/cpu/int4_pack.py finds which form this process's torch writes. */
+enum { PACK_AVX512 = 0, PACK_AVX2 = 1, PACK_PLAIN = 2 };
+
+static inline int ps_int4_pack_takes(int64_t layout) {
+    return layout == PACK_AVX512 || layout == PACK_AVX2 || layout == PACK_PLAIN;
+}
+
+/* Channel c's code of input column kk, in any of the forms. */
+static inline int ps_int4_code(const uint8_t *packed, int64_t layout, int64_t k, int64_t c, int64_t kk) {
+    const int64_t block = layout == PACK_AVX512 ? 64 : 32, half = block / 2, j = c % block;
+    const int64_t byte = layout == PACK_PLAIN ? j / 2 : j % half;
+    const int shift = (int)(layout == PACK_PLAIN ? j % 2 : j / half) * 4;
+    return (packed[((c / block) * k + kk) * half + byte] >> shift) & 15;
+}
+
 typedef struct {
-    const uint8_t *packed;     /* torch's CPU int4 pack: [n / 64, k, 32] */
+    const uint8_t *packed;     /* torch's CPU int4 pack, in form `layout` (the vector kernels: PACK_AVX512 alone) */
     const uint16_t *sz;        /* the group scales, in form sz_form */
     int64_t n, k, group;
     int64_t sz_form;           /* SZ_SCALES: symmetric groups (GGUF Q4_0), zero 0 and not stored; SZ_PAIRS: bfloat16
                                   (scale, zero) [k / group, n, 2]; SZ_K: see above */
+    int64_t layout;            /* PACK_*: left 0 (PACK_AVX512) by the kernels that read no other */
 } GemvInt4;
 
 /* Whether the kernels take scales of this form for k input columns in groups of `group`. */

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from pagedserve.executor.model.quant.gguf_blocks import GGUFBlocks, gguf_nbytes
 from pagedserve.frontend.offline.llm import LLM
+from pagedserve.tests.helpers.cpu_kernels import c_step_runs
 from pagedserve.tests.helpers.gguf_models import gguf_update, write_tiny_gguf
 from pagedserve.tests.helpers.quant_checkpoints import write_quantized_checkpoint
 from pagedserve.tests.helpers.weight_push import Trainer
@@ -43,7 +44,7 @@ def test_gguf_reload_and_push_equal_a_fresh_engine(update_checkpoints, tmp_path)
                                                            "ffn_down.weight": "Q8_0", "attn_v.weight": "Q4_1"})
     want_b = fresh(file_b, tokenizer=b)
     with LLM(file_a, tokenizer=a) as llm:
-        assert runner(llm).decode_step is not None          # decode steps go through the C step
+        assert (runner(llm).decode_step is not None) == c_step_runs()   # decode steps take the C step, where it runs
         before = greedy(llm) + greedy(llm, PROMPTS[:1])
         o_proj = runner(llm).model.model.layers[0].self_attn.o_proj.packed
         llm.reload_weights(weights_path=file_b)
@@ -72,7 +73,7 @@ def test_awq_gptq_update_from_another_checkpoints_tensors(update_checkpoints, tm
         write_quantized_checkpoint(float_dir, folders[-1], str(tmp_path / f"{name}_dequant"), method, group_size=32)
     want_b = fresh(folders[1])
     with LLM(folders[0]) as llm:
-        assert runner(llm).decode_step is not None
+        assert (runner(llm).decode_step is not None) == c_step_runs()
         before = greedy(llm) + greedy(llm, PROMPTS[:1])
         with Trainer(llm) as trainer:
             tensors_b = checkpoint_tensors(folders[1])                  # qweight, qzeros, scales (g_idx), ...
@@ -95,7 +96,7 @@ def test_int8_at_load_sleeps_and_is_updated_with_float_tensors(update_checkpoint
     a, b = update_checkpoints
     want_b = fresh(b, quantization="int8")
     with LLM(a, quantization="int8", enable_sleep_mode=True) as llm:
-        assert runner(llm).decode_step is not None
+        assert (runner(llm).decode_step is not None) == c_step_runs()
         before = greedy(llm) + greedy(llm, PROMPTS[:1])
         # Level 2 releases the packed weights too; they come back at new addresses, which the C step reads.
         qkv = runner(llm).model.model.layers[0].self_attn.qkv_proj.packed.q
