@@ -6,12 +6,13 @@ import pytest
 
 from pagedserve.common.errors import RequestError
 from pagedserve.common.multimodal.config import MultiModalConfig
+from pagedserve.common.multimodal.families import ItemRule
 from pagedserve.core.multimodal.checks import check_mm_features
 from pagedserve.ipc.messages import MultiModalFeature, TensorData
 
 CONFIG = MultiModalConfig(limit_per_prompt={"image": 2}, processor_kwargs={}, processor_cache_gb=0.0,
                           allowed_local_media_path=None, max_tokens_per_item=4,
-                          item_shapes={"pixel_values": [1]}, encoder_budget=8,
+                          item_rules={"image": ItemRule({"pixel_values": [1]})}, encoder_budget=8,
                           encoder_cache_size=8)
 
 
