@@ -16,7 +16,6 @@ from pagedserve.common.errors import RequestError
 from pagedserve.common.multimodal.families import DEFAULT_NUM_FRAMES
 from pagedserve.frontend.multimodal.media import MediaLimits, media_bytes
 
-XX
 
 
 def sample_indices(total: int, num_frames: int) -> np.ndarray:

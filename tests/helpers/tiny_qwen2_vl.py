@@ -76,6 +76,18 @@ def hf_processor(path: str, **image_kwargs: Any) -> Any:
     expansion and mm_token_type_ids, the oracle of our frontend's."""
     from transformers import AutoTokenizer, Qwen2VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        """Qwen2VLProcessor without its video processor, which needs torchvision (ProcessorMixin requires every
+        __init__ argument to be one): its own __call__, replace_image_token and mm_token_type_ids."""
+
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None) -> None:
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, **image_kwargs)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
+    return ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)

@@ -29,9 +29,9 @@ class MRotaryEmbedding(nn.Module):
         if len(section) != 3 or any(s < 0 for s in section) or sum(section) * 2 != self.head_dim:
             raise ValueError(f"rope_parameters.mrope_section: {list(mrope_section)} must be three sizes summing to "
                              f"head_dim / 2 = {self.head_dim // 2}")
-        half = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+        half = [row for row, size in enumerate(section) for _ in range(size)]
         # cos/sin repeat the half-dim frequencies twice (rotate-half layout): so do the sections
-        self.register_buffer("row_of_dim", torch.cat([half, half]), persistent=False)
+        self.register_buffer("row_of_dim", torch.tensor(half + half), persistent=False)
         self.register_buffer("dims", torch.arange(self.head_dim), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,14 +5,13 @@ get_rope_index, the logits at every position of prompts with one and two images 
 between and after them, and tokens past the prompt (the delta), and a video's."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from pagedserve.common.multimodal.families import family_of, image_token_id, max_tokens_per_item
+from pagedserve.common.multimodal.families import ProcessorSettings, family_of, image_token_id, max_tokens_per_item
 from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from pagedserve.executor.model.models.qwen2_vl import Qwen2VLForConditionalGeneration
@@ -21,7 +20,7 @@ from pagedserve.frontend.multimodal.expansion import tensor_data
 from pagedserve.ipc.messages import MultiModalFeature
 from pagedserve.tests.helpers.parity import model_config
 from pagedserve.tests.helpers.tiny_models import bind_kv_cache, dense_prefill_metadata
-from pagedserve.tests.helpers.tiny_qwen2_vl import IMAGE, MAX_PIXELS, hf_processor, make_tiny_qwen2_vl
+from pagedserve.tests.helpers.tiny_qwen2_vl import IMAGE, MAX_PIXELS, VIDEO_SIZE, hf_processor, make_tiny_qwen2_vl
 from pagedserve.tests.helpers.tiny_vlm import random_image
 
 SIZES = [(40, 30), (24, 56)]        # (w, h): grids 8 x 10 and 14 x 6 patches, 20 and 21 tokens
@@ -95,30 +94,34 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_family_facts_match_the_processor(ours, hf, processor):
     assert family_of(hf.config) == "qwen2_vl"
     assert image_token_id(hf.config) == ours.image_token_id == processor.image_token_id
-    settings = processor.image_processor.to_dict()
-    most = max_tokens_per_item("qwen2_vl", hf.config, settings)
-    assert most >= MAX_PIXELS // 64
+    image = processor.image_processor.to_dict()
+    # one frame of video (one temporal patch, at most 56 tokens): the image bound is the larger
+    most = max_tokens_per_item("qwen2_vl", hf.config, ProcessorSettings(image, {"size": VIDEO_SIZE}, 1))
+    assert most == 84           # a factor-high row at the aspect limit: sqrt(200 * 2304 / 64) cells
     # no image the processor makes is larger: squares, and the most elongated it takes
     for w, h in [(4000, 4000), (48, 48), (8, 1600), (1600, 8), (17, 3000)]:
         grid = processor.image_processor(images=[random_image(0, w, h)], return_tensors="np")["image_grid_thw"]
         assert int(grid.prod()) // 4 <= most
-    halved = max_tokens_per_item("qwen2_vl", hf.config, {**settings, "max_pixels": MAX_PIXELS // 4})
-    assert halved < most
+    halved = ProcessorSettings({**image, "max_pixels": MAX_PIXELS // 4}, {"size": VIDEO_SIZE}, 1)
+    assert max_tokens_per_item("qwen2_vl", hf.config, halved) == 56
+    # 32 frames: 16 temporal patches of at most 56 tokens
+    assert max_tokens_per_item("qwen2_vl", hf.config, ProcessorSettings(image, {"size": VIDEO_SIZE}, 32)) == 896
 
 
-def test_loader_loads_every_expected_weight_and_the_hubs_classic_names_load_the_same(ours, qwen_dir, hf, version):
-    from safetensors.torch import load_file
-    saved = load_file(os.path.join(qwen_dir, "model.safetensors"))
-    assert any(n.startswith("model.language_model.") for n in saved) and any(n.startswith("model.visual.")
-                                                                             for n in saved)
+def test_loader_loads_every_expected_weight_and_the_hubs_classic_names_load_the_same(ours, hf, version):
+    """The real loader read the saved file (`ours`); transformers 5's names and the hub's classic ones load the
+    same weights."""
     want = _state(ours)
+    modern = {n: t for n, t in hf.state_dict().items() if "rotary" not in n}
+    assert any(n.startswith("model.language_model.") for n in modern) and any(n.startswith("model.visual.")
+                                                                              for n in modern)
     classic = {("visual." + n[len("model.visual."):] if n.startswith("model.visual.") else
                 "model." + n[len("model.language_model."):] if n.startswith("model.language_model.") else n): t
-               for n, t in saved.items()}
-    for state in (saved, classic):
+               for n, t in modern.items()}
+    for state in (modern, classic):
         model = VERSIONS[version][0](hf.config, TPGroup())
         loaded = model.load_weights(state.items())
-        assert model.expected_weights() == loaded == set(saved)
+        assert model.expected_weights() == loaded == set(modern)
         got = _state(model)
         assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
 
@@ -141,7 +144,7 @@ def test_each_images_features_alone_and_batched_match_hfs(ours, hf, processor):
 
 @pytest.mark.parametrize("grids,text_runs", [
     ([(1, 8, 10)], [3, 5]),                      # text, image, text
-    ([(1, 8, 10), (1, 14, 6)], [2, 0, 4]),       # two images back to back, then text
+    ([(1, 8, 10), (1, 14, 6)], [2, 1, 4]),       # two images of different sizes, text between and after
     ([(2, 4, 6), (1, 6, 2)], [1, 3, 0]),         # a two-frame video's grid; the prompt ends with an image
 ])
 def test_mrope_positions_match_hfs_get_rope_index(ours, hf, grids, text_runs):

@@ -46,10 +46,11 @@ FAMILIES = [
            dict(max_num_batched_tokens=24, max_model_len=320),
            dict(num_gpu_blocks_override=39, block_size=8, max_model_len=312),
            dict(tensor_parallel_size=2, max_model_len=320)),
-    # prompts of 12 to ~110 tokens (images of 20, 24 and 35 tokens); chunks of 24 split every image
+    # prompts of 32, 59, 100 and 12 tokens (images of 20, 24 and 35 tokens, M-RoPE positions); chunks of 24
+    # split every image; 7 blocks of 16 hold the first two prompts, whose decoding then preempts
     Family("qwen2_vl", tiny_qwen2_vl.make_tiny_qwen2_vl, "Qwen2VLForConditionalGeneration",
            dict(max_num_batched_tokens=24, max_model_len=256),
-           dict(num_gpu_blocks_override=20, block_size=8, max_model_len=160),
+           dict(num_gpu_blocks_override=7, block_size=16, max_model_len=112),
            dict(tensor_parallel_size=2, max_model_len=256), tiny_qwen2_vl.IMAGE, tiny_qwen2_vl.hf_processor),
 ]
 
