@@ -58,3 +58,22 @@ def test_a_step_without_vision_tokens_keeps_the_1d_path():
     assert rope_positions(host, [states[r].mrope for r in host.req_ids]) is None
     delta = states["c"].mrope.delta
     assert host.positions.tolist() == [PROMPT + 2 + delta, 6, 7, 8, 9]      # decodes first
+
+
+def test_the_c_steps_context_lengths_are_the_token_indices_plus_one():
+    """The C decode step reads each row's context length from the metadata: for unshifted positions it is
+    the position + 1 it used to be given, for decodes, a verify pass's rows and a short prefill alike."""
+    import torch
+
+    from pagedserve.executor.model.models.llama_cpu_step import row_tables_and_lengths
+    from pagedserve.kernels.attention.metadata import AttentionMetadata
+    states = {"d": state("d", 10, mrope=False), "p": state("p", 0, mrope=False), "v": state("v", 4, mrope=False)}
+    for scheduled in ({"d": 1}, {"d": 1, "p": 5}, {"v": 3, "p": 2}):
+        host = prepare_inputs(states, scheduled, 4)
+        tables = torch.from_numpy(host.block_tables).to(torch.int32)
+        meta = AttentionMetadata(torch.from_numpy(host.slot_mapping), torch.from_numpy(host.query_start_loc),
+                                 torch.from_numpy(host.seq_lens).to(torch.int32), tables, host.num_decodes, 5,
+                                 int(host.seq_lens.max()), host.query_start_loc.tolist(), host.seq_lens.tolist())
+        rows = len(host.positions)
+        row_tables, lengths = row_tables_and_lengths(meta, rows)
+        assert lengths.tolist() == (host.positions + 1).tolist() and len(row_tables) == rows

@@ -67,7 +67,8 @@ def hf_greedy(llm: LLM, hf, prompt: dict) -> list[int]:
     kwargs = {}
     for feature in processed.mm_features:
         for name, t in feature.data.items():
-            kwargs.setdefault(name, []).append(torch.from_numpy(np.frombuffer(t.data, dtype=t.dtype).reshape(t.shape)))
+            array = np.frombuffer(t.data, dtype=t.dtype).reshape(t.shape).copy()
+            kwargs.setdefault(name, []).append(torch.from_numpy(array))
     kwargs = {name: torch.cat(parts) for name, parts in kwargs.items()}
     types = (ids == hf.config.image_token_id).long() + 2 * (ids == hf.config.video_token_id).long()
     with torch.no_grad():
