@@ -1,7 +1,7 @@
 """Images through the whole engine (offline LLM: frontend processing, core scheduling, workers' encoder) at
 token parity with HF transformers, for each family (Llava: one item per image; Idefics3: one per sub-image;
-Qwen2-VL: one per image, of its own size, with M-RoPE positions), across batching, chunked prefill, preemption
-and prefix hits."""
+Qwen2-VL and Qwen2.5-VL: one per image, of its own size, with M-RoPE positions), across batching, chunked
+prefill, preemption and prefix hits."""
 from __future__ import annotations
 
 import base64
@@ -49,6 +49,11 @@ FAMILIES = [
     # prompts of 32, 59, 100 and 12 tokens (images of 20, 24 and 35 tokens, M-RoPE positions); chunks of 24
     # split every image; 7 blocks of 16 hold the first two prompts, whose decoding then preempts
     Family("qwen2_vl", tiny_qwen2_vl.make_tiny_qwen2_vl, "Qwen2VLForConditionalGeneration",
+           dict(max_num_batched_tokens=24, max_model_len=256),
+           dict(num_gpu_blocks_override=7, block_size=16, max_model_len=112),
+           dict(tensor_parallel_size=2, max_model_len=256), tiny_qwen2_vl.IMAGE, tiny_qwen2_vl.hf_processor),
+    # the same prompts through Qwen2.5-VL's window-attention tower
+    Family("qwen2_5_vl", tiny_qwen2_vl.make_tiny_qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration",
            dict(max_num_batched_tokens=24, max_model_len=256),
            dict(num_gpu_blocks_override=7, block_size=16, max_model_len=112),
            dict(tensor_parallel_size=2, max_model_len=256), tiny_qwen2_vl.IMAGE, tiny_qwen2_vl.hf_processor),
