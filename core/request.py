@@ -83,7 +83,8 @@ class Request:
         self.mm_features: list[MultiModalFeature] = mm_features or []
         # The same without their pixels: what the workers are told with the request (pixels go with its encode;
         # the small grids stay, the workers' M-RoPE positions are computed from them).
-        self.mm_placements = [msgspec.structs.replace(f, data=placement_data(f.data)) for f in self.mm_features] or None
+        self.mm_placements = [msgspec.structs.replace(f, data=placement_data(f.data))
+                              for f in self.mm_features] or None
         self._stop_ids = frozenset(self.eos_token_ids) | frozenset(sampling_params.stop_token_ids or ())
         self._update_hashes()
 

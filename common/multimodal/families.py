@@ -11,7 +11,7 @@ from typing import Any
 # (Qwen2.5-VL's processing is Qwen2-VL's: the same image processor and placeholders)
 _FAMILIES = {"llava": "llava", "idefics3": "idefics3", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl"}
 MODALITIES: dict[str, tuple[str, ...]] = {"llava": ("image",), "idefics3": ("image",),
-                                    "qwen2_vl": ("image", "video")}
+                                          "qwen2_vl": ("image", "video")}
 
 # Dynamic-resolution items (Qwen2-VL): per modality, the patches tensor and the grid tensor [[t, h, w]]
 PATCH_TENSORS = {"image": "pixel_values", "video": "pixel_values_videos"}
@@ -85,11 +85,9 @@ def _qwen2_vl_frame_tokens(full_config: Any, processor: dict[str, Any], kind: st
 
 def _qwen2_vl_max_tokens(full_config: Any, processor: ProcessorSettings) -> int:
     """The largest image, or video of num_frames frames (padded to whole temporal patches)."""
-    most = _qwen2_vl_frame_tokens(full_config, processor.image, "image")
-    if "video" in MODALITIES["qwen2_vl"]:
-        temporal = -(-processor.num_frames // full_config.vision_config.temporal_patch_size)
-        most = max(most, temporal * _qwen2_vl_frame_tokens(full_config, processor.video, "video"))
-    return most
+    temporal = -(-processor.num_frames // full_config.vision_config.temporal_patch_size)
+    return max(_qwen2_vl_frame_tokens(full_config, processor.image, "image"),
+               temporal * _qwen2_vl_frame_tokens(full_config, processor.video, "video"))
 
 
 def max_tokens_per_item(family: str, full_config: Any, processor: ProcessorSettings) -> int:

@@ -1,10 +1,11 @@
-"""Images in, placeholder-expanded token ids and their MultiModalFeatures out (the frontend's side of vLLM
-V1's multimodal split).
+"""Images and videos in, placeholder-expanded token ids and their MultiModalFeatures out (the frontend's side
+of vLLM V1's multimodal split).
 
 The HF image processor (its PIL backend: torchvision is optional) turns each image into the tensors the
-vision tower reads, and the family's expansion (expansion.py) into the token ids that replace the image's one
-placeholder and the items among them: one per image for Llava, one per sub-image for Idefics3. The expansion
-is cached by the image's content hash, so a repeated image is processed once.
+vision tower reads, and the family's expansion (expansion.py, qwen2_vl.py) into the token ids that replace the
+image's one placeholder and the items among them: one per image for Llava and Qwen2-VL, one per sub-image for
+Idefics3. A video (Qwen2-VL: its sampled frames, video.py) is one item, at its own placeholder. The expansion
+is cached by the content hash, so a repeated image or video is processed once.
 """
 from __future__ import annotations
 
