@@ -8,9 +8,10 @@ from typing import Any
 import msgspec
 
 from pagedserve.core.block_hash import BlockHasher
+from pagedserve.common.multimodal.families import PLACEMENT_TENSORS
 from pagedserve.common.params.pooling_params import PoolingParams
 from pagedserve.common.params.sampling_params import SamplingParams
-from pagedserve.ipc.messages import LogprobsEntry, MultiModalFeature, PromptLogprobsChunk
+from pagedserve.ipc.messages import LogprobsEntry, MultiModalFeature, PromptLogprobsChunk, TensorData
 
 
 class RequestStatus(enum.IntEnum):
@@ -80,8 +81,10 @@ class Request:
         self.whole_prompt = whole_prompt
         # Its images, in prompt order, with their processed data (sent to the workers when encoded).
         self.mm_features: list[MultiModalFeature] = mm_features or []
-        # The same without their data: what the workers are told with the request (data goes with its encode).
-        self.mm_placements = [msgspec.structs.replace(f, data=None) for f in self.mm_features] or None
+        # The same without their pixels: what the workers are told with the request (pixels go with its encode;
+        # the small grids stay, the workers' M-RoPE positions are computed from them).
+        self.mm_placements = [msgspec.structs.replace(f, data=placement_data(f.data))
+                              for f in self.mm_features] or None
         self._stop_ids = frozenset(self.eos_token_ids) | frozenset(sampling_params.stop_token_ids or ())
         self._update_hashes()
 
@@ -138,3 +141,9 @@ class Request:
 
     def sort_key(self) -> tuple[int, float]:
         return (self.priority, self.arrival_time)
+
+
+def placement_data(data: dict[str, TensorData] | None) -> dict[str, TensorData] | None:
+    """An item's tensors the workers keep with its placement (families.PLACEMENT_TENSORS); None: none."""
+    kept = {name: tensor for name, tensor in (data or {}).items() if name in PLACEMENT_TENSORS}
+    return kept or None

@@ -164,6 +164,8 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     allowed_local_media_path: Optional[str] = None
     mm_max_tokens_per_item: int = 0
     mm_processor_cache_gb: float = 0.0
+    mm_family: str = ""                        # common/multimodal/families.py: how the frontend expands items
+    mm_media_io_kwargs: dict[str, Any] = {}    # --media-io-kwargs: how media is loaded (a video's frames)
 
 
 class EngineReady(msgspec.Struct, array_like=True, tag="ready"):

@@ -185,6 +185,9 @@ class EngineArgs:
     mm_processor_kwargs: dict[str, Any] | None = setting(
         None, help="multimodal models: overrides for the HF processor, as a JSON object (e.g. "
                    "{\"max_pixels\": 200704} for Qwen2-VL)")
+    media_io_kwargs: dict[str, Any] | None = setting(
+        None, help="multimodal models: how media is loaded, per modality, as a JSON object (vLLM's); "
+                   "{\"video\": {\"num_frames\": N}}: a video keeps N frames sampled uniformly (default 32)")
     mm_processor_cache_gb: float = setting(
         DEFAULT_MM_PROCESSOR_CACHE_GB, help="GiB of processed images the frontend keeps, by content hash, so a "
                                             "repeated image is neither processed nor sent to the engine again")
@@ -232,7 +235,9 @@ class EngineArgs:
         scheduler = self._scheduler_config(model.max_model_len)
         multimodal = resolve_multimodal(model.arch_config, self.limit_mm_per_prompt, self.mm_processor_kwargs,
                                         self.mm_processor_cache_gb, self.allowed_local_media_path,
-                                        scheduler.max_num_batched_tokens)
+                                        scheduler.max_num_batched_tokens,
+                                        model.source.path if model.source.format == "hf" else None,
+                                        self.media_io_kwargs)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             parallel=parallel, multimodal=multimodal, structured_outputs=structured,
                             speculative=speculative,

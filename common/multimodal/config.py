@@ -7,10 +7,13 @@ part-way through an item, which every step advances, so room always comes (core/
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.common.multimodal.families import MODALITIES, family_of, item_shapes, max_tokens_per_item
+from pagedserve.common.multimodal.families import (DEFAULT_NUM_FRAMES, MODALITIES, ItemRule, ProcessorSettings,
+                                                   family_of, item_rules, max_tokens_per_item)
 
 # What --mm-processor-cache-gb defaults to (vLLM's 4 GiB).
 DEFAULT_MM_PROCESSOR_CACHE_GB = 4.0
@@ -23,30 +26,93 @@ class MultiModalConfig:
     processor_cache_gb: float                # --mm-processor-cache-gb: the frontend's processed-item cache
     allowed_local_media_path: str | None     # file:// media only under it; None: no file:// URLs
     max_tokens_per_item: int                 # placeholder tokens of the largest item the processor makes
-    item_shapes: dict[str, list[int]] = field(compare=False)    # each item's tensors, exactly these shapes
+    item_rules: dict[str, ItemRule] = field(compare=False)     # per modality, each item's tensors and shapes
     encoder_budget: int                      # encoder tokens one step may compute
     encoder_cache_size: int                  # encoder-output tokens the workers keep, least recently used
+    family: str = ""                         # families.family_of: the frontend expands items by it
+    media_io_kwargs: dict[str, Any] = field(default_factory=dict, compare=False)   # --media-io-kwargs
+
+
+# kind -> (its own file, its entry in transformers 5's processor_config.json)
+_PROCESSOR_FILES = {"image": ("preprocessor_config.json", "image_processor"),
+                    "video": ("video_preprocessor_config.json", "video_processor")}
+
+
+def load_processor_config(folder: str | None, kind: str = "image") -> dict[str, Any]:
+    """The image (or video) processor's saved settings in a model folder ({} where it has none): its own
+    json file, or its entry of transformers 5's processor_config.json."""
+    if folder is None or not os.path.isdir(folder):
+        return {}
+    own, entry = _PROCESSOR_FILES[kind]
+    for name, key in ((own, None), ("processor_config.json", entry)):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            data = data.get(key) if key is not None else data
+            if isinstance(data, dict):
+                return data
+    return {}
+
+
+def processor_settings(folder: str | None, mm_processor_kwargs: dict[str, Any] | None,
+                       media_io_kwargs: dict[str, Any] | None) -> ProcessorSettings:
+    """The processors' settings as the frontend's processors resolve them: the saved ones with
+    --mm-processor-kwargs over them (for images and videos alike), and the frames a video keeps."""
+    flag = dict(mm_processor_kwargs or {})
+    num_frames = _media_io(media_io_kwargs).get("video", {}).get("num_frames", DEFAULT_NUM_FRAMES)
+    if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1:
+        raise ValueError(f"media_io_kwargs.video.num_frames must be an integer >= 1, got {num_frames!r} (every "
+                         "video must fit the encoder cache, so a video keeps at most that many frames)")
+    return ProcessorSettings(image={**load_processor_config(folder, "image"), **flag},
+                             video={**load_processor_config(folder, "video"), **flag}, num_frames=num_frames)
+
+
+# modality -> the --media-io-kwargs keys it takes
+_MEDIA_IO_KEYS = {"image": (), "video": ("num_frames",)}
+
+
+def _media_io(media_io_kwargs: Any) -> dict[str, dict[str, Any]]:
+    """--media-io-kwargs, checked: {modality: {key: value}} with the keys each modality takes."""
+    if media_io_kwargs is None:
+        return {}
+    if not isinstance(media_io_kwargs, dict):
+        raise ValueError(f"media_io_kwargs must be a JSON object, got {media_io_kwargs!r}")
+    for modality, kwargs in media_io_kwargs.items():
+        if modality not in _MEDIA_IO_KEYS or not isinstance(kwargs, dict):
+            raise ValueError(f"media_io_kwargs.{modality}: expected one of {', '.join(_MEDIA_IO_KEYS)} mapped to an "
+                             f"object, got {kwargs!r}")
+        unknown = sorted(set(kwargs) - set(_MEDIA_IO_KEYS[modality]))
+        if unknown:
+            raise ValueError(f"media_io_kwargs.{modality}: unknown key(s) {', '.join(unknown)} (known: "
+                             f"{', '.join(_MEDIA_IO_KEYS[modality]) or 'none'})")
+    return media_io_kwargs
 
 
 def resolve_multimodal(full_config: Any, limit_mm_per_prompt: dict[str, Any] | None,
                        mm_processor_kwargs: dict[str, Any] | None, mm_processor_cache_gb: float,
-                       allowed_local_media_path: str | None, max_num_batched_tokens: int) -> MultiModalConfig | None:
-    """The config for a multimodal checkpoint (None for a text model); ValueError naming the flag."""
+                       allowed_local_media_path: str | None, max_num_batched_tokens: int,
+                       model_folder: str | None = None,
+                       media_io_kwargs: dict[str, Any] | None = None) -> MultiModalConfig | None:
+    """The config for a multimodal checkpoint (None for a text model); ValueError naming the flag.
+    model_folder: where the processors' saved settings are (None: their defaults)."""
     family = family_of(full_config)
     if family is None:
         if limit_mm_per_prompt and any(v for v in limit_mm_per_prompt.values()):
             raise ValueError(f"limit_mm_per_prompt: this model takes text only, got {limit_mm_per_prompt}")
         return None
     limits = _limits(family, limit_mm_per_prompt)
-    per_item = max_tokens_per_item(family, full_config, mm_processor_kwargs or {})
+    settings = processor_settings(model_folder, mm_processor_kwargs, media_io_kwargs)
+    per_item = max_tokens_per_item(family, full_config, settings)
     if mm_processor_cache_gb < 0:
         raise ValueError(f"mm_processor_cache_gb must be >= 0, got {mm_processor_cache_gb}")
     return MultiModalConfig(
         limit_per_prompt=limits, processor_kwargs=dict(mm_processor_kwargs or {}),
         processor_cache_gb=float(mm_processor_cache_gb), allowed_local_media_path=allowed_local_media_path,
-        max_tokens_per_item=per_item, item_shapes=item_shapes(family, full_config),
+        max_tokens_per_item=per_item, item_rules=item_rules(family, full_config),
         encoder_budget=max(max_num_batched_tokens, per_item),
-        encoder_cache_size=max(max_num_batched_tokens, per_item))
+        encoder_cache_size=max(max_num_batched_tokens, per_item), family=family,
+        media_io_kwargs=dict(media_io_kwargs or {}))
 
 
 def _limits(family: str, asked: dict[str, Any] | None) -> dict[str, int]:

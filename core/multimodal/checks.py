@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 from pagedserve.common.errors import RequestError
 from pagedserve.common.multimodal.config import MultiModalConfig
+from pagedserve.common.multimodal.families import ItemRule
 from pagedserve.ipc.messages import MultiModalFeature, TensorData
 
 # dtype name -> bytes per element: the dtypes a processor's outputs come in
@@ -33,18 +35,42 @@ def check_mm_features(features: list[MultiModalFeature] | None, num_prompt_token
         if item.offset < end or item.length <= 0 or item.offset + item.length > num_prompt_tokens:
             raise RequestError.at(f"{_FIELD}[{i}]", "its placeholder tokens must lie inside the prompt, after the "
                                   "item before it")
-        if item.length != config.max_tokens_per_item:
-            raise RequestError.at(f"{_FIELD}[{i}]", f"{item.length} placeholder tokens, where the model's items "
-                                  f"take {config.max_tokens_per_item}")
         if item.data is None:
             raise RequestError.at(f"{_FIELD}[{i}]", "the item's processed data is missing")
-        if sorted(item.data) != sorted(config.item_shapes):
+        rule = config.item_rules.get(item.modality)
+        if rule is None or sorted(item.data) != sorted(rule.shapes):
             raise RequestError.at(f"{_FIELD}[{i}]", f"the item holds {sorted(item.data)}, where the model reads "
-                                  f"{sorted(config.item_shapes)}")
+                                  f"{sorted(rule.shapes) if rule else 'no ' + item.modality}")
+        patches, length = _item_size(f"{_FIELD}[{i}]", item.data, rule, config.max_tokens_per_item)
+        if item.length != length:
+            raise RequestError.at(f"{_FIELD}[{i}]", f"{item.length} placeholder tokens, where the model's item "
+                                  f"takes {length}")
         for name, tensor in item.data.items():
-            _check_tensor(f"{_FIELD}[{i}].{name}", tensor, config.item_shapes[name])
+            shape = [patches if d == -1 else d for d in rule.shapes[name]]
+            _check_tensor(f"{_FIELD}[{i}].{name}", tensor, shape)
         end = item.offset + item.length
     return list(features)
+
+
+def _item_size(field: str, data: dict[str, TensorData], rule: ItemRule, max_tokens: int) -> tuple[int, int]:
+    """(patches, placeholder tokens) of an item: a fixed-size item's are the model's; a dynamic one's come
+    from its grid [[t, h, w]], whose tokens must fit the largest item the processor makes."""
+    if rule.grid is None:
+        return 0, max_tokens
+    where = f"{field}.{rule.grid}"
+    grid = data[rule.grid]
+    if grid.dtype != "int64":
+        raise RequestError.at(where, f"dtype {grid.dtype!r}, where the model reads int64")
+    _check_tensor(where, grid, [1, 3])
+    t, h, w = struct.unpack("<3q", grid.data)
+    if t < 1 or h < 1 or w < 1 or h % rule.merge or w % rule.merge:
+        raise RequestError.at(where, f"[{t}, {h}, {w}]: t, h and w must be positive, h and w multiples of "
+                              f"{rule.merge}")
+    tokens = t * h * w // rule.merge ** 2
+    if tokens > max_tokens:
+        raise RequestError.at(where, f"[{t}, {h}, {w}] makes {tokens} tokens, more than the {max_tokens} of the "
+                              "largest item the processor makes (max_pixels)")
+    return t * h * w, tokens
 
 
 def _check_part(features: list[MultiModalFeature], i: int) -> None:
@@ -72,6 +98,8 @@ def multimodal_info(config: MultiModalConfig | None) -> dict[str, Any]:
     """What EngineInfo tells a frontend of the multimodal settings (nothing for a text model)."""
     if config is None:
         return {}
-    return {"mm_limits": dict(config.limit_per_prompt), "mm_processor_kwargs": dict(config.processor_kwargs),
+    return {"mm_family": config.family, "mm_media_io_kwargs": dict(config.media_io_kwargs),
+            "mm_limits": dict(config.limit_per_prompt),
+            "mm_processor_kwargs": dict(config.processor_kwargs),
             "allowed_local_media_path": config.allowed_local_media_path,
             "mm_max_tokens_per_item": config.max_tokens_per_item, "mm_processor_cache_gb": config.processor_cache_gb}

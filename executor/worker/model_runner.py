@@ -19,6 +19,7 @@ from pagedserve.executor.worker.sample.grammar_mask import grammar_rows
 from pagedserve.executor.worker.input_prep import prepare_inputs
 from pagedserve.executor.worker.lora.manager import LoRAManager
 from pagedserve.executor.worker.multimodal.encoder_runner import EncoderRunner
+from pagedserve.executor.worker.multimodal.mrope import MRopeRows, rope_positions
 from pagedserve.executor.worker.pooling_step import pooling_output, token_type_ids
 from pagedserve.executor.worker.sample.prompt_logprobs import compute_prompt_logprobs
 from pagedserve.executor.worker.spec_decode.rejection_sampler import verify_drafts
@@ -94,6 +95,7 @@ class ModelRunner:
         self.lora = LoRAManager(model, config.lora, dtype, device) if config.lora is not None else None
         multimodal = config.multimodal is not None and pp.is_first
         self.encoder = EncoderRunner(model, device) if multimodal else None
+        self.mrope = hasattr(model, "mrope_positions")       # M-RoPE (Qwen2-VL): positions per request
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
@@ -150,7 +152,9 @@ class ModelRunner:
         for rid in sched.finished_req_ids:
             self.states.pop(rid, None)
         for data in sched.scheduled_new_reqs:
-            self.states[data.req_id] = CachedRequestState.from_new(data)
+            state = self.states[data.req_id] = CachedRequestState.from_new(data)
+            if self.mrope:
+                state.mrope = MRopeRows.of(self.model, state.num_prompt_tokens, state.mm_features)
         cached = sched.scheduled_cached_reqs
         for rid, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.states[rid]
@@ -170,28 +174,31 @@ class ModelRunner:
         # adapter slots (the C step), else the layers apply them.
         plain = self.lora is None or not self.lora.prepare(host.req_ids, self.states, host.query_start_loc)
         mm = self.encoder.gather(host, self.states) if self.encoder is not None else None
-        decode_only = host.num_decodes == host.num_seqs and mm is None
+        # M-RoPE: host.positions shifted to the rotary's; [3, T] where a row covers vision tokens
+        rope3 = rope_positions(host, [self.states[r].mrope for r in host.req_ids]) if self.mrope else None
+        decode_only = host.num_decodes == host.num_seqs and mm is None and rope3 is None
         size = self.graphs.padded_size(host.num_seqs) if self.graphs is not None and decode_only and plain else None
         batch = self.buffers.commit(host, pad_to=size)
         if host.pending_inputs:
             self.buffers.apply_pending(batch.input_ids, host.pending_inputs)
         if size is not None:
             return batch, self.graphs.replay(size)
+        positions = batch.positions if rope3 is None else torch.from_numpy(rope3).to(self.device)
         if mm is not None:          # placeholder tokens take the encoder's rows: no whole-decoder C step
             embeds = self.model.embed_input_ids(batch.input_ids)
             embeds[mm[0]] = mm[1].to(embeds.dtype)
-            return batch, self.model(batch.input_ids, batch.positions, batch.meta, inputs_embeds=embeds)
+            return batch, self.model(batch.input_ids, positions, batch.meta, inputs_embeds=embeds)
         lora_slots = None if plain else self.lora.context.row_slots
-        if self.decode_step is not None and (plain or lora_slots is not None):
+        if self.decode_step is not None and rope3 is None and (plain or lora_slots is not None):
             hidden = self.decode_step(batch.input_ids, batch.positions, batch.meta, lora_slots)
             if hidden is not None:
                 return batch, hidden
         if self.pp.size > 1:
             intermediate = None if self.pp.is_first else self.pp.recv(
                 (len(batch.input_ids), self.config.model.hf_config.hidden_size), self.dtype, self.device, 2)
-            return batch, self.model(batch.input_ids, batch.positions, batch.meta, intermediate)
+            return batch, self.model(batch.input_ids, positions, batch.meta, intermediate)
         extra = token_type_ids(self.model, batch, self.states, self.device) if self.config.pooler else {}
-        return batch, self.model(batch.input_ids, batch.positions, batch.meta, **extra)
+        return batch, self.model(batch.input_ids, positions, batch.meta, **extra)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.launch(sched).result()

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -10,6 +10,9 @@ from pagedserve.common.params.pooling_params import PoolingParams
 from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.executor.worker.sample.logit_constraints import RowConstraints
 from pagedserve.ipc.messages import MultiModalFeature, NewRequestData
+
+if TYPE_CHECKING:
+    from pagedserve.executor.worker.multimodal.mrope import MRopeRows
 
 _MASK63 = (1 << 63) - 1
 
@@ -32,6 +35,7 @@ class CachedRequestState:
     lora_int_id: int = 0              # its LoRA adapter (0: the base model)
     pooling_params: PoolingParams | None = None     # a pooling request: pooled, never sampled
     mm_features: list[MultiModalFeature] = field(default_factory=list)   # its images' placeholder runs
+    mrope: MRopeRows | None = None    # an M-RoPE model's positions of a request with vision items
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "CachedRequestState":

@@ -11,8 +11,8 @@ from pagedserve.common.params.pooling_params import check_generation_allowed
 from pagedserve.common.request_checks import check_params, check_prompt
 from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.frontend.client.prompt_constraints import bad_words_token_ids, truncated_ids
-from pagedserve.frontend.multimodal.chat_parts import MediaRef, take_images
-from pagedserve.frontend.multimodal.processor import MultiModalProcessor, load_images
+from pagedserve.frontend.multimodal.chat_parts import MediaItem, take_media
+from pagedserve.frontend.multimodal.processor import MultiModalProcessor, load_images, load_videos, offline_videos
 from pagedserve.ipc.messages import EngineCoreRequest, EngineInfo, MultiModalFeature
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -23,8 +23,9 @@ class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
     mm_features: list[MultiModalFeature] | None = None     # its images, placeholders expanded in the ids
-    # A chat's images, not yet loaded: attach_media loads and processes them (placeholders still single).
-    pending_media: list[MediaRef] | None = None
+    # A chat's images and videos, not yet loaded: attach_media loads and processes them (placeholders still
+    # single).
+    pending_media: list[MediaItem] | None = None
 
 
 @dataclass
@@ -65,25 +66,30 @@ class InputProcessor:
                            f"{type(prompt).__name__}")
 
     def _multimodal_prompt(self, prompt: dict[str, Any], add_special_tokens: bool) -> ProcessedPrompt:
-        """{"prompt": text with one placeholder per image (or "prompt_token_ids"), "multi_modal_data":
-        {"image": an image or a list of them}}."""
+        """{"prompt": text with one placeholder per image and per video (or "prompt_token_ids"),
+        "multi_modal_data": {"image": an image or a list of them, "video": a video or a list of them}}."""
         data = prompt["multi_modal_data"]
         if self.mm is None:
             raise RequestError.at("multi_modal_data", "this model takes text only")
-        if not isinstance(data, dict) or set(data) - {"image"}:
-            raise RequestError.at("multi_modal_data", "must be {'image': image or list of images}; this model "
-                                  f"takes images only, got {sorted(data) if isinstance(data, dict) else data!r}")
+        taken = set(self.mm.tokens)
+        if not isinstance(data, dict) or set(data) - taken:
+            raise RequestError.at("multi_modal_data", f"must be {{'image': image or list of images"
+                                  f"{', video: video or list of videos' if 'video' in taken else ''}}}; this model "
+                                  f"takes {' and '.join(f'{m}s' for m in sorted(taken))} only, got "
+                                  f"{sorted(data) if isinstance(data, dict) else data!r}")
         images = data.get("image") or []
         images = list(images) if isinstance(images, (list, tuple)) else [images]
+        videos = offline_videos(data.get("video"), self.mm.num_frames, "multi_modal_data.video")
         base = self.parse_prompt({k: v for k, v in prompt.items() if k != "multi_modal_data"}, add_special_tokens)
-        return self.with_images(base, images)
+        return self.with_images(base, images, videos=videos)
 
-    def with_images(self, prompt: ProcessedPrompt, images: list[Any], field: str = "multi_modal_data") -> ProcessedPrompt:
-        """The prompt with each image's placeholder expanded and its feature attached (blocking: images are
-        processed here; the async client runs it on its media pool)."""
+    def with_images(self, prompt: ProcessedPrompt, images: list[Any], field: str = "multi_modal_data",
+                    videos: list[Any] | None = None) -> ProcessedPrompt:
+        """The prompt with each image's (and video's) placeholder expanded and its feature attached (blocking:
+        media is processed here; the async client runs it on its media pool)."""
         if self.mm is None:
             raise RequestError.at(field, "this model takes text only")
-        ids, features = self.mm.expand(prompt.prompt_token_ids, images, field)
+        ids, features = self.mm.expand(prompt.prompt_token_ids, images, field, videos)
         return ProcessedPrompt(prompt.prompt, ids, features or None)
 
     def _check_ids(self, ids: Any) -> list[int]:
@@ -113,7 +119,7 @@ class InputProcessor:
         if reserved:
             raise RequestError.at("chat_template_kwargs", f"{', '.join(reserved)} cannot be set per request")
         try:
-            messages, media = take_images(messages) if self.mm is not None else (messages, [])
+            messages, media = take_media(messages) if self.mm is not None else (messages, [])
             text = self.tokenizer.apply_chat_template(_with_text_content(messages), tokenize=False,
                                                       chat_template=chat_template,
                                                       add_generation_prompt=add_generation_prompt,
@@ -129,13 +135,17 @@ class InputProcessor:
                                pending_media=media or None)
 
     def attach_media(self, prompt: ProcessedPrompt) -> ProcessedPrompt:
-        """A rendered chat with its images loaded (URLs fetched, within the media limits) and processed
-        (blocking: the async client runs it on its media pool, never on the event loop)."""
+        """A rendered chat with its images and videos loaded (URLs fetched, within the media limits) and
+        processed (blocking: the async client runs it on its media pool, never on the event loop)."""
         if not prompt.pending_media:
             return prompt
-        self.mm.check_count(len(prompt.pending_media), "messages")
-        images = load_images(prompt.pending_media, self.mm.media_limits, "messages")
-        return self.with_images(ProcessedPrompt(prompt.prompt, prompt.prompt_token_ids), images, "messages")
+        refs = {m: [ref for kind, ref in prompt.pending_media if kind == m] for m in ("image", "video")}
+        for modality, items in refs.items():
+            self.mm.check_count(len(items), "messages", modality)
+        images = load_images(refs["image"], self.mm.media_limits, "messages")
+        videos = load_videos(refs["video"], self.mm.media_limits, "messages", self.mm.num_frames)
+        return self.with_images(ProcessedPrompt(prompt.prompt, prompt.prompt_token_ids), images, "messages",
+                                videos)
 
     def _reserved_template_args(self) -> set[str]:
         if self._reserved is None:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedserve.common.errors import RequestError
-from pagedserve.frontend.multimodal.chat_parts import IMAGE_PARTS
+from pagedserve.frontend.multimodal.chat_parts import MEDIA_PARTS
 
 # OpenAI's schemas allow null for these, meaning the default; here they are plain-typed with that default.
 _NULL_IS_DEFAULT = ("n", "presence_penalty", "frequency_penalty", "stream", "echo", "logprobs")
@@ -150,7 +150,7 @@ def text_content(messages: list[Any], images: bool = False) -> list[dict[str, An
         if "audio" in d:
             raise RequestError.at(f"messages[{i}].audio", "audio is not supported (this model takes text only)")
         parts = message.content if isinstance(message.content, list) else []
-        if images and any(p.get("type") in IMAGE_PARTS for p in parts):
+        if images and any(p.get("type") in MEDIA_PARTS for p in parts):
             out.append(d)
             continue
         if isinstance(message.content, list):

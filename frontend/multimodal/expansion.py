@@ -50,6 +50,9 @@ class Expansion:
 
 
 class ImageExpander(Protocol):
+    image_processor: Any        # the HF image processor (its settings salt the content hashes)
+    image_token: str            # the placeholder one image part of a prompt holds
+
     def expand(self, image: Any) -> Expansion:
         """An RGB PIL image -> its expansion (the HF image processor run on it)."""
         ...
@@ -58,6 +61,7 @@ class ImageExpander(Protocol):
 class LlavaExpander:
     def __init__(self, hf_processor: Any, tokenizer: Any, info: EngineInfo) -> None:
         self.image_processor = hf_processor.image_processor
+        self.image_token = hf_processor.image_token
         self.image_token_id = int(tokenizer.convert_tokens_to_ids(hf_processor.image_token))
         self.length = info.mm_max_tokens_per_item       # every image is resized to the tower's one size
 
@@ -121,7 +125,14 @@ class Idefics3Expander:
 _EXPANDERS: dict[str, type] = {"LlavaProcessor": LlavaExpander, "Idefics3Processor": Idefics3Expander}
 
 
-def expander_for(hf_processor: Any, tokenizer: Any, info: EngineInfo) -> ImageExpander:
+def expander_for(info: EngineInfo, tokenizer: Any) -> ImageExpander:
+    """The family's expansion, with its HF processing loaded from the model folder (--mm-processor-kwargs
+    over the saved settings)."""
+    if info.mm_family == "qwen2_vl":     # its HF processor needs torchvision: the PIL image processor alone
+        from pagedserve.frontend.multimodal.qwen2_vl import Qwen2VLExpander
+        return Qwen2VLExpander(info, tokenizer)
+    from transformers import AutoProcessor
+    hf_processor = AutoProcessor.from_pretrained(info.model_path, **info.mm_processor_kwargs)
     name = type(hf_processor).__name__
     if name not in _EXPANDERS:
         raise ValueError(f"processor: {name} is not supported (supported: {', '.join(_EXPANDERS)})")

@@ -1,5 +1,6 @@
 """Images named by URL in a request (vLLM's MediaConnector): `data:image/...;base64,`, `http(s)://` and
-`file://` (only under --allowed-local-media-path), each decoded with PIL into a loaded RGB image.
+`file://` (only under --allowed-local-media-path), each decoded with PIL into a loaded RGB image. Videos come
+by the same URLs (media_bytes; `data:video/...`), decoded in video.py.
 
 Every refusal is a RequestError at the request field that named the URL (HTTP 400), never a bare PIL or
 socket exception: the bytes come from the user, so anything wrong with them is the user's to fix.
@@ -42,12 +43,13 @@ class MediaLimits:
     (`Image.MAX_IMAGE_PIXELS`); PIL refuses images over twice that whatever this says."""
     allowed_local_media_path: Optional[str] = None
     max_image_bytes: Optional[int] = None
-    max_image_pixels: Optional[int] = None
+    max_image_pixels: Optional[int] = None      # of an image, and of each frame of a video
+    max_video_bytes: Optional[int] = None
     fetch_timeout_s: float = dataclasses.field(default_factory=_default_fetch_timeout)
 
     def __post_init__(self) -> None:
         # These come from flags and the environment, not from a request: a bad one is the operator's error.
-        for name in ("max_image_bytes", "max_image_pixels"):
+        for name in ("max_image_bytes", "max_image_pixels", "max_video_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1 (or None: no limit), got {value}")
@@ -58,20 +60,29 @@ class MediaLimits:
 def load_image(url: str, limits: MediaLimits, field: str) -> Image.Image:
     """The image `url` names, fully decoded, in RGB. Blocks on I/O and decoding (the event loop should call
     load_image_async); a RequestError at `field` for anything it cannot or may not load."""
+    data, source = media_bytes(url, limits, field, "image")
+    return _decode(data, limits, field, source)
+
+
+def media_bytes(url: str, limits: MediaLimits, field: str, kind: str) -> tuple[bytes, str]:
+    """The bytes of the `kind` ("image" or "video") `url` names, within that kind's byte limit, and how to
+    name where they came from in an error. Blocks on I/O."""
+    max_bytes = limits.max_image_bytes if kind == "image" else limits.max_video_bytes
     match = _SCHEME.match(url)
     scheme = match.group(1).lower() if match else ""
     if scheme == "data":
-        data, source = _data_url_bytes(url, field), "the data URL"
+        data, source = _data_url_bytes(url, field, kind), "the data URL"
     elif scheme in ("http", "https"):
-        data, source = fetch_url(url, limits.fetch_timeout_s, limits.max_image_bytes, field), shown_url(url)
+        data, source = fetch_url(url, limits.fetch_timeout_s, max_bytes, field), shown_url(url)
     elif scheme == "file":
-        data, source = _file_bytes(url, limits, field)
+        data, source = _file_bytes(url, limits.allowed_local_media_path, max_bytes, field)
     else:
         named = f"URL scheme {scheme!r}" if scheme else "a URL without a scheme"
-        raise RequestError.at(field, f"unsupported image URL: {named} (supported: "
+        raise RequestError.at(field, f"unsupported {kind} URL: {named} (supported: "
                                      f"{', '.join(s + ':' for s in SUPPORTED_SCHEMES)})")
-    _check_bytes(len(data), limits, field, source)
-    return _decode(data, limits, field, source)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise RequestError.at(field, f"{source} is over the limit of {max_bytes} bytes")
+    return data, source
 
 
 async def load_image_async(url: str, limits: MediaLimits, field: str,
@@ -82,35 +93,34 @@ async def load_image_async(url: str, limits: MediaLimits, field: str,
     return await asyncio.get_running_loop().run_in_executor(executor, load_image, url, limits, field)
 
 
-def _data_url_bytes(url: str, field: str) -> bytes:
+def _data_url_bytes(url: str, field: str, kind: str) -> bytes:
     header, comma, payload = url[len("data:"):].partition(",")
     if not comma:
         raise RequestError.at(field, "the data URL has no ',' before its data")
     mime, *params = (part.strip().lower() for part in header.split(";"))
-    if not mime.startswith("image/"):
-        raise RequestError.at(field, f"the data URL's media type is {mime or 'missing'!r}, not image/...")
+    if not mime.startswith(f"{kind}/"):
+        raise RequestError.at(field, f"the data URL's media type is {mime or 'missing'!r}, not {kind}/...")
     if "base64" not in params:
-        raise RequestError.at(field, "only base64 data URLs are supported (data:image/...;base64,...)")
+        raise RequestError.at(field, f"only base64 data URLs are supported (data:{kind}/...;base64,...)")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise RequestError.at(field, f"the data URL is not valid base64: {exc}") from None
 
 
-def _file_bytes(url: str, limits: MediaLimits, field: str) -> tuple[bytes, str]:
+def _file_bytes(url: str, allowed: Optional[str], max_bytes: Optional[int], field: str) -> tuple[bytes, str]:
     parts = urllib.parse.urlsplit(url)
     path = urllib.parse.unquote(parts.path)
     if parts.netloc not in ("", "localhost"):
         raise RequestError.at(field, f"file URL {shown_url(url)} names host {parts.netloc!r}: only local files")
-    if limits.allowed_local_media_path is None:
+    if allowed is None:
         raise RequestError.at(field, f"file URLs are refused ({path}): this server was started without "
                                      f"--allowed-local-media-path")
-    real = _inside(path, limits.allowed_local_media_path)
+    real = _inside(path, allowed)
     if real is None:
-        raise RequestError.at(field, f"{path} is outside --allowed-local-media-path "
-                                     f"{limits.allowed_local_media_path}")
+        raise RequestError.at(field, f"{path} is outside --allowed-local-media-path {allowed}")
     try:
-        return _read_regular_file(real, limits.max_image_bytes), path
+        return _read_regular_file(real, max_bytes), path
     except OSError as exc:
         raise RequestError.at(field, f"cannot read {path}: {exc.strerror or exc}") from None
 
@@ -133,11 +143,6 @@ def _inside(path: str, root: str) -> Optional[str]:
     except ValueError:
         inside = False      # a relative path, or another drive
     return real if inside and os.path.isabs(path) else None
-
-
-def _check_bytes(size: int, limits: MediaLimits, field: str, source: str) -> None:
-    if limits.max_image_bytes is not None and size > limits.max_image_bytes:
-        raise RequestError.at(field, f"{source} is over the limit of {limits.max_image_bytes} bytes")
 
 
 def _decode(data: bytes, limits: MediaLimits, field: str, source: str) -> Image.Image:

@@ -1,10 +1,11 @@
-"""Images in, placeholder-expanded token ids and their MultiModalFeatures out (the frontend's side of vLLM
-V1's multimodal split).
+"""Images and videos in, placeholder-expanded token ids and their MultiModalFeatures out (the frontend's side
+of vLLM V1's multimodal split).
 
 The HF image processor (its PIL backend: torchvision is optional) turns each image into the tensors the
-vision tower reads, and the family's expansion (expansion.py) into the token ids that replace the image's one
-placeholder and the items among them: one per image for Llava, one per sub-image for Idefics3. The expansion
-is cached by the image's content hash, so a repeated image is processed once.
+vision tower reads, and the family's expansion (expansion.py, qwen2_vl.py) into the token ids that replace the
+image's one placeholder and the items among them: one per image for Llava and Qwen2-VL, one per sub-image for
+Idefics3. A video (Qwen2-VL: its sampled frames, video.py) is one item, at its own placeholder. The expansion
+is cached by the content hash, so a repeated image or video is processed once.
 """
 from __future__ import annotations
 
@@ -14,13 +15,25 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
+
 from pagedserve.common.errors import RequestError
+from pagedserve.common.multimodal.families import DEFAULT_NUM_FRAMES
 from pagedserve.frontend.multimodal.chat_parts import MediaRef
 from pagedserve.frontend.multimodal.expansion import Expansion, expander_for
 from pagedserve.frontend.multimodal.media import MediaLimits, load_image
+from pagedserve.frontend.multimodal.video import load_video, video_frames
 from pagedserve.ipc.messages import EngineInfo, MultiModalFeature
 
 _FIELD = "multi_modal_data"
+
+
+def video_hash(frames: np.ndarray, salt: str) -> str:
+    """sha256 of a video's sampled frames [T, H, W, 3] and the processing settings."""
+    h = hashlib.sha256(salt.encode())
+    h.update(f"video:{list(frames.shape)}".encode())
+    h.update(np.ascontiguousarray(frames).tobytes())
+    return h.hexdigest()
 
 
 def image_hash(image: Any, salt: str) -> str:
@@ -64,15 +77,20 @@ class _ProcessedCache:
 class MultiModalProcessor:
     def __init__(self, info: EngineInfo, tokenizer: Any, cache_gb: float = 4.0,
                  max_image_bytes: int | None = None) -> None:
-        from transformers import AutoProcessor
         self.info = info
         self.media_limits = MediaLimits(allowed_local_media_path=info.allowed_local_media_path,
                                         max_image_bytes=max_image_bytes)
-        self.hf = AutoProcessor.from_pretrained(info.model_path, **info.mm_processor_kwargs)
-        self.image_processor = self.hf.image_processor
-        self.image_token = self.hf.image_token
+        self.expander = expander_for(info, tokenizer)
+        self.image_processor = self.expander.image_processor
+        self.image_token = self.expander.image_token
         self.image_token_id = int(tokenizer.convert_tokens_to_ids(self.image_token))
-        self.expander = expander_for(self.hf, tokenizer, info)
+        # modality -> its placeholder token (a family that takes videos names its own)
+        self.tokens = {"image": self.image_token}
+        if "video" in info.mm_limits:
+            self.tokens["video"] = self.expander.video_token
+        self.token_ids = {int(tokenizer.convert_tokens_to_ids(t)): m for m, t in self.tokens.items()}
+        self.num_frames = int((info.mm_media_io_kwargs.get("video") or {}).get("num_frames", DEFAULT_NUM_FRAMES))
+        # the processing settings (--mm-processor-kwargs included) are part of every content hash
         self._salt = json.dumps(self.image_processor.to_dict(), sort_keys=True, default=str)
         self.cache = _ProcessedCache(int(cache_gb * 2**30))
 
@@ -80,27 +98,33 @@ class MultiModalProcessor:
     def max_images(self) -> int:
         return self.info.mm_limits.get("image", 0)
 
-    def check_count(self, num_images: int, field: str) -> None:
-        if num_images > self.max_images:
-            raise RequestError.at(field, f"{num_images} images, more than the {self.max_images} a prompt may "
-                                  "hold (--limit-mm-per-prompt)")
+    def check_count(self, num_items: int, field: str, modality: str = "image") -> None:
+        limit = self.info.mm_limits.get(modality, 0)
+        if num_items > limit:
+            raise RequestError.at(field, f"{num_items} {modality}s, more than the {limit} a prompt may hold "
+                                  "(--limit-mm-per-prompt)")
 
-    def expand(self, token_ids: list[int], images: list[Any],
-               field: str = _FIELD) -> tuple[list[int], list[MultiModalFeature]]:
-        """token_ids with one placeholder per image -> expanded ids and the images' features."""
-        self.check_count(len(images), field)
-        marks = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        if len(marks) != len(images):
-            raise RequestError.at(field, f"the prompt holds {len(marks)} {self.image_token} placeholder(s) for "
-                                  f"{len(images)} image(s): give one per image")
+    def expand(self, token_ids: list[int], images: list[Any], field: str = _FIELD,
+               videos: list[Any] | None = None) -> tuple[list[int], list[MultiModalFeature]]:
+        """token_ids with one placeholder per image (and per video: frames [T, H, W, 3] uint8) -> expanded ids
+        and the items' features, in prompt order."""
+        given = {"image": list(images), "video": list(videos or [])}
+        marks = [(i, self.token_ids[t]) for i, t in enumerate(token_ids) if t in self.token_ids]
+        for modality, items in given.items():
+            self.check_count(len(items), field, modality)
+            held = sum(m == modality for _, m in marks)
+            if held != len(items):
+                raise RequestError.at(field, f"the prompt holds {held} {self.tokens.get(modality)} placeholder(s) "
+                                      f"for {len(items)} {modality}(s): give one per {modality}")
+        pending = {m: iter(items) for m, items in given.items()}
         ids: list[int] = []
         features = []
         prev = 0
-        for mark, image in zip(marks, images):
-            mm_hash, expansion = self._processed(image, field)
+        for mark, modality in marks:
+            mm_hash, expansion = self._processed(modality, next(pending[modality]), field)
             ids.extend(token_ids[prev:mark])
             start = len(ids)
-            features.extend(MultiModalFeature(modality="image", mm_hash=item.hash(mm_hash, expansion.whole),
+            features.extend(MultiModalFeature(modality=modality, mm_hash=item.hash(mm_hash, expansion.whole),
                                               offset=start + item.offset, length=item.length, data=item.data,
                                               part=item.part)
                             for item in expansion.items)
@@ -109,17 +133,26 @@ class MultiModalProcessor:
         ids.extend(token_ids[prev:])
         return ids, features
 
-    def _processed(self, image: Any, field: str) -> tuple[str, Expansion]:
-        from PIL import Image
-        if not isinstance(image, Image.Image):
-            raise RequestError.at(field, f"an image must be a PIL.Image.Image, got {type(image).__name__}")
-        image = image.convert("RGB") if image.mode != "RGB" else image
-        mm_hash = image_hash(image, self._salt)
+    def _processed(self, modality: str, value: Any, field: str) -> tuple[str, Expansion]:
+        if modality == "video":
+            mm_hash = video_hash(value, self._salt)
+            process = self.expander.expand_video
+        else:
+            value = _rgb_image(value, field)
+            mm_hash = image_hash(value, self._salt)
+            process = self.expander.expand
         expansion = self.cache.get(mm_hash)
         if expansion is None:
-            expansion = self.expander.expand(image)
+            expansion = process(value)
             self.cache.put(mm_hash, expansion)
         return mm_hash, expansion
+
+
+def _rgb_image(image: Any, field: str) -> Any:
+    from PIL import Image
+    if not isinstance(image, Image.Image):
+        raise RequestError.at(field, f"an image must be a PIL.Image.Image, got {type(image).__name__}")
+    return image.convert("RGB") if image.mode != "RGB" else image
 
 
 def load_images(refs: list[MediaRef], limits: MediaLimits, field: str) -> list[Any]:
@@ -134,3 +167,25 @@ def load_images(refs: list[MediaRef], limits: MediaLimits, field: str) -> list[A
         else:
             raise RequestError.at(field, f"an image part must hold a URL or a PIL image, got {type(ref).__name__}")
     return images
+
+
+def load_videos(refs: list[MediaRef], limits: MediaLimits, field: str, num_frames: int) -> list[np.ndarray]:
+    """Video URLs loaded and decoded (blocking), each its sampled frames [T, H, W, 3], in order."""
+    videos = []
+    for ref in refs:
+        if not isinstance(ref, str):
+            raise RequestError.at(field, f"a video part must hold a URL, got {type(ref).__name__}")
+        videos.append(load_video(ref, limits, field, num_frames))
+    return videos
+
+
+def offline_videos(value: Any, num_frames: int, field: str) -> list[np.ndarray]:
+    """multi_modal_data["video"]: one video (an array [T, H, W, 3], or a list of PIL frames) or a list of
+    videos -> each its sampled frames."""
+    from PIL import Image
+    if value is None:
+        return []
+    one = isinstance(value, np.ndarray) or (isinstance(value, (list, tuple)) and value
+                                            and all(isinstance(f, Image.Image) for f in value))
+    videos = [value] if one else list(value) if isinstance(value, (list, tuple)) else [value]
+    return [video_frames(v, num_frames, f"{field}[{i}]") for i, v in enumerate(videos)]

@@ -48,7 +48,8 @@ RESOLVED = {"model", "tokenizer", "revision", "tokenizer_revision", "download_di
             "speculative_config", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
             "runner", "convert",    # runner, convert: resolved with the model files into EngineConfig.pooler
             # resolved with the model's config into EngineConfig.multimodal (None for a text model)
-            "limit_mm_per_prompt", "mm_processor_kwargs", "mm_processor_cache_gb", "allowed_local_media_path"}
+            "limit_mm_per_prompt", "mm_processor_kwargs", "mm_processor_cache_gb", "allowed_local_media_path",
+            "media_io_kwargs"}
 # Not the engine core's: the client that starts the core (or cores: data_parallel_size) reads it; accepted
 # vLLM no-ops.
 ELSEWHERE = {"engine_heartbeat_timeout", "trust_remote_code", "disable_log_stats", "data_parallel_size"}

@@ -12,7 +12,6 @@ Idefics3Model's names (no `model.` prefix) are renamed to it (_canonical).
 """
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ from torch import nn
 from pagedserve.common.multimodal.families import image_token_id
 from pagedserve.executor.model.models import text_model_class
 from pagedserve.executor.model.models.vision.idefics3_vision import Idefics3VisionTransformer
-from pagedserve.executor.model.models.vision.vlm import SKIP, VisionLanguageModel
+from pagedserve.executor.model.models.vision.vlm import SKIP, VisionLanguageModel, tied_text_config
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 
 _TEXT, _HEAD = "model.text_model.", "lm_head."
@@ -61,18 +60,6 @@ class Idefics3Connector(nn.Module):
         return self.modality_projection.proj(self.pixel_shuffle(states))
 
 
-def _text_config(hf_config: Any) -> Any:
-    """The text model's config, tied as the top-level config says: HF ties Idefics3's lm_head by that flag,
-    whatever text_config's own says."""
-    text = hf_config.text_config
-    tied = getattr(hf_config, "tie_word_embeddings", None)
-    if tied is None or bool(tied) == bool(getattr(text, "tie_word_embeddings", False)):
-        return text
-    text = copy.copy(text)
-    text.tie_word_embeddings = bool(tied)
-    return text
-
-
 class Idefics3ForConditionalGeneration(VisionLanguageModel):
     """hf_config: the whole Idefics3Config. The vision transformer and connector live on the first pipeline
     stage (the one that embeds); every stage holds its share of the language model."""
@@ -80,7 +67,7 @@ class Idefics3ForConditionalGeneration(VisionLanguageModel):
     def __init__(self, hf_config: Any, tp: TPGroup, pp: PPGroup = PPGroup()) -> None:
         super().__init__()
         self.config, self.pp = hf_config, pp
-        text_config = _text_config(hf_config)
+        text_config = tied_text_config(hf_config)
         self.language_model = text_model_class(text_config)(text_config, tp, pp)
         self.vision_model: Idefics3VisionTransformer | None = None
         self.connector: Idefics3Connector | None = None

@@ -62,12 +62,20 @@ class LlamaCpuDecodeStep:
             return None
         if lora_slots is not None and not self.c_step.lora_slots:
             return None         # built without the layers' adapter slots: the layers apply them
-        if meta.num_seqs == rows:
-            tables = meta.block_tables[:rows]
-        else:
-            counts = torch.tensor(meta.query_start_loc_cpu[1:]) - torch.tensor(meta.query_start_loc_cpu[:-1])
-            tables = meta.block_tables.repeat_interleave(counts, dim=0)
+        tables, lengths = row_tables_and_lengths(meta, rows)
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb.cos_sin(positions, torch.float32)
-        return self.c_step(h, cos.view(rows, -1), sin.view(rows, -1), meta.slot_mapping, tables,
-                           (positions + 1).to(torch.int32), lora_slots)
+        return self.c_step(h, cos.view(rows, -1), sin.view(rows, -1), meta.slot_mapping, tables, lengths,
+                           lora_slots)
+
+
+def row_tables_and_lengths(meta: AttentionMetadata, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's block table and context length (int32), from the attention metadata, not from the row's
+    position: an M-RoPE model's positions are shifted from the token indices (worker/multimodal/mrope.py)."""
+    if meta.num_seqs == rows:
+        return meta.block_tables[:rows], meta.seq_lens[:rows].to(torch.int32)
+    starts, ends = torch.tensor(meta.query_start_loc_cpu[:-1]), torch.tensor(meta.query_start_loc_cpu[1:])
+    counts = ends - starts
+    # a row sees its sequence's context less the step's rows after it
+    lengths = (torch.tensor(meta.seq_lens_cpu) - ends).repeat_interleave(counts) + torch.arange(1, rows + 1)
+    return meta.block_tables.repeat_interleave(counts, dim=0), lengths.to(torch.int32)

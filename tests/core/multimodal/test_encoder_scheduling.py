@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagedserve.common.config.engine_args import SchedulerConfig
 from pagedserve.common.multimodal.config import MultiModalConfig
+from pagedserve.common.multimodal.families import ItemRule
 from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.core.block_hash import BlockHasher
 from pagedserve.core.kv_cache.kv_cache_manager import KVCacheManager
@@ -22,7 +23,8 @@ def make_scheduler(budget=64, cache_tokens=16, encoder_budget=None, num_blocks=6
                           enable_chunked_prefill=chunked, max_waiting_requests=None, async_scheduling=False,
                           batch_queue_size=1, max_loras=0)
     mm = MultiModalConfig(limit_per_prompt={"image": 4}, processor_kwargs={}, processor_cache_gb=0.0,
-                          allowed_local_media_path=None, max_tokens_per_item=ITEM, item_shapes={"pixel_values": [1]},
+                          allowed_local_media_path=None, max_tokens_per_item=ITEM,
+                          item_rules={"image": ItemRule({"pixel_values": [1]})},
                           encoder_budget=encoder_budget or cache_tokens, encoder_cache_size=cache_tokens)
     return Scheduler(cfg, kv, multimodal=mm)
 

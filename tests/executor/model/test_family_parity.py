@@ -24,8 +24,10 @@ from pagedserve.tests.helpers.tp_ranks import run_ranks
 GREEDY_NEW_TOKENS = 16
 CASES = list(ARCH_CASES)
 ENGINE_CASES = [name for name, case in ARCH_CASES.items() if case.engine]
-# Image-and-text models, checked against HF with images merged in: test_llava.py, test_idefics3.py.
-MULTIMODAL = {"LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration"}
+# Image-and-text models, checked against HF with images merged in: test_llava.py, test_idefics3.py,
+# test_qwen2_vl.py.
+MULTIMODAL = {"LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+              "Qwen2_5_VLForConditionalGeneration"}
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ the encoder's rows into `inputs_embeds` first), and its checkpoint streams in tw
 model's tensors on to the language model's own stream_weights, the vision side's copied by the model."""
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -15,6 +16,18 @@ from pagedserve.kernels.attention.metadata import AttentionMetadata
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 SKIP = "<skip>"           # vision_param: a tensor this rank reads past (a later stage's, an unused layer's)
+
+
+def tied_text_config(hf_config: Any) -> Any:
+    """The text model's config, tied as the top-level config says: HF ties a VLM's lm_head by that flag
+    (Idefics3, Qwen2-VL), whatever text_config's own says."""
+    text = hf_config.text_config
+    tied = getattr(hf_config, "tie_word_embeddings", None)
+    if tied is None or bool(tied) == bool(getattr(text, "tie_word_embeddings", False)):
+        return text
+    text = copy.copy(text)
+    text.tie_word_embeddings = bool(tied)
+    return text
 
 
 class VisionLanguageModel(LoadableModel):
