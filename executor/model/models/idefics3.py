@@ -23,7 +23,7 @@ from pagedserve.executor.model.models.vision.idefics3_vision import Idefics3Visi
 from pagedserve.executor.model.models.vision.vlm import SKIP, VisionLanguageModel, tied_text_config
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 
-_TEXT, _HEAD = "model.text_model.", "lm_head."
+_TEXT = "model.text_model."
 # checkpoint prefix -> this module's own, for the vision side
 _VISION = {"model.vision_model.": "vision_model.", "model.connector.": "connector."}
 _BARE = ("vision_model.", "connector.", "text_model.")        # Idefics3Model saved on its own
@@ -63,6 +63,7 @@ class Idefics3Connector(nn.Module):
 class Idefics3ForConditionalGeneration(VisionLanguageModel):
     """hf_config: the whole Idefics3Config. The vision transformer and connector live on the first pipeline
     stage (the one that embeds); every stage holds its share of the language model."""
+    TEXT_PREFIX = _TEXT
 
     def __init__(self, hf_config: Any, tp: TPGroup, pp: PPGroup = PPGroup()) -> None:
         super().__init__()
@@ -106,23 +107,15 @@ class Idefics3ForConditionalGeneration(VisionLanguageModel):
     def canonical_name(self, raw: str) -> str:
         return _canonical(raw)
 
-    def text_name(self, name: str) -> str | None:
-        if name.startswith(_TEXT):
-            return "model." + name[len(_TEXT):]
-        return name if name.startswith(_HEAD) else None
-
     def vision_param(self, name: str) -> str | None:
         own = _own_name(name)
         if own is not None and self.vision_model is None:
             return SKIP             # a later pipeline stage: the first holds the vision side
         return own
 
-    def text_checkpoint_name(self, name: str) -> str:
-        return _checkpoint_text_name(name)
-
     def expected_weights(self) -> set[str]:
         """Every canonical checkpoint name this rank needs."""
-        names = {_checkpoint_text_name(name) for name in self.language_model.expected_weights()}
+        names = {self.text_checkpoint_name(name) for name in self.language_model.expected_weights()}
         for prefix, own in _VISION.items():
             module = getattr(self, own[:-1])
             if module is not None:
@@ -137,7 +130,3 @@ def _own_name(name: str) -> str | None:
             return own + name[len(prefix):]
     return None
 
-
-def _checkpoint_text_name(name: str) -> str:
-    """The language model's name for a tensor (`model.*`, `lm_head.*`) as the checkpoint names it."""
-    return _TEXT + name[len("model."):] if name.startswith("model.") else name

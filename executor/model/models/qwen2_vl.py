@@ -26,7 +26,7 @@ from pagedserve.executor.model.models.vision.vlm import SKIP, VisionLanguageMode
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 from pagedserve.ipc.messages import MultiModalFeature
 
-_TEXT, _VISION, _HEAD = "model.language_model.", "model.visual.", "lm_head."
+_TEXT, _VISION = "model.language_model.", "model.visual."
 # modality -> (its patches tensor, its grid tensor)
 ITEM_TENSORS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 _DEFAULT_MROPE_SECTION = (16, 24, 24)        # transformers' default where the config names none
@@ -66,6 +66,7 @@ def feature_grid(feature: MultiModalFeature) -> tuple[int, int, int]:
 class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     """hf_config: the whole Qwen2VLConfig. The vision transformer lives on the first pipeline stage (the one
     that embeds), replicated on every TP rank (as Llava's: no all-reduce per encoder layer)."""
+    TEXT_PREFIX = _TEXT
 
     def __init__(self, hf_config: Any, tp: TPGroup, pp: PPGroup = PPGroup()) -> None:
         super().__init__()
@@ -128,18 +129,10 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     def canonical_name(self, raw: str) -> str:
         return _canonical(raw)
 
-    def text_name(self, name: str) -> str | None:
-        if name.startswith(_TEXT):
-            return "model." + name[len(_TEXT):]
-        return name if name.startswith(_HEAD) else None
-
     def vision_param(self, name: str) -> str | None:
         if not name.startswith(_VISION):
             return None
         return SKIP if self.visual is None else "visual." + name[len(_VISION):]
-
-    def text_checkpoint_name(self, name: str) -> str:
-        return _TEXT + name[len("model."):] if name.startswith("model.") else name
 
     def expected_weights(self) -> set[str]:
         """Every canonical checkpoint name this rank needs."""

@@ -91,9 +91,19 @@ class VisionLanguageModel(LoadableModel):
         """A checkpoint tensor's name in the model's canonical layout."""
         raise NotImplementedError
 
+    # Where the canonical layout keeps the language model's tensors (`TEXT_PREFIX` + its own `model.*` names,
+    # the head as `lm_head.*`): Idefics3's and Qwen2-VL's layouts; a family that names them otherwise overrides
+    # text_name and text_checkpoint_name.
+    TEXT_PREFIX = ""
+    HEAD_PREFIX = "lm_head."
+
     def text_name(self, name: str) -> str | None:
         """A canonical name as the language model names it; None for a vision-side tensor."""
-        raise NotImplementedError
+        if not self.TEXT_PREFIX:
+            raise NotImplementedError
+        if name.startswith(self.TEXT_PREFIX):
+            return "model." + name[len(self.TEXT_PREFIX):]
+        return name if name.startswith(self.HEAD_PREFIX) else None
 
     def vision_param(self, name: str) -> str | None:
         """The parameter a vision-side tensor loads into, SKIP for one this rank has no use for, None for
@@ -101,5 +111,7 @@ class VisionLanguageModel(LoadableModel):
         raise NotImplementedError
 
     def text_checkpoint_name(self, name: str) -> str:
-        """A language-model parameter's name as the canonical checkpoint names it."""
-        raise NotImplementedError
+        """A language-model parameter's name (`model.*`, `lm_head.*`) as the canonical checkpoint names it."""
+        if not self.TEXT_PREFIX:
+            raise NotImplementedError
+        return self.TEXT_PREFIX + name[len("model."):] if name.startswith("model.") else name
