@@ -175,7 +175,8 @@ class ModelRunner:
         plain = self.lora is None or not self.lora.prepare(host.req_ids, self.states, host.query_start_loc)
         mm = self.encoder.gather(host, self.states) if self.encoder is not None else None
         # M-RoPE: host.positions shifted to the rotary's; [3, T] where a row covers vision tokens
-        rope3 = rope_positions(host, [self.states[r].mrope for r in host.req_ids]) if self.mrope else None
+        rope3 = (rope_positions(host.positions, host.query_start_loc, [self.states[r].mrope for r in host.req_ids])
+                 if self.mrope else None)
         decode_only = host.num_decodes == host.num_seqs and mm is None and rope3 is None
         size = self.graphs.padded_size(host.num_seqs) if self.graphs is not None and decode_only and plain else None
         batch = self.buffers.commit(host, pad_to=size)

@@ -2,6 +2,7 @@
 the items (runs of placeholder tokens, each embedded from one encoder output) within them with their tensors.
 
 - Llava: one item, the image, `mm_max_tokens_per_item` `<image>` tokens.
+- Qwen2-VL / Qwen2.5-VL: frontend/multimodal/qwen2_vl.py.
 - Idefics3 (SmolVLM): the processor splits the image into rows x cols sub-images plus a global view; each is
   one item of `image_seq_len` `<image>` tokens, framed by `<fake_token_around_image>` and a `<row_i_col_j>` or
   `<global-img>` tag, rows ended by newlines, as Idefics3Processor lays the text out.
@@ -12,50 +13,12 @@ image's hash.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from pagedserve.ipc.messages import EngineInfo, TensorData
-
-
-def tensor_data(array: np.ndarray) -> TensorData:
-    array = np.ascontiguousarray(array)
-    return TensorData(dtype=str(array.dtype), shape=list(array.shape), data=array.tobytes())
-
-
-@dataclass(frozen=True)
-class ItemSpan:
-    """One item of an image's expansion: its run of placeholder tokens and what the encoder reads for it."""
-    offset: int                         # its first placeholder token, counted from the expansion's start
-    length: int
-    data: dict[str, TensorData]
-    part: int = 0                       # its index among its image's items (MultiModalFeature.part)
-
-    def hash(self, image_hash: str, whole: bool) -> str:
-        """The item's content hash: the image's own for a whole image, `#part` after it for a sub-image."""
-        return image_hash if whole else f"{image_hash}#{self.part}"
-
-
-@dataclass(frozen=True)
-class Expansion:
-    token_ids: list[int]                # what replaces the image's placeholder
-    items: list[ItemSpan]               # in order, inside token_ids
-    whole: bool                         # one item that is the whole image (its hash is the image's)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(t.data) for item in self.items for t in item.data.values())
-
-
-class ImageExpander(Protocol):
-    image_processor: Any        # the HF image processor (its settings salt the content hashes)
-    image_token: str            # the placeholder one image part of a prompt holds
-
-    def expand(self, image: Any) -> Expansion:
-        """An RGB PIL image -> its expansion (the HF image processor run on it)."""
-        ...
+from pagedserve.frontend.multimodal.expansion_items import Expansion, ImageExpander, ItemSpan, tensor_data
+from pagedserve.ipc.messages import EngineInfo
 
 
 class LlavaExpander:

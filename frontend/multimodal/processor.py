@@ -20,7 +20,8 @@ import numpy as np
 from pagedserve.common.errors import RequestError
 from pagedserve.common.multimodal.families import DEFAULT_NUM_FRAMES
 from pagedserve.frontend.multimodal.chat_parts import MediaRef
-from pagedserve.frontend.multimodal.expansion import Expansion, expander_for
+from pagedserve.frontend.multimodal.expansion import expander_for
+from pagedserve.frontend.multimodal.expansion_items import Expansion
 from pagedserve.frontend.multimodal.media import MediaLimits, load_image
 from pagedserve.frontend.multimodal.video import load_video, video_frames
 from pagedserve.ipc.messages import EngineInfo, MultiModalFeature

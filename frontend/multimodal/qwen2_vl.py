@@ -17,7 +17,7 @@ import numpy as np
 
 from pagedserve.common.multimodal.config import load_processor_config
 from pagedserve.common.multimodal.families import qwen2_vl_pixels
-from pagedserve.frontend.multimodal.expansion import Expansion, ItemSpan, tensor_data
+from pagedserve.frontend.multimodal.expansion_items import Expansion, ItemSpan, tensor_data
 from pagedserve.ipc.messages import EngineInfo
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<|image_pad|>", "<|video_pad|>"

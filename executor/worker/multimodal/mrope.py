@@ -14,8 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from pagedserve.executor.worker.step_buffers import HostBatch
-
 
 @dataclass(frozen=True)
 class MRopeRows:
@@ -36,16 +34,17 @@ class MRopeRows:
         return cls(positions, delta, vision)
 
 
-def rope_positions(host: HostBatch, rows: list[MRopeRows | None]) -> np.ndarray | None:
-    """Shift host.positions (token indices) to the rotary's, in place, for the rows of requests with M-RoPE
-    (rows: per batch row, in host.req_ids' order). Returns the step's [3, T] positions when a row covers
-    vision tokens, else None (the 1-D positions are then exact)."""
+def rope_positions(positions: np.ndarray, query_start_loc: np.ndarray,
+                   rows: list[MRopeRows | None]) -> np.ndarray | None:
+    """Shift a step's positions (token indices, a HostBatch's) to the rotary's, in place, for the rows of
+    requests with M-RoPE (rows: per batch row, in the batch's order). Returns the step's [3, T] positions
+    when a row covers vision tokens, else None (the 1-D positions are then exact)."""
     spans: list[tuple[int, int, np.ndarray]] = []
     for i, mrope in enumerate(rows):
         if mrope is None:
             continue
-        lo, hi = int(host.query_start_loc[i]), int(host.query_start_loc[i + 1])
-        index = host.positions[lo:hi]
+        lo, hi = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        index = positions[lo:hi]
         prompt_len = len(mrope.vision)
         in_prompt = index < prompt_len
         inside = index[in_prompt]
@@ -55,10 +54,10 @@ def rope_positions(host: HostBatch, rows: list[MRopeRows | None]) -> np.ndarray 
             spans.append((lo, hi, three))
         shifted = index + mrope.delta
         shifted[in_prompt] = mrope.positions[0, inside]
-        host.positions[lo:hi] = shifted
+        positions[lo:hi] = shifted
     if not spans:
         return None
-    out = np.repeat(host.positions[None], 3, axis=0)
+    out = np.repeat(positions[None], 3, axis=0)
     for lo, hi, three in spans:
         out[:, lo:hi] = three
     return out

@@ -16,7 +16,7 @@ from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from pagedserve.executor.model.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from pagedserve.executor.model.parallel_state import TPGroup
-from pagedserve.frontend.multimodal.expansion import tensor_data
+from pagedserve.frontend.multimodal.expansion_items import tensor_data
 from pagedserve.ipc.messages import MultiModalFeature
 from pagedserve.tests.helpers.parity import model_config
 from pagedserve.tests.helpers.tiny_models import bind_kv_cache, dense_prefill_metadata

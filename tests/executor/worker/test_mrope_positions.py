@@ -41,7 +41,7 @@ def test_a_chunk_over_the_image_gets_three_rows_and_the_rest_one_shifted():
                                                                                                      mrope=False)}
     host = prepare_inputs(states, {"a": 5, "b": 4, "c": 1, "t": 3}, 4)
     slots = host.slot_mapping.copy()
-    three = rope_positions(host, [states[r].mrope for r in host.req_ids])
+    three = rope_positions(host.positions, host.query_start_loc, [states[r].mrope for r in host.req_ids])
     assert np.array_equal(host.slot_mapping, slots)
     rows = dict(zip(host.req_ids, np.split(np.arange(len(host.positions)), host.query_start_loc[1:-1])))
     table, delta = states["a"].mrope.positions, states["a"].mrope.delta
@@ -55,7 +55,7 @@ def test_a_chunk_over_the_image_gets_three_rows_and_the_rest_one_shifted():
 def test_a_step_without_vision_tokens_keeps_the_1d_path():
     states = {"b": state("b", 9), "c": state("c", PROMPT + 2, outputs=3)}
     host = prepare_inputs(states, {"b": 4, "c": 1}, 4)
-    assert rope_positions(host, [states[r].mrope for r in host.req_ids]) is None
+    assert rope_positions(host.positions, host.query_start_loc, [states[r].mrope for r in host.req_ids]) is None
     delta = states["c"].mrope.delta
     assert host.positions.tolist() == [PROMPT + 2 + delta, 6, 7, 8, 9]      # decodes first
 
