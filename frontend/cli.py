@@ -70,7 +70,7 @@ def serve(args: EngineArgs, server: ServerArgs, level: int, chat_template: str |
     signal.signal(signal.SIGTERM, _exit_on_signal)
     procs, client = start_engines(args, server, level)
     proc = procs[0]
-    engine = AsyncEngineClient(proc.info, client, chat_template)
+    engine = AsyncEngineClient(proc.info, client, chat_template, max_media_bytes=server.max_body_bytes)
     _announce(proc, bool(server.engine_token))
     app = build_app(engine, server, proc.info.served_model_name)
     try:

@@ -54,7 +54,7 @@ class PagedServeDeployment:
         level = getattr(logging, server.log_level.upper())
         self.procs, client = start_engines(args, server, level)
         template = load_chat_template(server.chat_template) if server.chat_template else None
-        self.engine = AsyncEngineClient(self.procs[0].info, client, template)
+        self.engine = AsyncEngineClient(self.procs[0].info, client, template, max_media_bytes=server.max_body_bytes)
         self._routes = build_routes(self.engine, server, self.procs[0].info.served_model_name)
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -42,7 +42,8 @@ class ServerArgs:
                                               "(Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.x), mistral")
     ssl_keyfile: str | None = setting(None, help="serve HTTPS with this private key (with --ssl-certfile)")
     ssl_certfile: str | None = setting(None, help="serve HTTPS with this certificate chain (with --ssl-keyfile)")
-    max_body_bytes: int = setting(8 << 20, help="larger request bodies get HTTP 413")
+    max_body_bytes: int = setting(8 << 20, help="larger request bodies get HTTP 413; a larger image or video "
+                                  "(fetched, read or inline) gets 400")
     max_concurrent_requests: int | None = setting(
         None, help="generation requests this server serves at once; beyond that HTTP 429 (unset: no bound)")
     data_parallel_routing: str = setting(

@@ -33,11 +33,13 @@ T = TypeVar("T")
 
 
 class AsyncEngineClient:
-    def __init__(self, info: EngineInfo, client: AsyncMPClient, chat_template: str | None = None) -> None:
-        """info: what the engine core said about itself; chat_template: used instead of the tokenizer's."""
+    def __init__(self, info: EngineInfo, client: AsyncMPClient, chat_template: str | None = None,
+                 max_media_bytes: int | None = None) -> None:
+        """info: what the engine core said about itself; chat_template: used instead of the tokenizer's;
+        max_media_bytes: one image's or video's most bytes, however it comes (the server's --max-body-bytes)."""
         self.info = info
         self.client = client
-        self.processors = Processors.from_info(info, chat_template)
+        self.processors = Processors.from_info(info, chat_template, max_media_bytes)
         # Tokenizing a multi-MiB prompt takes seconds; on the event loop it would stall every stream.
         # One thread: calls stay serialized, as they were on the loop.
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")

@@ -23,10 +23,13 @@ class Processors:
     output: OutputProcessor
 
     @classmethod
-    def from_info(cls, info: EngineInfo, chat_template: str | None = None) -> "Processors":
-        """chat_template: rendered instead of the tokenizer's own (--chat-template)."""
+    def from_info(cls, info: EngineInfo, chat_template: str | None = None,
+                  max_media_bytes: int | None = None) -> "Processors":
+        """chat_template: rendered instead of the tokenizer's own (--chat-template); max_media_bytes: one
+        image's or video's most bytes (the server's --max-body-bytes; None offline: no limit)."""
         tokenizer = load_tokenizer(info.tokenizer)
-        mm = MultiModalProcessor(info, tokenizer, info.mm_processor_cache_gb) if info.mm_limits else None
+        mm = (MultiModalProcessor(info, tokenizer, info.mm_processor_cache_gb, max_media_bytes)
+              if info.mm_limits else None)
         return cls(tokenizer, InputProcessor(tokenizer, info, chat_template, mm), OutputProcessor(tokenizer))
 
     def prepare(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,

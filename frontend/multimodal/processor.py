@@ -77,10 +77,12 @@ class _ProcessedCache:
 
 class MultiModalProcessor:
     def __init__(self, info: EngineInfo, tokenizer: Any, cache_gb: float = 4.0,
-                 max_image_bytes: int | None = None) -> None:
+                 max_media_bytes: int | None = None) -> None:
+        """max_media_bytes: the most bytes one image or video may have, fetched, read or sent inline
+        (engine-serve's --max-body-bytes: a URL must not bring in what the body may not)."""
         self.info = info
         self.media_limits = MediaLimits(allowed_local_media_path=info.allowed_local_media_path,
-                                        max_image_bytes=max_image_bytes)
+                                        max_image_bytes=max_media_bytes, max_video_bytes=max_media_bytes)
         self.expander = expander_for(info, tokenizer)
         self.image_processor = self.expander.image_processor
         self.image_token = self.expander.image_token

@@ -20,6 +20,7 @@ from pagedserve.tests.helpers.server import Server
 from pagedserve.tests.helpers.tiny_vlm import make_tiny_llava, random_image
 
 MAX_NEW = 6
+BODY_LIMIT = 1 << 20          # --max-body-bytes: an image over it, however it comes, is a 400
 
 
 def png_bytes(image) -> bytes:
@@ -41,13 +42,14 @@ def llava_dir(tmp_path_factory) -> str:
 def media_dir(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("media")
     (folder / "cat.png").write_bytes(png_bytes(random_image(3, 40, 40)))
+    (folder / "big.png").write_bytes(png_bytes(random_image(5, 800, 800)))       # noise: ~1.9 MB of PNG
     return str(folder)
 
 
 @pytest.fixture(scope="module")
 def server(llava_dir, media_dir) -> Iterator[Server]:
     srv = Server("--allowed-local-media-path", media_dir, "--limit-mm-per-prompt", '{"image": 2}',
-                 "--max-num-seqs", "8", "--kv-cache-memory", "0.05", model=llava_dir, max_model_len=256)
+                 "--max-body-bytes", str(BODY_LIMIT), "--max-num-seqs", "8", "--kv-cache-memory", "0.05", model=llava_dir, max_model_len=256)
     os.environ.setdefault("VLLM_IMAGE_FETCH_TIMEOUT", "5")
     yield srv
     srv.stop_and_check_clean()
@@ -161,6 +163,19 @@ def test_each_bad_image_is_a_400_and_the_server_keeps_serving(server, media_dir,
     assert time.monotonic() - start < 10
     ok = ask(server, image_message(data_url(png_bytes(random_image(9, 20, 20)))))
     assert ok.status_code == 200
+
+
+def test_an_image_over_max_body_bytes_by_url_or_path_is_a_400(server, image_site, media_dir):
+    """--max-body-bytes holds an image whatever brings it in: a fetched URL or a file read may not bring in
+    more than a body may carry (the fetch stops at the limit)."""
+    assert os.path.getsize(os.path.join(media_dir, "big.png")) > BODY_LIMIT
+    for url in (f"{image_site}/big.png", f"file://{media_dir}/big.png"):
+        r = ask(server, image_message(url))
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error", error
+        assert f"over the limit of {BODY_LIMIT}" in error["message"], error
+    assert ask(server, image_message(data_url(png_bytes(random_image(9, 20, 20))))).status_code == 200
 
 
 def test_more_images_than_the_limit_is_a_400(server):
