@@ -23,10 +23,10 @@ _BY_ARCHITECTURE: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
-    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
-    "Idefics3ForConditionalGeneration": ("idefics3", "Idefics3ForConditionalGeneration"),
-    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
-    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "LlavaForConditionalGeneration": ("vision.llava", "LlavaForConditionalGeneration"),
+    "Idefics3ForConditionalGeneration": ("vision.idefics3", "Idefics3ForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": ("vision.qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("vision.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 # Pooling models (--runner pooling: common/pooler_config.py), tested against sentence-transformers and HF in
 # tests/executor/model/test_pooling_models.py rather than by generation parity.

@@ -11,7 +11,7 @@ import torch
 
 from pagedserve.common.multimodal.families import family_of, image_token_id, max_tokens_per_item
 from pagedserve.executor.model.model_loader import load_model
-from pagedserve.executor.model.models.idefics3 import Idefics3ForConditionalGeneration
+from pagedserve.executor.model.models.vision.idefics3 import Idefics3ForConditionalGeneration
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.tests.helpers.parity import model_config
 from pagedserve.tests.helpers.tiny_models import bind_kv_cache, dense_prefill_metadata

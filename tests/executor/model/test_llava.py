@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedserve.executor.model.model_loader import load_model
-from pagedserve.executor.model.models.llava import LlavaForConditionalGeneration
+from pagedserve.executor.model.models.vision.llava import LlavaForConditionalGeneration
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.tests.helpers.parity import model_config
 from pagedserve.tests.helpers.tiny_models import bind_kv_cache, dense_prefill_metadata

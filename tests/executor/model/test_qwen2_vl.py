@@ -13,8 +13,8 @@ import torch
 
 from pagedserve.common.multimodal.families import ProcessorSettings, family_of, image_token_id, max_tokens_per_item
 from pagedserve.executor.model.model_loader import load_model
-from pagedserve.executor.model.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
-from pagedserve.executor.model.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from pagedserve.executor.model.models.vision.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from pagedserve.executor.model.models.vision.qwen2_vl import Qwen2VLForConditionalGeneration
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.frontend.multimodal.expansion_items import tensor_data
 from pagedserve.ipc.messages import MultiModalFeature

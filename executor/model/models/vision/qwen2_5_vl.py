@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedserve.executor.model.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from pagedserve.executor.model.models.vision.qwen2_vl import Qwen2VLForConditionalGeneration
 from pagedserve.executor.model.models.vision.qwen2_5_vl_vision import Qwen2_5_VLVisionTransformer
 from pagedserve.ipc.messages import MultiModalFeature
 
