@@ -237,7 +237,7 @@ class EngineArgs:
                                         self.mm_processor_cache_gb, self.allowed_local_media_path,
                                         scheduler.max_num_batched_tokens,
                                         model.source.path if model.source.format == "hf" else None,
-                                        self.media_io_kwargs)
+                                        self.media_io_kwargs, model.max_model_len)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             parallel=parallel, multimodal=multimodal, structured_outputs=structured,
                             speculative=speculative,

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.common.model.model_files import rope_max_positions
 from pagedserve.common.multimodal.families import (DEFAULT_NUM_FRAMES, MODALITIES, ItemRule, ProcessorSettings,
                                                    family_of, item_rules, max_tokens_per_item)
 
@@ -31,6 +32,9 @@ class MultiModalConfig:
     encoder_cache_size: int                  # encoder-output tokens the workers keep, least recently used
     family: str = ""                         # families.family_of: the frontend expands items by it
     media_io_kwargs: dict[str, Any] = field(default_factory=dict, compare=False)   # --media-io-kwargs
+    # positions the rotary table holds past max_model_len: a Qwen2.5-VL video's temporal positions may reach
+    # past its tokens' (by its seconds per temporal patch), and no position may pass the table's end
+    position_room: int = 0
 
 
 # kind -> (its own file, its entry in transformers 5's processor_config.json)
@@ -93,9 +97,11 @@ def resolve_multimodal(full_config: Any, limit_mm_per_prompt: dict[str, Any] | N
                        mm_processor_kwargs: dict[str, Any] | None, mm_processor_cache_gb: float,
                        allowed_local_media_path: str | None, max_num_batched_tokens: int,
                        model_folder: str | None = None,
-                       media_io_kwargs: dict[str, Any] | None = None) -> MultiModalConfig | None:
+                       media_io_kwargs: dict[str, Any] | None = None,
+                       max_model_len: int | None = None) -> MultiModalConfig | None:
     """The config for a multimodal checkpoint (None for a text model); ValueError naming the flag.
-    model_folder: where the processors' saved settings are (None: their defaults)."""
+    model_folder: where the processors' saved settings are (None: their defaults). max_model_len: the
+    engine's (None: the rotary table's own length, so no room past it)."""
     family = family_of(full_config)
     if family is None:
         if limit_mm_per_prompt and any(v for v in limit_mm_per_prompt.values()):
@@ -112,7 +118,12 @@ def resolve_multimodal(full_config: Any, limit_mm_per_prompt: dict[str, Any] | N
         max_tokens_per_item=per_item, item_rules=item_rules(family, full_config),
         encoder_budget=max(max_num_batched_tokens, per_item),
         encoder_cache_size=max(max_num_batched_tokens, per_item), family=family,
-        media_io_kwargs=dict(media_io_kwargs or {}))
+        media_io_kwargs=dict(media_io_kwargs or {}), position_room=_position_room(full_config, max_model_len))
+
+
+def _position_room(full_config: Any, max_model_len: int | None) -> int:
+    positions = rope_max_positions(getattr(full_config, "text_config", None) or full_config)
+    return max(0, positions - (positions if max_model_len is None else max_model_len))
 
 
 def _limits(family: str, asked: dict[str, Any] | None) -> dict[str, int]:

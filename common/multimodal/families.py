@@ -8,17 +8,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # model_type of the checkpoint's top-level config -> family
-# (Qwen2.5-VL's processing is Qwen2-VL's: the same image processor and placeholders)
-_FAMILIES = {"llava": "llava", "idefics3": "idefics3", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl"}
+_FAMILIES = {"llava": "llava", "idefics3": "idefics3", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl"}
 MODALITIES: dict[str, tuple[str, ...]] = {"llava": ("image",), "idefics3": ("image",),
-                                          "qwen2_vl": ("image", "video")}
+                                          "qwen2_vl": ("image", "video"), "qwen2_5_vl": ("image", "video")}
+# Qwen2.5-VL's processing is Qwen2-VL's (the same image processor, placeholders and grids); its videos also
+# carry the seconds one temporal patch spans, which space out their temporal positions.
+QWEN2_VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 # Dynamic-resolution items (Qwen2-VL): per modality, the patches tensor and the grid tensor [[t, h, w]]
 PATCH_TENSORS = {"image": "pixel_values", "video": "pixel_values_videos"}
 GRID_TENSORS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 # The small tensors a request's placements keep when the workers are told of it (the pixels go with the step
 # that encodes the item): the grids its M-RoPE positions are computed from.
-PLACEMENT_TENSORS = frozenset(GRID_TENSORS.values())
+SECONDS_TENSOR = "second_per_grid_ts"     # float32 [1]: the seconds one temporal patch of a video spans
+PLACEMENT_TENSORS = frozenset((*GRID_TENSORS.values(), SECONDS_TENSOR))
 
 DEFAULT_NUM_FRAMES = 32          # the frames a video keeps (vLLM's video loader's default)
 # Qwen2VLImageProcessor's and Qwen2VLVideoProcessor's defaults: {"shortest_edge": min_pixels, "longest_edge":
@@ -35,6 +38,8 @@ class ItemRule:
     shapes: dict[str, list[int]]     # each tensor's exact shape; -1: the item's patches, t * h * w of its grid
     grid: str | None = None          # the int64 [1, 3] tensor of its grid (a dynamic item); None: fixed size
     merge: int = 1                   # a grid's h and w per placeholder token: tokens = t * h * w / merge^2
+    seconds: str | None = None       # the float32 [1] tensor of seconds a temporal patch spans (Qwen2.5-VL video)
+    tokens_per_second: float = 0.0   # temporal positions per second of video (the tower's config)
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ def max_tokens_per_item(family: str, full_config: Any, processor: ProcessorSetti
         # patches, pixel-shuffled by scale_factor in each direction (the processor's image_seq_len).
         vision = full_config.vision_config
         return (vision.image_size // vision.patch_size) ** 2 // full_config.scale_factor ** 2
-    if family == "qwen2_vl":
+    if family in QWEN2_VL_FAMILIES:
         return _qwen2_vl_max_tokens(full_config, processor)
     raise ValueError(f"no token count for multimodal family {family!r}")
 
@@ -117,9 +122,14 @@ def item_rules(family: str, full_config: Any) -> dict[str, ItemRule]:
         size = full_config.vision_config.image_size
         return {"image": ItemRule({"pixel_values": [1, getattr(full_config.vision_config, "num_channels", 3), size,
                                                     size], "pixel_attention_mask": [1, size, size]})}
-    if family == "qwen2_vl":        # flattened patches, as many as the item's grid has
+    if family in QWEN2_VL_FAMILIES:        # flattened patches, as many as the item's grid has
         vision = full_config.vision_config
         patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
-        return {m: ItemRule({PATCH_TENSORS[m]: [-1, patch_dim], GRID_TENSORS[m]: [1, 3]}, GRID_TENSORS[m],
-                            int(vision.spatial_merge_size)) for m in MODALITIES[family]}
+        rules = {m: ItemRule({PATCH_TENSORS[m]: [-1, patch_dim], GRID_TENSORS[m]: [1, 3]}, GRID_TENSORS[m],
+                             int(vision.spatial_merge_size)) for m in MODALITIES[family]}
+        if family == "qwen2_5_vl":
+            video = rules["video"]
+            rules["video"] = ItemRule({**video.shapes, SECONDS_TENSOR: [1]}, video.grid, video.merge, SECONDS_TENSOR,
+                                      float(vision.tokens_per_second))
+        return rules
     raise ValueError(f"no item shapes for multimodal family {family!r}")

@@ -25,6 +25,7 @@ def check_mm_features(features: list[MultiModalFeature] | None, num_prompt_token
         raise RequestError.at(_FIELD, "this model takes text only")
     counts: dict[str, int] = {}
     end = 0
+    reach = num_prompt_tokens - 1          # the highest position the prompt's tokens may take
     for i, item in enumerate(features):
         _check_part(features, i)
         counts[item.modality] = counts.get(item.modality, 0) + (item.part == 0)
@@ -48,8 +49,28 @@ def check_mm_features(features: list[MultiModalFeature] | None, num_prompt_token
         for name, tensor in item.data.items():
             shape = [patches if d == -1 else d for d in rule.shapes[name]]
             _check_tensor(f"{_FIELD}[{i}].{name}", tensor, shape)
+        if rule.seconds is not None:
+            reach = max(reach, item.offset + _temporal_reach(f"{_FIELD}[{i}].{rule.seconds}", item.data, rule))
         end = item.offset + item.length
+    if reach - (num_prompt_tokens - 1) > config.position_room:
+        raise RequestError.at(_FIELD, f"a video's temporal positions reach {reach - num_prompt_tokens + 1} past the "
+                              f"prompt's, more than the {config.position_room} the rotary table holds past "
+                              "max_model_len (too few frames a second for its length)")
     return list(features)
+
+
+def _temporal_reach(field: str, data: dict[str, TensorData], rule: ItemRule) -> int:
+    """How far past its first position a video's last temporal position lies: (t - 1) * tokens_per_second *
+    its seconds per temporal patch (as the model's M-RoPE spaces them, rounded up), from a positive, finite
+    seconds tensor. An upper bound: the model's item starts at or before its offset."""
+    seconds = data[rule.seconds]
+    if seconds.dtype != "float32":
+        raise RequestError.at(field, f"dtype {seconds.dtype!r}, where the model reads float32")
+    (value,) = struct.unpack("<f", seconds.data)
+    if not math.isfinite(value) or value <= 0:
+        raise RequestError.at(field, f"{value}: the seconds a temporal patch spans must be positive and finite")
+    t = struct.unpack("<3q", data[rule.grid].data)[0]
+    return math.ceil((t - 1) * rule.tokens_per_second * value)
 
 
 def _item_size(field: str, data: dict[str, TensorData], rule: ItemRule, max_tokens: int) -> tuple[int, int]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedserve.common.multimodal.families import QWEN2_VL_FAMILIES
 from pagedserve.frontend.multimodal.expansion_items import Expansion, ImageExpander, ItemSpan, tensor_data
 from pagedserve.ipc.messages import EngineInfo
 
@@ -91,7 +92,7 @@ _EXPANDERS: dict[str, type] = {"LlavaProcessor": LlavaExpander, "Idefics3Process
 def expander_for(info: EngineInfo, tokenizer: Any) -> ImageExpander:
     """The family's expansion, with its HF processing loaded from the model folder (--mm-processor-kwargs
     over the saved settings)."""
-    if info.mm_family == "qwen2_vl":     # its HF processor needs torchvision: the PIL image processor alone
+    if info.mm_family in QWEN2_VL_FAMILIES:     # its HF processor needs torchvision: the PIL image processor alone
         from pagedserve.frontend.multimodal.qwen2_vl import Qwen2VLExpander
         return Qwen2VLExpander(info, tokenizer)
     from transformers import AutoProcessor

@@ -23,17 +23,17 @@ from pagedserve.frontend.multimodal.chat_parts import MediaRef
 from pagedserve.frontend.multimodal.expansion import expander_for
 from pagedserve.frontend.multimodal.expansion_items import Expansion
 from pagedserve.frontend.multimodal.media import MediaLimits, load_image
-from pagedserve.frontend.multimodal.video import load_video, video_frames
+from pagedserve.frontend.multimodal.video import SampledVideo, is_video_with_metadata, load_video, video_frames
 from pagedserve.ipc.messages import EngineInfo, MultiModalFeature
 
 _FIELD = "multi_modal_data"
 
 
-def video_hash(frames: np.ndarray, salt: str) -> str:
-    """sha256 of a video's sampled frames [T, H, W, 3] and the processing settings."""
+def video_hash(video: SampledVideo, salt: str) -> str:
+    """sha256 of a video's sampled frames [T, H, W, 3], their rate and the processing settings."""
     h = hashlib.sha256(salt.encode())
-    h.update(f"video:{list(frames.shape)}".encode())
-    h.update(np.ascontiguousarray(frames).tobytes())
+    h.update(f"video:{list(video.frames.shape)}:{video.fps!r}".encode())
+    h.update(np.ascontiguousarray(video.frames).tobytes())
     return h.hexdigest()
 
 
@@ -109,8 +109,8 @@ class MultiModalProcessor:
 
     def expand(self, token_ids: list[int], images: list[Any], field: str = _FIELD,
                videos: list[Any] | None = None) -> tuple[list[int], list[MultiModalFeature]]:
-        """token_ids with one placeholder per image (and per video: frames [T, H, W, 3] uint8) -> expanded ids
-        and the items' features, in prompt order."""
+        """token_ids with one placeholder per image (and per video: its SampledVideo) -> expanded ids and the
+        items' features, in prompt order."""
         given = {"image": list(images), "video": list(videos or [])}
         marks = [(i, self.token_ids[t]) for i, t in enumerate(token_ids) if t in self.token_ids]
         for modality, items in given.items():
@@ -172,8 +172,8 @@ def load_images(refs: list[MediaRef], limits: MediaLimits, field: str) -> list[A
     return images
 
 
-def load_videos(refs: list[MediaRef], limits: MediaLimits, field: str, num_frames: int) -> list[np.ndarray]:
-    """Video URLs loaded and decoded (blocking), each its sampled frames [T, H, W, 3], in order."""
+def load_videos(refs: list[MediaRef], limits: MediaLimits, field: str, num_frames: int) -> list[SampledVideo]:
+    """Video URLs loaded and decoded (blocking), each its sampled frames, in order."""
     videos = []
     for ref in refs:
         if not isinstance(ref, str):
@@ -182,13 +182,13 @@ def load_videos(refs: list[MediaRef], limits: MediaLimits, field: str, num_frame
     return videos
 
 
-def offline_videos(value: Any, num_frames: int, field: str) -> list[np.ndarray]:
-    """multi_modal_data["video"]: one video (an array [T, H, W, 3], or a list of PIL frames) or a list of
-    videos -> each its sampled frames."""
+def offline_videos(value: Any, num_frames: int, field: str) -> list[SampledVideo]:
+    """multi_modal_data["video"]: one video (an array [T, H, W, 3], or a list of PIL frames, either alone or
+    in a (frames, metadata) pair) or a list of videos -> each its sampled frames."""
     from PIL import Image
     if value is None:
         return []
-    one = isinstance(value, np.ndarray) or (isinstance(value, (list, tuple)) and value
-                                            and all(isinstance(f, Image.Image) for f in value))
+    one = isinstance(value, np.ndarray) or is_video_with_metadata(value) or (
+        isinstance(value, (list, tuple)) and value and all(isinstance(f, Image.Image) for f in value))
     videos = [value] if one else list(value) if isinstance(value, (list, tuple)) else [value]
     return [video_frames(v, num_frames, f"{field}[{i}]") for i, v in enumerate(videos)]

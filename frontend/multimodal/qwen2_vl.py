@@ -8,7 +8,10 @@ A video is one item too: its frames are resized and normalized by the same PIL p
 processor's pixel bounds (Qwen2VLVideoProcessor's own needs torchvision), padded to whole temporal patches by
 repeating the last, and laid out as Qwen2VLVideoProcessor.patchify lays them out: per temporal patch, the
 frames' patches in the image's block order, each patch's pixels as (channel, frame, row, column). It takes
-t * h * w / merge_size^2 `<|video_pad|>` tokens, grid `video_grid_thw` [[t, h, w]]."""
+t * h * w / merge_size^2 `<|video_pad|>` tokens, grid `video_grid_thw` [[t, h, w]]. A Qwen2.5-VL video also
+carries `second_per_grid_ts`, the seconds one temporal patch spans: temporal_patch_size over the kept frames'
+rate, 24 frames a second where the source tells none (as Qwen2_5_VLProcessor computes it from transformers'
+VideoMetadata.sampled_fps)."""
 from __future__ import annotations
 
 from typing import Any
@@ -16,11 +19,13 @@ from typing import Any
 import numpy as np
 
 from pagedserve.common.multimodal.config import load_processor_config
-from pagedserve.common.multimodal.families import qwen2_vl_pixels
+from pagedserve.common.multimodal.families import SECONDS_TENSOR, qwen2_vl_pixels
 from pagedserve.frontend.multimodal.expansion_items import Expansion, ItemSpan, tensor_data
+from pagedserve.frontend.multimodal.video import SampledVideo
 from pagedserve.ipc.messages import EngineInfo
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<|image_pad|>", "<|video_pad|>"
+UNKNOWN_FPS = 24.0          # transformers' VideoMetadata.sampled_fps where a video's rate is unknown
 
 
 def load_image_processor(info: EngineInfo) -> Any:
@@ -42,6 +47,7 @@ class Qwen2VLExpander:
         video = {**load_processor_config(info.model_path, "video"), **info.mm_processor_kwargs}
         low, high = qwen2_vl_pixels(video, "video")
         self.video_size = {"shortest_edge": low, "longest_edge": high}
+        self.timed = info.mm_family == "qwen2_5_vl"       # its videos carry their seconds per temporal patch
 
     def expand(self, image: Any) -> Expansion:
         out = self.image_processor(images=[image], return_tensors="np")
@@ -54,9 +60,10 @@ class Qwen2VLExpander:
                 "image_grid_thw": tensor_data(grid)}
         return Expansion([self.image_token_id] * length, [ItemSpan(0, length, data)], whole=True)
 
-    def expand_video(self, frames: np.ndarray) -> Expansion:
-        """frames [T, H, W, 3] uint8 -> the video's expansion."""
+    def expand_video(self, video: SampledVideo) -> Expansion:
+        """The video's sampled frames [T, H, W, 3] uint8 (and their rate) -> its expansion."""
         from PIL import Image
+        frames = video.frames
         out = self.image_processor(images=[Image.fromarray(f) for f in frames], size=self.video_size,
                                    return_tensors="np")
         _, h, w = (int(x) for x in out["image_grid_thw"][0])
@@ -75,4 +82,6 @@ class Qwen2VLExpander:
                              f"{self.max_tokens} (the processor's pixel bounds differ from the engine's)")
         data = {"pixel_values_videos": tensor_data(np.ascontiguousarray(pixels)),
                 "video_grid_thw": tensor_data(np.array([[t, h, w]], dtype=np.int64))}
+        if self.timed:
+            data[SECONDS_TENSOR] = tensor_data(np.array([tps / (video.fps or UNKNOWN_FPS)], dtype=np.float32))
         return Expansion([self.video_token_id] * length, [ItemSpan(0, length, data)], whole=True)

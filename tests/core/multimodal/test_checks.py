@@ -63,3 +63,29 @@ def test_media_io_kwargs_are_checked_by_name():
                        ({"video": {"num_frames": -1}}, "num_frames"), ("x", "JSON object")]:
         with pytest.raises(ValueError, match=match):
             processor_settings(None, None, bad)
+
+
+def test_a_videos_seconds_per_patch_are_checked_and_bound_its_positions():
+    """Qwen2.5-VL's videos: second_per_grid_ts must be a positive, finite float32, and the temporal positions
+    it spreads the video over must stay inside the rotary table (position_room past max_model_len)."""
+    import numpy as np
+
+    rule = ItemRule({"pixel_values_videos": [-1, 2], "video_grid_thw": [1, 3], "second_per_grid_ts": [1]},
+                    "video_grid_thw", 2, "second_per_grid_ts", 2.0)
+    config = MultiModalConfig(limit_per_prompt={"video": 1}, processor_kwargs={}, processor_cache_gb=0.0,
+                              allowed_local_media_path=None, max_tokens_per_item=64, item_rules={"video": rule},
+                              encoder_budget=64, encoder_cache_size=64, position_room=100)
+
+    def video(seconds: float, dtype: str = "float32", t: int = 5) -> MultiModalFeature:
+        data = {"pixel_values_videos": TensorData("float32", [t * 4, 2], b"\0" * 8 * t * 4),
+                "video_grid_thw": TensorData("int64", [1, 3], np.array([[t, 2, 2]], dtype=np.int64).tobytes()),
+                "second_per_grid_ts": TensorData(dtype, [1], np.array([seconds], dtype=dtype).tobytes())}
+        return MultiModalFeature(modality="video", mm_hash="v", offset=2, length=t, data=data)
+
+    # 4 temporal steps of 2 * 12.5 positions: the last at 2 + 100, 93 past the prompt's last position (9)
+    assert check_mm_features([video(12.5)], 10, config)
+    for bad, match in [(video(14.0), "reach 105 past"), (video(float("nan")), "positive and finite"),
+                       (video(-1.0), "positive and finite"), (video(float("inf")), "positive and finite"),
+                       (video(1.0, "float16"), "float32"), (video(1e30), "rotary table")]:
+        with pytest.raises(RequestError, match=match):
+            check_mm_features([bad], 10, config)

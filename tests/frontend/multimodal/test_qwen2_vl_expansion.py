@@ -11,6 +11,7 @@ import pytest
 
 from pagedserve.frontend.client.tokenizer import load_tokenizer
 from pagedserve.frontend.multimodal.processor import MultiModalProcessor
+from pagedserve.frontend.multimodal.video import SampledVideo
 from pagedserve.ipc.messages import EngineInfo, TensorData
 from pagedserve.tests.helpers.tiny_qwen2_vl import IMAGE, VIDEO, hf_processor, make_tiny_qwen2_vl
 from pagedserve.tests.helpers.tiny_vlm import random_image
@@ -73,8 +74,9 @@ def test_max_pixels_from_the_flag_is_honoured_and_salts_the_hash(qwen_dir, ours)
 def test_a_video_is_laid_out_as_the_video_processor_lays_it_out(qwen_dir, ours):
     frame = np.asarray(random_image(5, 40, 24))
     tok = load_tokenizer(qwen_dir)
-    ids, [video] = ours.expand(tok.encode(f"a {VIDEO} b"), [], videos=[np.stack([frame, frame])])
+    ids, [video] = ours.expand(tok.encode(f"a {VIDEO} b"), [], videos=[SampledVideo(np.stack([frame, frame]), None)])
     assert video.modality == "video" and _array(video.data["video_grid_thw"]).tolist() == [[1, 6, 10]]
+    assert "second_per_grid_ts" not in video.data        # Qwen2-VL's temporal positions step by 1
     assert ids.count(ours.expander.video_token_id) == video.length == 15
     # two equal frames: one temporal patch, the image's own patches at the video processor's size
     image = hf_processor(qwen_dir, size={"shortest_edge": 256, "longest_edge": 1024})(
@@ -82,7 +84,7 @@ def test_a_video_is_laid_out_as_the_video_processor_lays_it_out(qwen_dir, ours):
     np.testing.assert_array_equal(_array(video.data["pixel_values_videos"]), image["pixel_values"])
     # three frames: padded with the last to two temporal patches, each patch (channel, frame, row, column)
     other = np.asarray(random_image(6, 40, 24))
-    _, [three] = ours.expand(tok.encode(VIDEO), [], videos=[np.stack([frame, other, other])])
+    _, [three] = ours.expand(tok.encode(VIDEO), [], videos=[SampledVideo(np.stack([frame, other, other]), None)])
     pixels = _array(three.data["pixel_values_videos"]).reshape(2, 60, 3, 2, 4, 4)
     assert _array(three.data["video_grid_thw"]).tolist() == [[2, 6, 10]] and three.length == 30
     np.testing.assert_array_equal(pixels[0, :, :, 0], image["pixel_values"].reshape(60, 3, 2, 4, 4)[:, :, 0])
@@ -95,7 +97,7 @@ def test_videos_are_sampled_uniformly_to_num_frames(qwen_dir):
     assert sample_indices(10, 4).tolist() == [0, 3, 6, 9]
     assert sample_indices(3, 8).tolist() == [0, 1, 2] and sample_indices(5, -1).tolist() == list(range(5))
     frames = np.arange(10, dtype=np.uint8)[:, None, None, None] * np.ones((1, 8, 8, 3), dtype=np.uint8)
-    assert video_frames(frames, 4, "v")[:, 0, 0, 0].tolist() == [0, 3, 6, 9]
+    assert video_frames(frames, 4, "v").frames[:, 0, 0, 0].tolist() == [0, 3, 6, 9]
     four = MultiModalProcessor(_info(qwen_dir, mm_media_io_kwargs={"video": {"num_frames": 4}}),
                                load_tokenizer(qwen_dir))
     assert four.num_frames == 4
