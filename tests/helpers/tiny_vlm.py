@@ -11,6 +11,7 @@ from pagedserve.frontend.bench.models import LLAVA_CHAT_TEMPLATE
 from pagedserve.tests.helpers.tiny_models import embedded_tokenizer
 
 if TYPE_CHECKING:
+    import numpy as np
     from PIL import Image
 
 IMAGE_TOKEN = "<image>"
@@ -88,3 +89,24 @@ def make_tiny_idefics3(path: str, seed: int = 0, grid_tokens: bool = True) -> st
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return path
+
+
+def random_frames(seed: int, n: int, w: int = 32, h: int = 24) -> np.ndarray:
+    """n random RGB frames [n, h, w, 3] uint8."""
+    import numpy as np
+    return np.random.default_rng(seed).integers(0, 256, size=(n, h, w, 3), dtype=np.uint8)
+
+
+def mp4_bytes(video: np.ndarray, rate: int = 4) -> bytes:
+    """frames [T, H, W, 3] uint8 written as an MPEG-4 file at `rate` frames a second (PyAV)."""
+    import io
+
+    import av
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = video.shape[2], video.shape[1], "yuv420p"
+        for frame in video:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        out.mux(stream.encode())
+    return buf.getvalue()

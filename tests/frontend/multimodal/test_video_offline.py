@@ -4,7 +4,6 @@ the same pixel_values_videos / video_grid_thw: an array of frames, frames beside
 from __future__ import annotations
 
 import base64
-import io
 
 import numpy as np
 import pytest
@@ -15,26 +14,18 @@ from pagedserve.common.errors import RequestError
 from pagedserve.frontend.multimodal.media import MediaLimits
 from pagedserve.frontend.multimodal.video import load_video
 from pagedserve.tests.helpers.tiny_qwen2_vl import IMAGE, VIDEO, make_tiny_qwen2_vl
-from pagedserve.tests.helpers.tiny_vlm import random_image
+from pagedserve.tests.helpers.tiny_vlm import mp4_bytes, random_frames, random_image
 
 MAX_NEW = 6
 NUM_FRAMES = 4
 
 
 def frames(seed: int, n: int, w: int = 32, h: int = 24) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, size=(n, h, w, 3), dtype=np.uint8)
+    return random_frames(seed, n, w, h)
 
 
 def mp4_data_url(video: np.ndarray) -> str:
-    import av
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as out:
-        stream = out.add_stream("mpeg4", rate=4)
-        stream.width, stream.height, stream.pix_fmt = video.shape[2], video.shape[1], "yuv420p"
-        for frame in video:
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        out.mux(stream.encode())
-    return "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode()
+    return "data:video/mp4;base64," + base64.b64encode(mp4_bytes(video)).decode()
 
 
 @pytest.fixture(scope="module")
