@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.common.multimodal.families import (DEFAULT_NUM_FRAMES, MODALITIES, ItemRule, ProcessorSettings,
-                                                   family_of, item_rules, max_tokens_per_item)
+from pagedserve.common.multimodal.families import (BIDIRECTIONAL_FAMILIES, DEFAULT_NUM_FRAMES, MODALITIES, ItemRule,
+                                                   ProcessorSettings, family_of, item_rules, max_tokens_per_item)
 
 # What --mm-processor-cache-gb defaults to (vLLM's 4 GiB).
 DEFAULT_MM_PROCESSOR_CACHE_GB = 4.0
@@ -31,6 +31,10 @@ class MultiModalConfig:
     encoder_cache_size: int                  # encoder-output tokens the workers keep, least recently used
     family: str = ""                         # families.family_of: the frontend expands items by it
     media_io_kwargs: dict[str, Any] = field(default_factory=dict, compare=False)   # --media-io-kwargs
+    # The language model attends both ways among one item's tokens (families.BIDIRECTIONAL_FAMILIES): an item
+    # runs whole in one prefill chunk, a prefix hit is cut back to an item's start, and the workers widen each
+    # item token's attention to its item's end (vLLM's disable_chunked_mm_input).
+    bidirectional_items: bool = False
 
 
 # kind -> (its own file, its entry in transformers 5's processor_config.json)
@@ -104,6 +108,16 @@ def resolve_multimodal(full_config: Any, limit_mm_per_prompt: dict[str, Any] | N
     limits = _limits(family, limit_mm_per_prompt)
     settings = processor_settings(model_folder, mm_processor_kwargs, media_io_kwargs)
     per_item = max_tokens_per_item(family, full_config, settings)
+    if family == "gemma3" and settings.image.get("do_pan_and_scan"):
+        # each crop would be an image sequence of its own, framed by text the expansion does not lay out yet
+        raise ValueError("mm_processor_kwargs.do_pan_and_scan: Gemma 3's pan-and-scan crops are not supported; "
+                         "leave it off (each image is then resized whole to the tower's size, HF's default)")
+    bidirectional = family in BIDIRECTIONAL_FAMILIES
+    if bidirectional and max_num_batched_tokens < per_item:
+        raise ValueError(f"max_num_batched_tokens: {max_num_batched_tokens} cannot hold one image of {per_item} "
+                         f"tokens; this model attends both ways among an image's tokens, so an image is never split "
+                         f"over prefill chunks (disable_chunked_mm_input): raise --max-num-batched-tokens to at "
+                         f"least {per_item}")
     if mm_processor_cache_gb < 0:
         raise ValueError(f"mm_processor_cache_gb must be >= 0, got {mm_processor_cache_gb}")
     return MultiModalConfig(
@@ -112,7 +126,7 @@ def resolve_multimodal(full_config: Any, limit_mm_per_prompt: dict[str, Any] | N
         max_tokens_per_item=per_item, item_rules=item_rules(family, full_config),
         encoder_budget=max(max_num_batched_tokens, per_item),
         encoder_cache_size=max(max_num_batched_tokens, per_item), family=family,
-        media_io_kwargs=dict(media_io_kwargs or {}))
+        media_io_kwargs=dict(media_io_kwargs or {}), bidirectional_items=bidirectional)
 
 
 def _limits(family: str, asked: dict[str, Any] | None) -> dict[str, int]:

@@ -9,9 +9,14 @@ from typing import Any
 
 # model_type of the checkpoint's top-level config -> family
 # (Qwen2.5-VL's processing is Qwen2-VL's: the same image processor and placeholders)
-_FAMILIES = {"llava": "llava", "idefics3": "idefics3", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl"}
+_FAMILIES = {"llava": "llava", "idefics3": "idefics3", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl",
+             "gemma3": "gemma3"}
 MODALITIES: dict[str, tuple[str, ...]] = {"llava": ("image",), "idefics3": ("image",),
-                                          "qwen2_vl": ("image", "video")}
+                                          "qwen2_vl": ("image", "video"), "gemma3": ("image",)}
+# Families whose language model attends bidirectionally among the tokens of one item (Gemma 3: HF's
+# token_type_ids mask). An item's tokens then run in one prefill chunk, and a prefix hit never ends inside one
+# (vLLM's disable_chunked_mm_input): a token's attention reaches to its item's last token.
+BIDIRECTIONAL_FAMILIES = frozenset({"gemma3"})
 
 # Dynamic-resolution items (Qwen2-VL): per modality, the patches tensor and the grid tensor [[t, h, w]]
 PATCH_TENSORS = {"image": "pixel_values", "video": "pixel_values_videos"}
@@ -104,6 +109,8 @@ def max_tokens_per_item(family: str, full_config: Any, processor: ProcessorSetti
         return (vision.image_size // vision.patch_size) ** 2 // full_config.scale_factor ** 2
     if family == "qwen2_vl":
         return _qwen2_vl_max_tokens(full_config, processor)
+    if family == "gemma3":          # every image is resized to the tower's size and pooled to a fixed count
+        return int(full_config.mm_tokens_per_image)
     raise ValueError(f"no token count for multimodal family {family!r}")
 
 
@@ -117,6 +124,10 @@ def item_rules(family: str, full_config: Any) -> dict[str, ItemRule]:
         size = full_config.vision_config.image_size
         return {"image": ItemRule({"pixel_values": [1, getattr(full_config.vision_config, "num_channels", 3), size,
                                                     size], "pixel_attention_mask": [1, size, size]})}
+    if family == "gemma3":
+        vision = full_config.vision_config
+        size = vision.image_size
+        return {"image": ItemRule({"pixel_values": [1, getattr(vision, "num_channels", 3), size, size]})}
     if family == "qwen2_vl":        # flattened patches, as many as the item's grid has
         vision = full_config.vision_config
         patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2

@@ -6,6 +6,8 @@ the items (runs of placeholder tokens, each embedded from one encoder output) wi
 - Idefics3 (SmolVLM): the processor splits the image into rows x cols sub-images plus a global view; each is
   one item of `image_seq_len` `<image>` tokens, framed by `<fake_token_around_image>` and a `<row_i_col_j>` or
   `<global-img>` tag, rows ended by newlines, as Idefics3Processor lays the text out.
+- Gemma 3: one item, `mm_tokens_per_image` image tokens between `<start_of_image>` and `<end_of_image>`, with
+  the "\n\n" HF puts around them tokenized as part of the prompt's text.
 
 An Expansion depends only on the image and the processing settings, so the processor caches it by the
 image's hash.
@@ -84,8 +86,38 @@ class Idefics3Expander:
         return tuple(ids), tuple(offsets)
 
 
+class Gemma3Expander:
+    """Gemma 3: the prompt's `<start_of_image>` becomes `<start_of_image>`, `mm_tokens_per_image` image tokens and
+    `<end_of_image>`, one item; HF's processor also puts "\n\n" on either side, which is text and tokenizes
+    with its neighbours, so the processor re-tokenizes the prompt's text with it (`surround`,
+    MultiModalProcessor.expand). Pan-and-scan crops are refused at start (common/multimodal/config.py)."""
+
+    def __init__(self, hf_processor: Any, tokenizer: Any, info: EngineInfo) -> None:
+        self.image_processor = hf_processor.image_processor
+        self.image_token = hf_processor.boi_token
+        self.length = int(hf_processor.image_seq_length)
+        if self.length != info.mm_max_tokens_per_item:
+            raise ValueError(f"image_seq_length: the processor gives {self.length} tokens per image, the model's "
+                             f"config {info.mm_max_tokens_per_item} (mm_tokens_per_image)")
+        soft, end = tokenizer.image_token, tokenizer.eoi_token
+        core = f"{self.image_token}{soft * self.length}{end}"
+        before, found, after = hf_processor.full_image_sequence.partition(core)
+        if not found:
+            raise ValueError("processor: Gemma3Processor's full_image_sequence does not hold its image tokens")
+        self.surround = (before, after)
+        self.ids = [int(tokenizer.convert_tokens_to_ids(t)) for t in (self.image_token, soft, end)]
+
+    def expand(self, image: Any) -> Expansion:
+        out = self.image_processor(images=[image], return_tensors="np", do_pan_and_scan=False)
+        pixels = tensor_data(np.asarray(out["pixel_values"]))
+        start, soft, end = self.ids
+        return Expansion([start] + [soft] * self.length + [end], [ItemSpan(1, self.length, {"pixel_values": pixels})],
+                         whole=True)
+
+
 # The HF processor's class -> the expansion of its family
-_EXPANDERS: dict[str, type] = {"LlavaProcessor": LlavaExpander, "Idefics3Processor": Idefics3Expander}
+_EXPANDERS: dict[str, type] = {"LlavaProcessor": LlavaExpander, "Idefics3Processor": Idefics3Expander,
+                               "Gemma3Processor": Gemma3Expander}
 
 
 def expander_for(info: EngineInfo, tokenizer: Any) -> ImageExpander:

@@ -83,6 +83,7 @@ class MultiModalProcessor:
         self.info = info
         self.media_limits = MediaLimits(allowed_local_media_path=info.allowed_local_media_path,
                                         max_image_bytes=max_media_bytes, max_video_bytes=max_media_bytes)
+        self.tokenizer = tokenizer
         self.expander = expander_for(info, tokenizer)
         self.image_processor = self.expander.image_processor
         self.image_token = self.expander.image_token
@@ -108,9 +109,13 @@ class MultiModalProcessor:
                                   "(--limit-mm-per-prompt)")
 
     def expand(self, token_ids: list[int], images: list[Any], field: str = _FIELD,
-               videos: list[Any] | None = None) -> tuple[list[int], list[MultiModalFeature]]:
+               videos: list[Any] | None = None, text: str | None = None) -> tuple[list[int], list[MultiModalFeature]]:
         """token_ids with one placeholder per image (and per video: frames [T, H, W, 3] uint8) -> expanded ids
-        and the items' features, in prompt order."""
+        and the items' features, in prompt order. text: the prompt's text, where token_ids were tokenized from
+        it (a family whose expansion puts text around each image re-tokenizes it)."""
+        surround = getattr(self.expander, "surround", None)
+        if surround is not None and images:
+            token_ids = self._surrounded(token_ids, text, surround)
         given = {"image": list(images), "video": list(videos or [])}
         marks = [(i, self.token_ids[t]) for i, t in enumerate(token_ids) if t in self.token_ids]
         for modality, items in given.items():
@@ -135,6 +140,25 @@ class MultiModalProcessor:
             prev = mark + 1
         ids.extend(token_ids[prev:])
         return ids, features
+
+    def _surrounded(self, token_ids: list[int], text: str | None, surround: tuple[str, str]) -> list[int]:
+        """token_ids with the text before and after each image placeholder (Gemma 3's "\n\n") put in. From
+        the text, re-tokenized, as HF's processor tokenizes the expanded text: the added text merges with its
+        neighbours ("USER: " + "\n\n" is not the tokens of each). The special tokens the tokenizer added
+        around the text (a BOS) are kept. Token ids without their text get the added text tokenized alone."""
+        before, after = surround
+        ph = self.image_token
+        if text is not None:
+            plain = self.tokenizer.encode(text, add_special_tokens=False)
+            for k in range(min(4, len(token_ids) - len(plain)) + 1):       # the tokens added before the text
+                if token_ids[k:k + len(plain)] == plain:
+                    wider = self.tokenizer.encode(text.replace(ph, before + ph + after), add_special_tokens=False)
+                    return token_ids[:k] + wider + token_ids[k + len(plain):]
+        pre, post = (self.tokenizer.encode(t, add_special_tokens=False) if t else [] for t in (before, after))
+        out: list[int] = []
+        for t in token_ids:
+            out.extend(pre + [t] + post if t == self.image_token_id else [t])
+        return out
 
     def _processed(self, modality: str, value: Any, field: str) -> tuple[str, Expansion]:
         if modality == "video":
