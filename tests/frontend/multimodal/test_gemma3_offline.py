@@ -1,0 +1,68 @@
+"""Gemma 3 through the engine, beyond what every family runs (test_multimodal_offline.py): HF's exact prompt
+ids (the "\\n\\n" around an image tokenized with its neighbours), greedy tokens that HF's causal-only run would
+not give (so a dropped bidirectional mask fails here), and the settings refused at start."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.tests.helpers.tiny_gemma3 import IMAGE, make_tiny_gemma3
+from pagedserve.tests.helpers.tiny_vlm import random_image
+
+TEXTS = [f"USER: {IMAGE}describe it", f"{IMAGE}", f"a\n{IMAGE}\nb {IMAGE}{IMAGE} end", f"x {IMAGE}\n\n\nlast"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    return make_tiny_gemma3(str(tmp_path_factory.mktemp("gemma3")))
+
+
+@pytest.fixture(scope="module")
+def processor(folder):
+    from transformers import AutoProcessor
+    return AutoProcessor.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    with LLM(folder, dtype="float32", max_model_len=256, kv_cache_memory=0.05) as engine:
+        yield engine
+
+
+def images(n: int) -> list:
+    return [random_image(seed, 30 + 9 * seed, 41) for seed in range(n)]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_prompt_ids_and_image_runs_are_hfs(llm, processor, text):
+    n = text.count(IMAGE)
+    want = processor(text=text, images=images(n))
+    got = llm.input_processor.parse_prompt({"prompt": text, "multi_modal_data": {"image": images(n)}})
+    assert got.prompt_token_ids == list(want["input_ids"][0])
+    runs = [i for i, t in enumerate(want["token_type_ids"][0]) if t == 1]
+    assert [p for f in got.mm_features for p in range(f.offset, f.offset + f.length)] == runs
+
+
+def test_greedy_tokens_are_hfs_with_the_bidirectional_mask_not_without(llm, folder, processor):
+    from transformers import Gemma3ForConditionalGeneration
+    hf = Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    text = f"USER: compare {IMAGE} and {IMAGE}\nASSISTANT:"
+    inputs = processor(text=text, images=images(2), return_tensors="pt")
+    with torch.no_grad():
+        both_ways = hf.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+        causal_only = hf.generate(**{k: v for k, v in inputs.items() if k != "token_type_ids"}, max_new_tokens=8,
+                                  do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    assert both_ways.tolist() != causal_only.tolist()      # a causal-only engine would fail the next line
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate([{"prompt": text, "multi_modal_data": {"image": images(2)}}], params, use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == both_ways.tolist()
+
+
+@pytest.mark.parametrize("settings, match", [
+    (dict(max_num_batched_tokens=8), "disable_chunked_mm_input.*--max-num-batched-tokens"),
+    (dict(mm_processor_kwargs={"do_pan_and_scan": True}), "do_pan_and_scan"),
+])
+def test_settings_that_would_break_an_image_are_refused_at_start(folder, settings, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(folder, dtype="float32", max_model_len=256, **settings)
