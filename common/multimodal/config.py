@@ -108,10 +108,6 @@ def resolve_multimodal(full_config: Any, limit_mm_per_prompt: dict[str, Any] | N
     limits = _limits(family, limit_mm_per_prompt)
     settings = processor_settings(model_folder, mm_processor_kwargs, media_io_kwargs)
     per_item = max_tokens_per_item(family, full_config, settings)
-    if family == "gemma3" and settings.image.get("do_pan_and_scan"):
-        # each crop would be an image sequence of its own, framed by text the expansion does not lay out yet
-        raise ValueError("mm_processor_kwargs.do_pan_and_scan: Gemma 3's pan-and-scan crops are not supported; "
-                         "leave it off (each image is then resized whole to the tower's size, HF's default)")
     bidirectional = family in BIDIRECTIONAL_FAMILIES
     if bidirectional and max_num_batched_tokens < per_item:
         raise ValueError(f"max_num_batched_tokens: {max_num_batched_tokens} cannot hold one image of {per_item} "

@@ -20,7 +20,7 @@ import numpy as np
 from pagedserve.common.errors import RequestError
 from pagedserve.common.multimodal.families import DEFAULT_NUM_FRAMES
 from pagedserve.frontend.multimodal.chat_parts import MediaRef
-from pagedserve.frontend.multimodal.expansion import expander_for
+from pagedserve.frontend.multimodal.expansion import expander_for, item_runs
 from pagedserve.frontend.multimodal.expansion_items import Expansion
 from pagedserve.frontend.multimodal.media import MediaLimits, load_image
 from pagedserve.frontend.multimodal.video import load_video, video_frames
@@ -113,9 +113,6 @@ class MultiModalProcessor:
         """token_ids with one placeholder per image (and per video: frames [T, H, W, 3] uint8) -> expanded ids
         and the items' features, in prompt order. text: the prompt's text, where token_ids were tokenized from
         it (a family whose expansion puts text around each image re-tokenizes it)."""
-        surround = getattr(self.expander, "surround", None)
-        if surround is not None and images:
-            token_ids = self._surrounded(token_ids, text, surround)
         given = {"image": list(images), "video": list(videos or [])}
         marks = [(i, self.token_ids[t]) for i, t in enumerate(token_ids) if t in self.token_ids]
         for modality, items in given.items():
@@ -125,11 +122,15 @@ class MultiModalProcessor:
                 raise RequestError.at(field, f"the prompt holds {held} {self.tokens.get(modality)} placeholder(s) "
                                       f"for {len(items)} {modality}(s): give one per {modality}")
         pending = {m: iter(items) for m, items in given.items()}
+        processed = [(modality, *self._processed(modality, next(pending[modality]), field)) for _, modality in marks]
+        if text is not None and processed and all(e.text is not None for _, _, e in processed):
+            done = self._expand_text(token_ids, text, processed)
+            if done is not None:
+                return done
         ids: list[int] = []
         features = []
         prev = 0
-        for mark, modality in marks:
-            mm_hash, expansion = self._processed(modality, next(pending[modality]), field)
+        for (mark, _), (modality, mm_hash, expansion) in zip(marks, processed):
             ids.extend(token_ids[prev:mark])
             start = len(ids)
             features.extend(MultiModalFeature(modality=modality, mm_hash=item.hash(mm_hash, expansion.whole),
@@ -141,24 +142,31 @@ class MultiModalProcessor:
         ids.extend(token_ids[prev:])
         return ids, features
 
-    def _surrounded(self, token_ids: list[int], text: str | None, surround: tuple[str, str]) -> list[int]:
-        """token_ids with the text before and after each image placeholder (Gemma 3's "\n\n") put in. From
-        the text, re-tokenized, as HF's processor tokenizes the expanded text: the added text merges with its
-        neighbours ("USER: " + "\n\n" is not the tokens of each). The special tokens the tokenizer added
-        around the text (a BOS) are kept. Token ids without their text get the added text tokenized alone."""
-        before, after = surround
-        ph = self.image_token
-        if text is not None:
-            plain = self.tokenizer.encode(text, add_special_tokens=False)
-            for k in range(min(4, len(token_ids) - len(plain)) + 1):       # the tokens added before the text
-                if token_ids[k:k + len(plain)] == plain:
-                    wider = self.tokenizer.encode(text.replace(ph, before + ph + after), add_special_tokens=False)
-                    return token_ids[:k] + wider + token_ids[k + len(plain):]
-        pre, post = (self.tokenizer.encode(t, add_special_tokens=False) if t else [] for t in (before, after))
-        out: list[int] = []
-        for t in token_ids:
-            out.extend(pre + [t] + post if t == self.image_token_id else [t])
-        return out
+    def _expand_text(self, token_ids: list[int], text: str, processed: list[tuple[str, str, Expansion]]
+                     ) -> tuple[list[int], list[MultiModalFeature]] | None:
+        """Expanded as HF's processor expands (Gemma 3): each placeholder of the text replaced by its image's
+        text, the whole tokenized again, so the added text merges with its neighbours ("USER: " + "\n\n" is
+        not the tokens of each); the special tokens the tokenizer added around the text (a BOS) are kept.
+        Each item is then the next run of its tokens. None where token_ids are not the text's (the caller
+        splices each image's own tokens in)."""
+        plain = self.tokenizer.encode(text, add_special_tokens=False)
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(processed):
+            return None
+        for k in range(min(4, len(token_ids) - len(plain)) + 1):       # the tokens added before the text
+            if token_ids[k:k + len(plain)] == plain:
+                break
+        else:
+            return None
+        wide = pieces[0] + "".join(e.text + piece for (_, _, e), piece in zip(processed, pieces[1:]))
+        ids = token_ids[:k] + self.tokenizer.encode(wide, add_special_tokens=False) + token_ids[k + len(plain):]
+        items = [(modality, mm_hash, e, item) for modality, mm_hash, e in processed for item in e.items]
+        runs = item_runs(ids, self.expander.item_token_id)
+        if len(runs) != len(items) or any(n != item.length for (_, n), (*_, item) in zip(runs, items)):
+            return None             # the text holds image tokens of its own
+        return ids, [MultiModalFeature(modality=modality, mm_hash=item.hash(mm_hash, e.whole), offset=start,
+                                       length=item.length, data=item.data, part=item.part)
+                     for (start, _), (modality, mm_hash, e, item) in zip(runs, items)]
 
     def _processed(self, modality: str, value: Any, field: str) -> tuple[str, Expansion]:
         if modality == "video":

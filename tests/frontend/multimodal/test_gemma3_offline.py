@@ -1,6 +1,7 @@
 """Gemma 3 through the engine, beyond what every family runs (test_multimodal_offline.py): HF's exact prompt
 ids (the "\\n\\n" around an image tokenized with its neighbours), greedy tokens that HF's causal-only run would
-not give (so a dropped bidirectional mask fails here), and the settings refused at start."""
+not give (so a dropped bidirectional mask fails here), pan-and-scan crops at HF's ids and tokens, and the
+engine refused at start where its chunks cannot hold an image."""
 from __future__ import annotations
 
 import pytest
@@ -59,10 +60,28 @@ def test_greedy_tokens_are_hfs_with_the_bidirectional_mask_not_without(llm, fold
     assert list(out[0].outputs[0].token_ids) == both_ways.tolist()
 
 
-@pytest.mark.parametrize("settings, match", [
-    (dict(max_num_batched_tokens=8), "disable_chunked_mm_input.*--max-num-batched-tokens"),
-    (dict(mm_processor_kwargs={"do_pan_and_scan": True}), "do_pan_and_scan"),
-])
-def test_settings_that_would_break_an_image_are_refused_at_start(folder, settings, match):
-    with pytest.raises(ValueError, match=match):
-        LLM(folder, dtype="float32", max_model_len=256, **settings)
+def test_an_engine_whose_chunks_cannot_hold_an_image_is_refused_at_start(folder):
+    with pytest.raises(ValueError, match="disable_chunked_mm_input.*--max-num-batched-tokens to at least 16"):
+        LLM(folder, dtype="float32", max_model_len=256, max_num_batched_tokens=8)
+
+
+def test_pan_and_scan_crops_are_hfs(folder):
+    """--mm-processor-kwargs '{"do_pan_and_scan": true}': a wide image and its crops, each view its own run of
+    image tokens inside HF's "Here is the original image ..." text, beside a square image that is not cropped."""
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+    kwargs = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8}
+    processor = AutoProcessor.from_pretrained(folder, **kwargs)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    text = f"USER: {IMAGE} is wide, {IMAGE} is not\nASSISTANT:"
+    views = [random_image(3, 96, 30), random_image(4, 32, 32)]
+    inputs = processor(text=text, images=views, return_tensors="pt")
+    assert len(inputs["pixel_values"]) > 2                 # the wide one was cropped
+    with torch.no_grad():
+        want = hf.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+    with LLM(folder, dtype="float32", max_model_len=512, kv_cache_memory=0.05, mm_processor_kwargs=kwargs) as llm:
+        prompt = {"prompt": text, "multi_modal_data": {"image": views}}
+        got = llm.input_processor.parse_prompt(prompt)
+        assert got.prompt_token_ids == inputs["input_ids"][0].tolist()
+        assert [f.part for f in got.mm_features] == list(range(len(inputs["pixel_values"]) - 1)) + [0]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        assert list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids) == want
