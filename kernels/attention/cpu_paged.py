@@ -167,8 +167,10 @@ def _build_plan(meta: AttentionMetadata, num_blocks: int, num_kv_heads: int, blo
             q_pos = torch.arange(length - (hi - lo), length, device=device)
             mask = torch.arange(length, device=device)[None, :] <= q_pos[:, None]
         causal = 1 < hi - lo == length
-        if meta.visible_until is not None and hi - lo > 1:      # rows that see past themselves (item_bounds.py)
-            mask, causal = torch.arange(length, device=device)[None, :] <= meta.visible_until[lo:hi, None], False
+        if meta.visible_until is not None and hi - lo > 1:      # rows that may see past themselves (item_bounds.py)
+            until = meta.visible_until[lo:hi]
+            if bool((until >= length - (hi - lo) + torch.arange(1, hi - lo + 1, device=device)).any()):
+                mask, causal = torch.arange(length, device=device)[None, :] <= until[:, None], False
         prefills.append(PrefillSeq(lo, hi, length, rows(meta.block_tables[i:i + 1], length), mask, causal))
     return StepPlan(tuple(decodes), tuple(prefills))
 
