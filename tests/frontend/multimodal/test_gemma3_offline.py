@@ -85,3 +85,19 @@ def test_pan_and_scan_crops_are_hfs(folder):
         assert [f.part for f in got.mm_features] == list(range(len(inputs["pixel_values"]) - 1)) + [0]
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         assert list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids) == want
+
+
+def test_a_repeat_whose_prefix_hit_would_end_inside_the_image_recomputes_it(llm, processor):
+    """A prompt that ends just after its image: a repeat's hit (whole blocks, the last token left to run) would
+    end inside the image, so it is cut back to the image's start, and the tokens stay HF's."""
+    text = f"{IMAGE}?"
+    prompt = {"prompt": text, "multi_modal_data": {"image": images(1)}}
+    item = llm.input_processor.parse_prompt(prompt).mm_features[0]
+    block = llm.engine.scheduler.kv.block_size
+    n = len(processor(text=text, images=images(1))["input_ids"][0])
+    naive = (n - 1) // block * block
+    assert item.offset < naive < item.offset + item.length          # the case this test is about
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first, again = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
+    assert again.num_cached_tokens == item.offset // block * block
+    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
