@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.common.model.model_files import rope_max_positions
-from pagedserve.common.multimodal.families import (DEFAULT_NUM_FRAMES, MODALITIES, ItemRule, ProcessorSettings,
-                                                   family_of, item_rules, max_tokens_per_item)
+from pagedserve.common.multimodal.families import (BIDIRECTIONAL_FAMILIES, DEFAULT_NUM_FRAMES, MODALITIES, ItemRule,
+                                                   ProcessorSettings, family_of, item_rules, max_tokens_per_item)
 
 # What --mm-processor-cache-gb defaults to (vLLM's 4 GiB).
 DEFAULT_MM_PROCESSOR_CACHE_GB = 4.0
@@ -35,6 +35,10 @@ class MultiModalConfig:
     # positions the rotary table holds past max_model_len: a Qwen2.5-VL video's temporal positions may reach
     # past its tokens' (by its seconds per temporal patch), and no position may pass the table's end
     position_room: int = 0
+    # The language model attends both ways among one item's tokens (families.BIDIRECTIONAL_FAMILIES): an item
+    # runs whole in one prefill chunk, a prefix hit is cut back to an item's start, and the workers widen each
+    # item token's attention to its item's end (vLLM's disable_chunked_mm_input).
+    bidirectional_items: bool = False
 
 
 # kind -> (its own file, its entry in transformers 5's processor_config.json)
@@ -110,6 +114,12 @@ def resolve_multimodal(full_config: Any, limit_mm_per_prompt: dict[str, Any] | N
     limits = _limits(family, limit_mm_per_prompt)
     settings = processor_settings(model_folder, mm_processor_kwargs, media_io_kwargs)
     per_item = max_tokens_per_item(family, full_config, settings)
+    bidirectional = family in BIDIRECTIONAL_FAMILIES
+    if bidirectional and max_num_batched_tokens < per_item:
+        raise ValueError(f"max_num_batched_tokens: {max_num_batched_tokens} cannot hold one image of {per_item} "
+                         f"tokens; this model attends both ways among an image's tokens, so an image is never split "
+                         f"over prefill chunks (disable_chunked_mm_input): raise --max-num-batched-tokens to at "
+                         f"least {per_item}")
     if mm_processor_cache_gb < 0:
         raise ValueError(f"mm_processor_cache_gb must be >= 0, got {mm_processor_cache_gb}")
     return MultiModalConfig(
@@ -118,7 +128,8 @@ def resolve_multimodal(full_config: Any, limit_mm_per_prompt: dict[str, Any] | N
         max_tokens_per_item=per_item, item_rules=item_rules(family, full_config),
         encoder_budget=max(max_num_batched_tokens, per_item),
         encoder_cache_size=max(max_num_batched_tokens, per_item), family=family,
-        media_io_kwargs=dict(media_io_kwargs or {}), position_room=_position_room(full_config, max_model_len))
+        media_io_kwargs=dict(media_io_kwargs or {}), bidirectional_items=bidirectional,
+        position_room=_position_room(full_config, max_model_len))
 
 
 def _position_room(full_config: Any, max_model_len: int | None) -> int:

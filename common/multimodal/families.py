@@ -8,12 +8,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # model_type of the checkpoint's top-level config -> family
-_FAMILIES = {"llava": "llava", "idefics3": "idefics3", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl"}
+_FAMILIES = {"llava": "llava", "idefics3": "idefics3", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl",
+             "gemma3": "gemma3"}
 MODALITIES: dict[str, tuple[str, ...]] = {"llava": ("image",), "idefics3": ("image",),
-                                          "qwen2_vl": ("image", "video"), "qwen2_5_vl": ("image", "video")}
+                                          "qwen2_vl": ("image", "video"), "qwen2_5_vl": ("image", "video"),
+                                          "gemma3": ("image",)}
 # Qwen2.5-VL's processing is Qwen2-VL's (the same image processor, placeholders and grids); its videos also
 # carry the seconds one temporal patch spans, which space out their temporal positions.
 QWEN2_VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+# Families whose language model attends bidirectionally among the tokens of one item (Gemma 3: HF's
+# token_type_ids mask). An item's tokens then run in one prefill chunk, and a prefix hit never ends inside one
+# (vLLM's disable_chunked_mm_input): a token's attention reaches to its item's last token.
+BIDIRECTIONAL_FAMILIES = frozenset({"gemma3"})
 
 # Dynamic-resolution items (Qwen2-VL): per modality, the patches tensor and the grid tensor [[t, h, w]]
 PATCH_TENSORS = {"image": "pixel_values", "video": "pixel_values_videos"}
@@ -109,6 +115,8 @@ def max_tokens_per_item(family: str, full_config: Any, processor: ProcessorSetti
         return (vision.image_size // vision.patch_size) ** 2 // full_config.scale_factor ** 2
     if family in QWEN2_VL_FAMILIES:
         return _qwen2_vl_max_tokens(full_config, processor)
+    if family == "gemma3":          # every image is resized to the tower's size and pooled to a fixed count
+        return int(full_config.mm_tokens_per_image)
     raise ValueError(f"no token count for multimodal family {family!r}")
 
 
@@ -122,6 +130,10 @@ def item_rules(family: str, full_config: Any) -> dict[str, ItemRule]:
         size = full_config.vision_config.image_size
         return {"image": ItemRule({"pixel_values": [1, getattr(full_config.vision_config, "num_channels", 3), size,
                                                     size], "pixel_attention_mask": [1, size, size]})}
+    if family == "gemma3":
+        vision = full_config.vision_config
+        size = vision.image_size
+        return {"image": ItemRule({"pixel_values": [1, getattr(vision, "num_channels", 3), size, size]})}
     if family in QWEN2_VL_FAMILIES:        # flattened patches, as many as the item's grid has
         vision = full_config.vision_config
         patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2

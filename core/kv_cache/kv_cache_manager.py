@@ -52,6 +52,13 @@ class KVCacheManager:
         self.prefix_stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
+    def cut_hit(self, hits: list[KVCacheBlock], num_tokens: int) -> tuple[list[KVCacheBlock], int]:
+        """A prefix hit kept only up to num_tokens, rounded down to whole blocks (the scheduler's rules may
+        forbid a hit from ending where it would: inside a Gemma 3 image)."""
+        keep = min(len(hits), num_tokens // self.block_size)
+        self.prefix_stats.hits -= (len(hits) - keep) * self.block_size
+        return hits[:keep], keep * self.block_size
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVCacheBlock] = (),
                        num_new_computed_tokens: int = 0, num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:

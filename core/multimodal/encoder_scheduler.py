@@ -4,6 +4,12 @@ Each step has an encoder budget (tokens of new encoder outputs). A chunk that re
 neither cached nor affordable this step stops before that item; a chunk that starts inside an item (a prefix
 hit, or the item split by chunked prefill) needs the whole item's output, which stays cached while any request
 is part-way through it.
+
+A family that attends both ways among an item's tokens (MultiModalConfig.bidirectional_items: Gemma 3) runs
+each item whole: a chunk that would end inside an item stops before it, and a prefix hit that would end inside
+one is cut back to its start (cut_hit), so the chunk that runs an item's tokens holds all of them and each can
+see its item's last token. The engine refuses to start where --max-num-batched-tokens cannot hold one item
+(common/multimodal/config.py).
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ class EncoderScheduler:
     def __init__(self, config: MultiModalConfig) -> None:
         self.cache = EncoderCacheManager(config.encoder_cache_size)
         self.budget = config.encoder_budget
+        self.whole_items = config.bidirectional_items
         self.step_budget = 0
         self.step_inputs: list[EncoderInput] = []
         self._step_new: dict[str, list[str]] = {}     # request -> entries it added this step
@@ -34,6 +41,8 @@ class EncoderScheduler:
         runs). can_cut False (no chunked prefill): all of it or nothing."""
         if not request.mm_features or start >= request.num_prompt_tokens:
             return num_new
+        if self.whole_items:
+            num_new = self._before_split_item(request, start, num_new)
         budget, extra = self.step_budget, 0
         keep: set[str] = set()          # cached entries the chunk so far reads: never evicted for it
         planned: set[str] = set()
@@ -54,6 +63,24 @@ class EncoderScheduler:
             extra += item.length
             planned.add(h)
         return num_new
+
+    @staticmethod
+    def _before_split_item(request: Request, start: int, num_new: int) -> int:
+        """num_new, cut before the first item the chunk would end inside (0: the chunk starts at it)."""
+        end = start + num_new
+        for item in _touched(request, start, num_new):
+            if item.offset + item.length > end:
+                return max(item.offset - start, 0)
+        return num_new
+
+    def cut_hit(self, request: Request, num_hit: int) -> int:
+        """The prefix hit's length, cut back to the start of an item it would end inside (whole-item families);
+        the KV manager rounds it down to whole blocks."""
+        if self.whole_items:
+            for item in request.mm_features:
+                if item.offset < num_hit < item.offset + item.length:
+                    return item.offset
+        return num_hit
 
     def commit(self, request: Request, start: int, num_new: int) -> None:
         """The chunk [start, start + num_new) is scheduled: its items are referenced, new ones computed."""

@@ -274,6 +274,8 @@ class Scheduler:
 
     def _admit(self, request: Request, budget: int) -> tuple[list[int], int] | None:
         hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+        if self.mm is not None:
+            hit_blocks, num_hit = self.kv.cut_hit(hit_blocks, self.mm.cut_hit(request, num_hit))
         num_new = request.num_tokens - num_hit
         if (request.whole_prompt or not self.config.enable_chunked_prefill) and num_new > budget:
             return None

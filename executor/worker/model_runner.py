@@ -19,6 +19,7 @@ from pagedserve.executor.worker.sample.grammar_mask import grammar_rows
 from pagedserve.executor.worker.input_prep import prepare_inputs
 from pagedserve.executor.worker.lora.manager import LoRAManager
 from pagedserve.executor.worker.multimodal.encoder_runner import EncoderRunner
+from pagedserve.executor.worker.multimodal.item_bounds import visible_until
 from pagedserve.executor.worker.multimodal.mrope import MRopeRows, rope_positions
 from pagedserve.executor.worker.pooling_step import pooling_output, token_type_ids
 from pagedserve.executor.worker.sample.prompt_logprobs import compute_prompt_logprobs
@@ -96,6 +97,8 @@ class ModelRunner:
         multimodal = config.multimodal is not None and pp.is_first
         self.encoder = EncoderRunner(model, device) if multimodal else None
         self.mrope = hasattr(model, "mrope_positions")       # M-RoPE (Qwen2-VL): positions per request
+        # Gemma 3: an item's tokens attend to each other both ways (item_bounds.py)
+        self.bidirectional_items = multimodal and config.multimodal.bidirectional_items
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
@@ -180,6 +183,10 @@ class ModelRunner:
         decode_only = host.num_decodes == host.num_seqs and mm is None and rope3 is None
         size = self.graphs.padded_size(host.num_seqs) if self.graphs is not None and decode_only and plain else None
         batch = self.buffers.commit(host, pad_to=size)
+        if self.bidirectional_items and mm is not None:
+            until = visible_until(host, self.states)
+            if until is not None:
+                batch.meta.visible_until = torch.from_numpy(until).to(self.device)
         if host.pending_inputs:
             self.buffers.apply_pending(batch.input_ids, host.pending_inputs)
         if size is not None:

@@ -89,7 +89,7 @@ class InputProcessor:
         media is processed here; the async client runs it on its media pool)."""
         if self.mm is None:
             raise RequestError.at(field, "this model takes text only")
-        ids, features = self.mm.expand(prompt.prompt_token_ids, images, field, videos)
+        ids, features = self.mm.expand(prompt.prompt_token_ids, images, field, videos, text=prompt.prompt)
         return ProcessedPrompt(prompt.prompt, ids, features or None)
 
     def _check_ids(self, ids: Any) -> list[int]:

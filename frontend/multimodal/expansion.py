@@ -6,6 +6,8 @@ the items (runs of placeholder tokens, each embedded from one encoder output) wi
 - Idefics3 (SmolVLM): the processor splits the image into rows x cols sub-images plus a global view; each is
   one item of `image_seq_len` `<image>` tokens, framed by `<fake_token_around_image>` and a `<row_i_col_j>` or
   `<global-img>` tag, rows ended by newlines, as Idefics3Processor lays the text out.
+- Gemma 3: one item, `mm_tokens_per_image` image tokens between `<start_of_image>` and `<end_of_image>` (one per
+  view with pan-and-scan), in HF's replacement text, which is tokenized with the prompt's text.
 
 An Expansion depends only on the image and the processing settings, so the processor caches it by the
 image's hash.
@@ -85,8 +87,63 @@ class Idefics3Expander:
         return tuple(ids), tuple(offsets)
 
 
+class Gemma3Expander:
+    """Gemma 3: the prompt's `<start_of_image>` becomes HF's replacement text, "\n\n<start_of_image>",
+    `mm_tokens_per_image` image tokens and "<end_of_image>\n\n"; with pan-and-scan (--mm-processor-kwargs
+    '{"do_pan_and_scan": true}') an image cropped into k views becomes "Here is the original image ... and here
+    are some crops ..." with k + 1 such sequences, each view one item (part j). The text is HF's own
+    (Gemma3Processor.replace_image_token) and is tokenized with the prompt's text (Expansion.text)."""
+
+    _CROPS = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
+              "pan_and_scan_min_ratio_to_activate")
+
+    def __init__(self, hf_processor: Any, tokenizer: Any, info: EngineInfo) -> None:
+        self.hf_processor = hf_processor
+        self.image_processor = hf_processor.image_processor
+        self.tokenizer = tokenizer
+        self.image_token = hf_processor.boi_token
+        self.length = int(hf_processor.image_seq_length)
+        if self.length != info.mm_max_tokens_per_item:
+            raise ValueError(f"image_seq_length: the processor gives {self.length} tokens per image, the model's "
+                             f"config {info.mm_max_tokens_per_item} (mm_tokens_per_image)")
+        self.item_token_id = int(tokenizer.convert_tokens_to_ids(tokenizer.image_token))
+        # the processor's call defaults (its images_kwargs), the image processor's settings over them
+        defaults = dict(getattr(type(hf_processor), "images_kwargs", {}))
+        self.crops = {k: getattr(self.image_processor, k, None) if getattr(self.image_processor, k, None) is not None
+                      else defaults.get(k) for k in self._CROPS}
+        self.crops["do_pan_and_scan"] = bool(self.crops["do_pan_and_scan"])
+
+    def expand(self, image: Any) -> Expansion:
+        out = self.image_processor(images=[image], return_tensors="np", **self.crops)
+        pixels = np.asarray(out["pixel_values"])           # [1 + crops, channels, H, W]
+        num_crops = int(np.asarray(out["num_crops"]).reshape(-1)[0])
+        text = self.hf_processor.replace_image_token({"num_crops": [num_crops]}, 0)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        offsets = item_runs(ids, self.item_token_id)
+        if len(offsets) != len(pixels) or any(n != self.length for _, n in offsets):
+            raise ValueError(f"processor: {len(pixels)} views of an image, but its text holds runs of "
+                             f"{[n for _, n in offsets]} image tokens (want {self.length} each)")
+        items = [ItemSpan(o, self.length, {"pixel_values": tensor_data(pixels[k:k + 1])}, part=k)
+                 for k, (o, _) in enumerate(offsets)]
+        return Expansion(ids, items, whole=num_crops == 0, text=text)
+
+
+def item_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
+    """(start, length) of each maximal run of token_id in ids."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t != token_id:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
 # The HF processor's class -> the expansion of its family
-_EXPANDERS: dict[str, type] = {"LlavaProcessor": LlavaExpander, "Idefics3Processor": Idefics3Expander}
+_EXPANDERS: dict[str, type] = {"LlavaProcessor": LlavaExpander, "Idefics3Processor": Idefics3Expander,
+                               "Gemma3Processor": Gemma3Expander}
 
 
 def expander_for(info: EngineInfo, tokenizer: Any) -> ImageExpander:

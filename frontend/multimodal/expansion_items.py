@@ -34,6 +34,10 @@ class Expansion:
     token_ids: list[int]                # what replaces the image's placeholder
     items: list[ItemSpan]               # in order, inside token_ids
     whole: bool                         # one item that is the whole image (its hash is the image's)
+    # The text that stands for the image in the prompt's text, for a family whose HF processor expands the
+    # text and then tokenizes it (Gemma 3: its "\n\n" merge with the neighbouring text); token_ids are then
+    # that text tokenized alone, used where a prompt comes as token ids without its text.
+    text: str | None = None
 
     @property
     def nbytes(self) -> int:

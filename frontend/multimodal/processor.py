@@ -20,7 +20,7 @@ import numpy as np
 from pagedserve.common.errors import RequestError
 from pagedserve.common.multimodal.families import DEFAULT_NUM_FRAMES
 from pagedserve.frontend.multimodal.chat_parts import MediaRef
-from pagedserve.frontend.multimodal.expansion import expander_for
+from pagedserve.frontend.multimodal.expansion import expander_for, item_runs
 from pagedserve.frontend.multimodal.expansion_items import Expansion
 from pagedserve.frontend.multimodal.media import MediaLimits, load_image
 from pagedserve.frontend.multimodal.video import SampledVideo, is_video_with_metadata, load_video, video_frames
@@ -83,6 +83,7 @@ class MultiModalProcessor:
         self.info = info
         self.media_limits = MediaLimits(allowed_local_media_path=info.allowed_local_media_path,
                                         max_image_bytes=max_media_bytes, max_video_bytes=max_media_bytes)
+        self.tokenizer = tokenizer
         self.expander = expander_for(info, tokenizer)
         self.image_processor = self.expander.image_processor
         self.image_token = self.expander.image_token
@@ -108,9 +109,10 @@ class MultiModalProcessor:
                                   "(--limit-mm-per-prompt)")
 
     def expand(self, token_ids: list[int], images: list[Any], field: str = _FIELD,
-               videos: list[Any] | None = None) -> tuple[list[int], list[MultiModalFeature]]:
+               videos: list[Any] | None = None, text: str | None = None) -> tuple[list[int], list[MultiModalFeature]]:
         """token_ids with one placeholder per image (and per video: its SampledVideo) -> expanded ids and the
-        items' features, in prompt order."""
+        items' features, in prompt order. text: the prompt's text, where token_ids were tokenized from it (a
+        family whose expansion puts text around each image re-tokenizes it)."""
         given = {"image": list(images), "video": list(videos or [])}
         marks = [(i, self.token_ids[t]) for i, t in enumerate(token_ids) if t in self.token_ids]
         for modality, items in given.items():
@@ -120,11 +122,15 @@ class MultiModalProcessor:
                 raise RequestError.at(field, f"the prompt holds {held} {self.tokens.get(modality)} placeholder(s) "
                                       f"for {len(items)} {modality}(s): give one per {modality}")
         pending = {m: iter(items) for m, items in given.items()}
+        processed = [(modality, *self._processed(modality, next(pending[modality]), field)) for _, modality in marks]
+        if text is not None and processed and all(e.text is not None for _, _, e in processed):
+            done = self._expand_text(token_ids, text, processed)
+            if done is not None:
+                return done
         ids: list[int] = []
         features = []
         prev = 0
-        for mark, modality in marks:
-            mm_hash, expansion = self._processed(modality, next(pending[modality]), field)
+        for (mark, _), (modality, mm_hash, expansion) in zip(marks, processed):
             ids.extend(token_ids[prev:mark])
             start = len(ids)
             features.extend(MultiModalFeature(modality=modality, mm_hash=item.hash(mm_hash, expansion.whole),
@@ -135,6 +141,32 @@ class MultiModalProcessor:
             prev = mark + 1
         ids.extend(token_ids[prev:])
         return ids, features
+
+    def _expand_text(self, token_ids: list[int], text: str, processed: list[tuple[str, str, Expansion]]
+                     ) -> tuple[list[int], list[MultiModalFeature]] | None:
+        """Expanded as HF's processor expands (Gemma 3): each placeholder of the text replaced by its image's
+        text, the whole tokenized again, so the added text merges with its neighbours ("USER: " + "\n\n" is
+        not the tokens of each); the special tokens the tokenizer added around the text (a BOS) are kept.
+        Each item is then the next run of its tokens. None where token_ids are not the text's (the caller
+        splices each image's own tokens in)."""
+        plain = self.tokenizer.encode(text, add_special_tokens=False)
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(processed):
+            return None
+        for k in range(min(4, len(token_ids) - len(plain)) + 1):       # the tokens added before the text
+            if token_ids[k:k + len(plain)] == plain:
+                break
+        else:
+            return None
+        wide = pieces[0] + "".join(e.text + piece for (_, _, e), piece in zip(processed, pieces[1:]))
+        ids = token_ids[:k] + self.tokenizer.encode(wide, add_special_tokens=False) + token_ids[k + len(plain):]
+        items = [(modality, mm_hash, e, item) for modality, mm_hash, e in processed for item in e.items]
+        runs = item_runs(ids, self.expander.item_token_id)
+        if len(runs) != len(items) or any(n != item.length for (_, n), (*_, item) in zip(runs, items)):
+            return None             # the text holds image tokens of its own
+        return ids, [MultiModalFeature(modality=modality, mm_hash=item.hash(mm_hash, e.whole), offset=start,
+                                       length=item.length, data=item.data, part=item.part)
+                     for (start, _), (modality, mm_hash, e, item) in zip(runs, items)]
 
     def _processed(self, modality: str, value: Any, field: str) -> tuple[str, Expansion]:
         if modality == "video":

@@ -2,7 +2,9 @@
 
 - CPU: a float cache read in place (kernels/attention/cpu_paged.py), decodes through the C kernel where it builds;
   the layers that path does not take (sliding window, soft-capping) attend through the reference.
-- TRITON: CUDA, one Triton launch for the whole mixed batch (kernels/attention/triton_paged.py).
+- TRITON: CUDA, one Triton launch for the whole mixed batch (kernels/attention/triton_paged.py); a step whose
+  tokens see past themselves (AttentionMetadata.visible_until: a Gemma 3 image's prefill) attends through the
+  reference.
 - TORCH_REFERENCE: the gather-and-mask oracle (kernels/attention/reference.py): CUDA without Triton or with
   PAGEDSERVE_KERNELS=torch (A/B checks against the kernels), and any fp8 cache off CUDA.
 """
@@ -54,6 +56,9 @@ class TritonAttentionImpl(AttentionImpl):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         self._write(key, value, k_cache, v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale)
+        if meta.visible_until is not None:      # widened rows (a Gemma 3 image's prefill): the kernel has no path
+            return attention_reference.paged_attention(query, k_cache, v_cache, meta, self.scale, self.sliding_window,
+                                                       self.logit_softcap, layer.k_scale, layer.v_scale)
         return self._attend(query, k_cache, v_cache, meta, self.scale, window=self.sliding_window,
                             softcap=self.logit_softcap, k_scale=layer.k_scale, v_scale=layer.v_scale)
 

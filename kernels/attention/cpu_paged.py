@@ -47,7 +47,8 @@ class PrefillSeq:
     hi: int
     length: int
     rows: torch.Tensor
-    mask: torch.Tensor | None        # [q, length] bool when earlier tokens are cached, else None
+    mask: torch.Tensor | None        # [q, length] bool when earlier tokens are cached or rows see past
+                                     # themselves (meta.visible_until), else None
     causal: bool                     # the whole sequence at once (q == length > 1): SDPA's own causal mask
 
 
@@ -166,6 +167,10 @@ def _build_plan(meta: AttentionMetadata, num_blocks: int, num_kv_heads: int, blo
             q_pos = torch.arange(length - (hi - lo), length, device=device)
             mask = torch.arange(length, device=device)[None, :] <= q_pos[:, None]
         causal = 1 < hi - lo == length
+        if meta.visible_until is not None and hi - lo > 1:      # rows that may see past themselves (item_bounds.py)
+            until = meta.visible_until[lo:hi]
+            if bool((until >= length - (hi - lo) + torch.arange(1, hi - lo + 1, device=device)).any()):
+                mask, causal = torch.arange(length, device=device)[None, :] <= until[:, None], False
         prefills.append(PrefillSeq(lo, hi, length, rows(meta.block_tables[i:i + 1], length), mask, causal))
     return StepPlan(tuple(decodes), tuple(prefills))
 

@@ -28,6 +28,11 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]  # host copies: the reference path loops over prefills in Python
     seq_lens_cpu: list[int]
     decode_query_len: int = 1       # query tokens of each decode: 1, or 1 + draft tokens when verifying
+    # [num_tokens] int64: the last key position each query token sees, where some token sees past itself (Gemma
+    # 3's image tokens see their whole image: executor/worker/multimodal/item_bounds.py); None: causal. A
+    # sliding window still bounds the keys from below by the token's own position. Only prefill chunks carry
+    # such tokens; the backends without a path for it attend such steps through the reference.
+    visible_until: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -59,8 +59,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for i in range(grouped, meta.num_seqs):
         lo, hi = starts[i], starts[i + 1]
         if hi > lo:
+            until = None if meta.visible_until is None else meta.visible_until[lo:hi]
             out[lo:hi] = _prefill_attention(query[lo:hi], k_cache, v_cache, meta.block_tables[i:i + 1],
-                                            meta.seq_lens_cpu[i], scale, window, softcap, k_scale, v_scale)
+                                            meta.seq_lens_cpu[i], scale, window, softcap, k_scale, v_scale, until)
     return out
 
 
@@ -117,7 +118,9 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_table: torch.Tensor, seq_len: int, scale: float, window: int | None = None,
-                       softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                       softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                       visible_until: torch.Tensor | None = None) -> torch.Tensor:
+    """visible_until [qlen]: each query row's last visible key (None: its own position, causal)."""
     qlen, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -128,7 +131,8 @@ def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # Query row i sits at absolute position seq_len - qlen + i and sees keys up to it.
     q_pos = torch.arange(seq_len - qlen, seq_len, device=query.device).repeat(group)
     key_pos = torch.arange(seq_len, device=query.device)[None, :]
-    mask = key_pos <= q_pos[:, None]
+    last = q_pos if visible_until is None else visible_until.to(q_pos.device, q_pos.dtype).repeat(group)
+    mask = key_pos <= last[:, None]
     if window is not None:
         mask = mask & (key_pos > q_pos[:, None] - window)
     out = _attend(q, keys, values, mask, scale, softcap)

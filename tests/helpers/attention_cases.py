@@ -34,8 +34,9 @@ def make_batch(seqs: list[tuple[int, int]], block_size: int, hkv: int, d: int, g
     return k_cache, v_cache, tables, meta
 
 
-def dense_attention(q, k, v, scale, window=None, softcap=None):
-    """q [n, Hq, D] at the last n positions of k/v [L, Hkv, D]; causal, optionally windowed and soft-capped."""
+def dense_attention(q, k, v, scale, window=None, softcap=None, until=None):
+    """q [n, Hq, D] at the last n positions of k/v [L, Hkv, D]; causal, optionally windowed and soft-capped.
+    until [n]: each query's last visible key (Gemma 3's image rows see their image's end), else its own."""
     n, hq, _ = q.shape
     L, hkv, _ = k.shape
     k = k.repeat_interleave(hq // hkv, dim=1)
@@ -44,7 +45,7 @@ def dense_attention(q, k, v, scale, window=None, softcap=None):
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     q_pos = torch.arange(L - n, L)[:, None]
-    hidden = torch.arange(L)[None, :] > q_pos
+    hidden = torch.arange(L)[None, :] > (q_pos if until is None else until[:, None])
     if window is not None:
         hidden = hidden | (torch.arange(L)[None, :] <= q_pos - window)
     scores = scores.masked_fill(hidden, float("-inf"))

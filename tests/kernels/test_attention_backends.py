@@ -91,6 +91,37 @@ def test_multi_token_decodes_match_dense(backend, case, window, softcap):
         torch.testing.assert_close(out[lo:hi], want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", [CpuAttentionBackend, TorchReferenceAttentionBackend])
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 1.5)])
+def test_rows_that_see_past_themselves_match_dense(backend, window, softcap):
+    """meta.visible_until (Gemma 3: an image's tokens see to its end) in a step of one-token decodes, a whole
+    prompt with two spans, a chunk over cached context with a span, and a chunk without one."""
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d, block_size = 6, 2, 32, 8
+    kv, tables, seqs, meta = _verify_batch([14, 9], 0, [(30, 30), (40, 20), (25, 5)], block_size, hkv, d, gen)
+    spans = {2: [(3, 13), (15, 25)], 3: [(22, 33)]}            # sequence -> item [start, end) positions
+    until = []
+    for i, (ctx, new) in enumerate(seqs):
+        for pos in range(ctx - new, ctx):
+            until.append(next((b - 1 for a, b in spans.get(i, []) if a <= pos < b), pos))
+    meta.visible_until = torch.tensor(until)
+    tokens = meta.query_start_loc_cpu[-1]
+    q, k, v = (torch.randn(tokens, h, d, generator=gen) for h in (hq, hkv, hkv))
+    layer = PagedAttention(hq, hkv, d, 1 / math.sqrt(d), sliding_window=window, logit_softcap=softcap)
+    layer.bind_kv_cache(kv, backend)
+    out = layer(q.flatten(1), k.flatten(1), v.flatten(1), meta).view(tokens, hq, d)
+    widened = False
+    for i, (ctx, _) in enumerate(seqs):
+        lo, hi = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        keys, values = gather(kv[0], tables[i], ctx), gather(kv[1], tables[i], ctx)
+        rows = meta.visible_until[lo:hi]
+        want = dense_attention(q[lo:hi], keys, values, 1 / math.sqrt(d), window, softcap, rows)
+        torch.testing.assert_close(out[lo:hi], want, rtol=1e-4, atol=1e-5)
+        causal = dense_attention(q[lo:hi], keys, values, 1 / math.sqrt(d), window, softcap)
+        widened |= not torch.allclose(causal, want, rtol=1e-4, atol=1e-5)
+    assert widened
+
+
 @pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler on this machine")
 def test_one_token_decodes_still_take_the_c_kernel():
     """The C decode kernel serves one-token decodes only; a verify step's decodes go the chunk path."""

@@ -27,6 +27,7 @@ _BY_ARCHITECTURE: dict[str, tuple[str, str]] = {
     "Idefics3ForConditionalGeneration": ("vision.idefics3", "Idefics3ForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("vision.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("vision.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Gemma3ForConditionalGeneration": ("vision.gemma3_mm", "Gemma3ForConditionalGeneration"),
 }
 # Pooling models (--runner pooling: common/pooler_config.py), tested against sentence-transformers and HF in
 # tests/executor/model/test_pooling_models.py rather than by generation parity.

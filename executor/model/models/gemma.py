@@ -158,9 +158,15 @@ class GemmaModel(nn.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ropes = nn.ModuleDict(ropes)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        h = h * _in_dtype(self.embed_scale, h.dtype)
+        return h * _in_dtype(self.embed_scale, h.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        # inputs_embeds (a vision-language model's, image rows merged in) are already scaled: HF scales the
+        # token embeddings only, never the projected image features
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         ropes = {kind: rope.cos_sin(positions, h.dtype) for kind, rope in self.ropes.items()}
         for layer in self.layers:
             h = layer(h, ropes[layer.kind], meta)
@@ -189,9 +195,16 @@ class _GemmaForCausalLM(LoadableModel):
         rope = get_rope(cfg, _head_dim(cfg))
         return {SLIDING: rope, FULL: rope}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]."""
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate: Any = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden_size]; inputs_embeds [T, hidden]
+        (scaled, as embed_input_ids makes them) replace the embeddings of input_ids. One pipeline stage, so
+        there is never an intermediate."""
+        return self.model(input_ids, positions, meta, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The scaled token embeddings [T, hidden] the layers start from."""
+        return self.model.embed(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size], soft-capped where the model says so."""

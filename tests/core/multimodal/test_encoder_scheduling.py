@@ -17,7 +17,7 @@ BS = 4
 ITEM = 8        # placeholder tokens per image
 
 
-def make_scheduler(budget=64, cache_tokens=16, encoder_budget=None, num_blocks=64, chunked=True):
+def make_scheduler(budget=64, cache_tokens=16, encoder_budget=None, num_blocks=64, chunked=True, bidirectional=False):
     kv = KVCacheManager(num_blocks, BS, True)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16, max_model_len=256, policy="fcfs",
                           enable_chunked_prefill=chunked, max_waiting_requests=None, async_scheduling=False,
@@ -25,7 +25,8 @@ def make_scheduler(budget=64, cache_tokens=16, encoder_budget=None, num_blocks=6
     mm = MultiModalConfig(limit_per_prompt={"image": 4}, processor_kwargs={}, processor_cache_gb=0.0,
                           allowed_local_media_path=None, max_tokens_per_item=ITEM,
                           item_rules={"image": ItemRule({"pixel_values": [1]})},
-                          encoder_budget=encoder_budget or cache_tokens, encoder_cache_size=cache_tokens)
+                          encoder_budget=encoder_budget or cache_tokens, encoder_cache_size=cache_tokens,
+                          bidirectional_items=bidirectional)
     return Scheduler(cfg, kv, multimodal=mm)
 
 
@@ -162,3 +163,45 @@ def test_a_chunk_over_a_new_item_then_a_cached_one_stops_between_them_when_both_
     assert [i.mm_hash for i in out.encoder_inputs] == ["x"] and out.num_scheduled_tokens["a"] == offs[1]
     while sched.requests:          # and it finishes: y is encoded again once x is done with
         step(sched)
+
+
+# ---------------------------------------------------------------- whole items (Gemma 3's bidirectional images)
+
+def scheduled_ranges(sched: Scheduler, rid: str) -> list[tuple[int, int]]:
+    """Run to the end of the prompt; each step's [start, end) of the request."""
+    ranges = []
+    while sched.requests[rid].num_computed_tokens < sched.requests[rid].num_prompt_tokens:
+        start = sched.requests[rid].num_computed_tokens
+        n = step(sched).num_scheduled_tokens.get(rid, 0)
+        ranges.append((start, start + n))
+    return ranges
+
+
+def test_a_bidirectional_family_never_splits_an_item_over_chunks():
+    ids, offsets = prompt_with(images=2, text=3)        # items at 3 and 14, 8 tokens each
+    for bidirectional in (False, True):
+        sched = make_scheduler(budget=10, cache_tokens=32, bidirectional=bidirectional)
+        sched.add_request(make_request("r", ids, [image(f"h{k}", o) for k, o in enumerate(offsets)]))
+        ranges = scheduled_ranges(sched, "r")
+        split = [o for o in offsets for a, b in ranges if a < o + ITEM and o < b and not (a <= o and o + ITEM <= b)]
+        if bidirectional:
+            assert not split and ranges[0] == (0, 3) and (3, 13) in ranges
+        else:
+            assert split                      # plain chunked prefill cuts an item at the budget
+
+
+def test_a_prefix_hit_ending_inside_an_item_is_cut_back_before_it():
+    # 3 text tokens, an item at 3..10, one text token: a repeat's hit may take 2 blocks of 4 (the last token
+    # must run), which would end at 8, inside the item; a bidirectional family's hit stops at the item's start,
+    # rounded down to whole blocks: 0
+    ids = [1, 2, 3] + [99] * ITEM + [4]
+    for bidirectional, want in ((False, 8), (True, 0)):
+        sched = make_scheduler(cache_tokens=32, bidirectional=bidirectional)
+        sched.add_request(make_request("a", ids, [image("h", 3)], max_tokens=1))
+        while sched.requests:
+            step(sched)
+        sched.add_request(make_request("b", ids, [image("h", 3)]))
+        out = sched.schedule()
+        assert sched.requests["b"].num_cached_tokens == want
+        assert out.num_scheduled_tokens["b"] == len(ids) - want
+        assert sched.kv.prefix_stats.hits == want

@@ -25,9 +25,9 @@ GREEDY_NEW_TOKENS = 16
 CASES = list(ARCH_CASES)
 ENGINE_CASES = [name for name, case in ARCH_CASES.items() if case.engine]
 # Image-and-text models, checked against HF with images merged in: test_llava.py, test_idefics3.py,
-# test_qwen2_vl.py.
+# test_qwen2_vl.py, test_gemma3_mm.py.
 MULTIMODAL = {"LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-              "Qwen2_5_VLForConditionalGeneration"}
+              "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration"}
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Images through the whole engine (offline LLM: frontend processing, core scheduling, workers' encoder) at
 token parity with HF transformers, for each family (Llava: one item per image; Idefics3: one per sub-image;
-Qwen2-VL and Qwen2.5-VL: one per image, of its own size, with M-RoPE positions), across batching, chunked
-prefill, preemption and prefix hits."""
+Qwen2-VL and Qwen2.5-VL: one per image, of its own size, with M-RoPE positions; Gemma 3: one per image, its
+tokens attending to each other both ways), across batching, chunked prefill, preemption and prefix hits."""
 from __future__ import annotations
 
 import base64
@@ -16,7 +16,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.errors import RequestError
-from pagedserve.tests.helpers import tiny_qwen2_vl
+from pagedserve.tests.helpers import tiny_gemma3, tiny_qwen2_vl
 from pagedserve.tests.helpers.tiny_vlm import IMAGE_TOKEN, make_tiny_idefics3, make_tiny_llava, random_image
 
 MAX_NEW = 8
@@ -57,6 +57,12 @@ FAMILIES = [
            dict(max_num_batched_tokens=24, max_model_len=256),
            dict(num_gpu_blocks_override=7, block_size=16, max_model_len=112),
            dict(tensor_parallel_size=2, max_model_len=256), tiny_qwen2_vl.IMAGE, tiny_qwen2_vl.hf_processor),
+    # prompts of 30, 49, 72 and 12 tokens (16 tokens an image, attended both ways); chunks of 20 stop before
+    # an image rather than split it; 11 blocks of 8 hold the first two prompts, whose decoding then preempts
+    Family("gemma3", tiny_gemma3.make_tiny_gemma3, "Gemma3ForConditionalGeneration",
+           dict(max_num_batched_tokens=20, max_model_len=128),
+           dict(num_gpu_blocks_override=11, block_size=8, max_model_len=88),
+           dict(tensor_parallel_size=2, max_model_len=256), tiny_gemma3.IMAGE),
 ]
 
 
