@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kernels.cpu import int4_pack
 from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.weights.weight_intn import IntNWeight
 from pagedserve.kernels.weights.weight_only import Int4Weight, Int8Weight
@@ -31,7 +32,8 @@ class _Linear(ctypes.Structure):
 _Linear._fields_ = [("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                     ("group", ctypes.c_int64), ("chunks", ctypes.c_int64), ("w", ctypes.c_void_p),
                     ("scales", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("sz_form", ctypes.c_int64),
-                    ("bits", ctypes.c_int64), ("parts", ctypes.POINTER(_Linear)), ("num_parts", ctypes.c_int64)]
+                    ("bits", ctypes.c_int64), ("layout", ctypes.c_int64), ("parts", ctypes.POINTER(_Linear)),
+                    ("num_parts", ctypes.c_int64)]
 
 
 class _Lora(ctypes.Structure):
@@ -112,15 +114,16 @@ def _linear(w: WeightOnly, n: int, k: int, bias: torch.Tensor | None, keep: list
             return None
         array = (_Linear * len(parts))(*parts)
         keep.append(array)
-        return _Linear(_LINEAR_SPLIT, n, k, 0, 0, None, None, None, 0, 0,
+        return _Linear(_LINEAR_SPLIT, n, k, 0, 0, None, None, None, 0, 0, 0,
                        ctypes.cast(array, ctypes.POINTER(_Linear)), len(parts))
     ptr = 0 if bias is None else bias.data_ptr()
     if isinstance(w, Int4Weight):
         if (w.out_features, w.in_features) != (n, k) or n % 64 or w.packed.device.type != "cpu" \
                 or not (w.packed.is_contiguous() and w.scales_and_zeros.is_contiguous()):
             return None
+        # the pack is the form this process's torch writes (weight_only.py packs with it)
         return _Linear(_LINEAR_INT4, n, k, w.group_size, 1, w.packed.data_ptr(), w.scales_and_zeros.data_ptr(), ptr,
-                       w.sz_form, 4)
+                       w.sz_form, 4, int4_pack.pack_layout())
     if isinstance(w, IntNWeight):
         if (w.out_features, w.in_features) != (n, k) or w.packed.device.type != "cpu" \
                 or not (w.packed.is_contiguous() and w.scales_and_zeros.is_contiguous()):
@@ -164,13 +167,20 @@ class CpuDecodeStep:
         self.max_rows = int(lib.ps_decode_step_max_rows())
         self.lora_slots = lora_slots        # adapter slots every linear holds (0: the step takes no LoRA rows)
 
+    @staticmethod
+    def runs_here() -> bool:
+        """Whether this process builds the step at all: where the C kernels it calls have their vector paths
+        for the int4 pack form torch writes here (decode_step.c's ps_decode_step_layouts: AVX-512 over the
+        AVX-512 form, AVX2 + FMA over the AVX2 one). Elsewhere its portable loops are slower than the PyTorch
+        layers."""
+        lib = cpu_native.library()
+        return lib is not None and bool(lib.ps_decode_step_layouts() >> int4_pack.pack_layout() & 1)
+
     @classmethod
     def build(cls, w: DecoderWeights) -> CpuDecodeStep | None:
-        lib = cpu_native.library()
-        # its int4 layers read torch's AVX-512 pack alone (kernels/cpu/int4_pack.py)
-        if (lib is None or not lib.ps_gemv_vectorized() or not w.layers
-                or int4_pack.pack_layout() != int4_pack.PACK_AVX512):
+        if not w.layers or not cls.runs_here():
             return None
+        lib = cpu_native.library()
         hidden, d = w.final_norm.numel(), w.head_dim
         hq, hkv = w.num_heads, w.num_kv_heads
         cache = w.layers[0].kv_cache

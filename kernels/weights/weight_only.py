@@ -169,14 +169,14 @@ def dense_path(x2: torch.Tensor, min_rows: int) -> bool:
 
 
 class _Native(NamedTuple):
-    gemv: bool              # the AVX-512 GEMVs of kernels/cpu/csrc/gemv.c
+    gemv: bool              # the vector int8 GEMV of kernels/cpu/csrc/gemv_int8.c (AVX-512 or AVX2)
     int4_gemm: bool         # the AVX512-VNNI int4 GEMM of kernels/cpu/csrc/gemm_int4.c
     int4_gemm_min_rows: int  # rows from which it beats the GEMV (gemm_int4.h says why)
     int4_gemm_int8: bool    # its int8-input form (gemm_int4_s8.c), for INT4_INT8_MIN_ROWS rows and more
     # that form's entry point: ps_gemm_int4_s8 takes AMX tiles where the CPU has them (gemm_int4_amx.c, the same
     # bits as the VNNI tile), ps_gemm_int4_s8_vnni never does (PAGEDSERVE_CPU_AMX=0, read once)
     int4_gemm_int8_kernel: str = "ps_gemm_int4_s8"
-    int4_gemv: bool = False  # the AVX-512 int4 GEMV: gemv, on a pack in the form it reads
+    int4_gemv: bool = False  # a vector int4 GEMV for the pack form torch writes here (AVX-512 or AVX2)
 
 
 @functools.lru_cache(maxsize=1)
@@ -185,13 +185,14 @@ def _native() -> _Native:
     lib = cpu_native.library()
     if lib is None:
         return _Native(False, False, 0, False)
-    # The vector int4 kernels read torch's AVX-512 pack alone (kernels/cpu/int4_pack.py): where torch writes
-    # another, its own kernel keeps the int4 calls.
-    vector_pack = int4_pack.pack_layout() == int4_pack.PACK_AVX512
-    return _Native(bool(lib.ps_gemv_vectorized()), vector_pack and bool(lib.ps_gemm_int4_vectorized()),
+    # The int4 GEMMs read torch's AVX-512 pack alone, the GEMV the AVX-512 or AVX2 one as built
+    # (kernels/cpu/int4_pack.py): where torch writes another, its own kernel keeps those int4 calls.
+    layout = int4_pack.pack_layout()
+    vector_pack = layout == int4_pack.PACK_AVX512
+    return _Native(bool(lib.ps_gemv_int8_vectorized()), vector_pack and bool(lib.ps_gemm_int4_vectorized()),
                    int(lib.ps_gemm_int4_min_rows()), vector_pack and bool(lib.ps_gemm_int4_s8_built()),
                    "ps_gemm_int4_s8" if envs.PAGEDSERVE_CPU_AMX else "ps_gemm_int4_s8_vnni",
-                   vector_pack and bool(lib.ps_gemv_vectorized()))
+                   bool(lib.ps_gemv_int4_layouts() >> layout & 1))
 
 
 def int4_dense_min_rows(w: Int4Weight | None = None) -> int:
@@ -208,7 +209,7 @@ def int4_dense_min_rows(w: Int4Weight | None = None) -> int:
 
 
 def _gemv_path(x2: torch.Tensor, int4: bool = False) -> bool:
-    """A CPU call of a few rows that the AVX-512 GEMV of kernels/cpu/csrc/gemv.c takes (float32, weight read once
+    """A CPU call of a few rows that a vector GEMV of kernels/cpu/csrc/gemv.c takes (float32, weight read once
     for all rows; torch's int8 kernel reads it once per row and wants bfloat16 activations)."""
     native = _native()
     return x2.device.type == "cpu" and x2.shape[0] <= GEMV_MAX_ROWS and (native.int4_gemv if int4 else native.gemv)

@@ -1,7 +1,8 @@
 """The C GEMVs (kernels/cpu/csrc/gemv.c) and the one-call decode step (kernels/cpu/csrc/decode_step.c).
 
 GEMVs: against a float64 matmul of the exact weights the packed forms hold, for every row count they take,
-through the AVX-512 build (where the CPU has it) and a portable build of the same sources.
+through this machine's build (AVX-512 or AVX2 + FMA, where the CPU has it), a portable build of the same sources
+and an AVX2 one.
 Decode step: against the PyTorch path on the same int8 weights (PAGEDSERVE_CPU_DECODE_STEP=0): the same
 greedy tokens and logprobs up to float32 summation order, for Llama (GQA), Qwen2 (q/k/v biases) and Qwen3
 (q/k norms), alone, a few at once, and in batches that move between the two paths. The embedded model's
@@ -26,8 +27,13 @@ from pagedserve.tests.helpers.int4_cases import assert_float64_close as _close, 
 from pagedserve.tests.helpers.tiny_models import make_tiny_model, random_prompts
 
 LIB = cpu_native.library()
-VECTORIZED = LIB is not None and bool(LIB.ps_gemv_vectorized())
-needs_c_step = pytest.mark.skipif(not VECTORIZED, reason="the C step needs the AVX-512 build of the CPU kernels")
+# The GEMVs weight_only.py calls where they have a vector path for this process's int4 pack form, and the step where
+# all its kernels do (CpuDecodeStep.runs_here, the rule the engine follows).
+GEMVS = (LIB is not None and bool(LIB.ps_gemv_int8_vectorized())
+         and bool(LIB.ps_gemv_int4_layouts() >> int4_pack.pack_layout() & 1))
+needs_gemvs = pytest.mark.skipif(not GEMVS, reason="needs the vector GEMVs (AVX-512, or AVX2 + FMA) for this int4 pack")
+needs_c_step = pytest.mark.skipif(not cpu_decode_step.CpuDecodeStep.runs_here(),
+                                  reason="the C step needs the AVX-512 or AVX2 + FMA build of the CPU kernels")
 
 
 def _int8_case(out: int, cols: int, chunk: int | None, seed: int) -> tuple[weight_only.Int8Weight, torch.Tensor]:
@@ -38,18 +44,19 @@ def _int8_case(out: int, cols: int, chunk: int | None, seed: int) -> tuple[weigh
     return w, dense
 
 
-@needs_c_step
+@needs_gemvs
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("out,cols,group", [(64, 64, 32), (192, 576, 32), (128, 256, 128)])
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_int4_gemv_matches_the_weights(rows, out, cols, group, symmetric):
     w, dense = _int4_case(out, cols, group, seed=rows + out, symmetric=symmetric)
-    assert w.scales_and_zeros.shape[-1] == (1 if symmetric else 2)
+    # scales alone only where our kernels take every int4 call (the GEMM too: torch's kernel reads pairs)
+    assert w.scales_and_zeros.shape[-1] == (1 if symmetric and weight_only._native().int4_gemm else 2)
     x = torch.randn(rows, cols)
     _close(weight_only._int4_gemv(x, w), x, dense)      # int4_linear takes the integer GEMM where it is built
 
 
-@needs_c_step
+@needs_gemvs
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 13, 15])
 @pytest.mark.parametrize("out,cols,chunk", [(80, 64, 32), (37, 200, None), (1000, 96, 32), (96, 128, 16),
                                             (48, 48, 16), (1100, 64, 16)])
@@ -63,7 +70,7 @@ def test_int8_gemv_matches_the_weights(rows, out, cols, chunk):
     _close(weight_only.int8_linear(x, w), x, dense, int16_inputs=True)
 
 
-@needs_c_step
+@needs_gemvs
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("cols", [8192, 8256])
 def test_int8_whole_rows_reach_their_largest_sums(rows, cols):
@@ -75,7 +82,7 @@ def test_int8_whole_rows_reach_their_largest_sums(rows, cols):
     assert torch.allclose(y, torch.full((rows, 32), 127.0 * cols), rtol=1e-5)
 
 
-@needs_c_step
+@needs_gemvs
 @pytest.mark.parametrize("out,cols,chunk", [(80, 64, 32), (1000, 96, 32), (37, 200, None), (96, 128, 16),
                                             (1100, 64, 16)])
 def test_int8_gemv_gives_a_row_the_same_bits_whatever_rows_run_beside_it(out, cols, chunk):
@@ -88,15 +95,27 @@ def test_int8_gemv_gives_a_row_the_same_bits_whatever_rows_run_beside_it(out, co
         assert torch.equal(weight_only._int8_gemv(x[:rows], w), alone[:rows]), rows
 
 
+def _has_avx2() -> bool:
+    from pagedserve.common.config.dtype import cpuinfo_field
+    return {"avx2", "fma", "f16c"} <= set((cpuinfo_field("flags") or "").split())
+
+
 @pytest.mark.skipif(LIB is None or platform.machine() != "x86_64" or shutil.which("cc") is None,
                     reason="needs the C compiler on x86-64")
-def test_portable_build_gemvs(tmp_path):
-    """The same sources built for AVX2 only: the portable loops give the same results (and say so)."""
-    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in cpu_native._COMPILE_FLAGS)
+@pytest.mark.parametrize("march,layouts", [("x86-64-v2", 0), ("x86-64-v3", 1 << int4_pack.PACK_AVX2)])
+def test_portable_build_gemvs(tmp_path, march, layouts):
+    """The same sources built without AVX2 (the portable loops) and with AVX2 + FMA alone (its vector paths for
+    the AVX2 pack, the portable loop for the other forms): the same results, and each says what it has."""
+    if layouts and not _has_avx2():
+        pytest.skip("the AVX2 build needs a CPU with AVX2, FMA and F16C")
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_native._COMPILE_FLAGS)
     target = str(tmp_path / "portable.so")
     cpu_native._build(shutil.which("cc"), sorted(glob.glob(os.path.join(cpu_native._SOURCES, "*.c"))), target, flags)
     lib = cpu_native.load(target)
-    assert lib.ps_gemv_vectorized() == 0
+    assert lib.ps_gemv_int4_layouts() == layouts
+    assert lib.ps_gemv_int8_vectorized() == bool(layouts)
+    assert lib.ps_decode_attention_vectorized() == bool(layouts)
+    assert lib.ps_decode_step_layouts() == layouts
     assert lib.ps_gemm_int4_vectorized() == 0          # no VNNI: it says so, and declines every call
     w4, dense4 = _int4_case(128, 96, 32, seed=1)
     w8, dense8 = _int8_case(40, 96, 32, seed=2)

@@ -19,8 +19,9 @@ from pagedserve import LLM
 from pagedserve.executor.model.quant.gguf_blocks import decode_gguf_tensor
 from pagedserve.executor.model.quant.packing import pack_linear
 from pagedserve.kernels.cpu import dequant as cpu_dequant
+from pagedserve.kernels.cpu import int4_pack
 from pagedserve.kernels.cpu import native as cpu_native
-from pagedserve.kernels.cpu.int4_pack import PACK_AVX512
+from pagedserve.kernels.cpu.int4_pack import PACK_AVX2, PACK_AVX512
 from pagedserve.kernels.weights import weight_only
 from pagedserve.kernels.weights.weight_kquant import k_form_scale_offset, k_form_scales
 from pagedserve.tests.helpers.gguf_blocks import random_gguf_weight
@@ -132,3 +133,20 @@ def test_a_q4_k_model_runs_the_c_step_as_the_pytorch_layers_do(tmp_path):
         with_step = greedy(llm)
         runner.decode_step = None
         assert greedy(llm) == with_step
+
+
+@pytest.mark.skipif(LIB is None or not LIB.ps_gemv_int4_layouts() >> PACK_AVX2 & 1,
+                    reason="the AVX2 int4 GEMV needs a CPU with AVX2, FMA and F16C")
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_the_avx2_gemv_reads_the_k_form(rows):
+    """The AVX2 GEMV (gemv_avx2.c) over the K form in torch's AVX2 pack, built here whatever this machine's pack
+    (the loader keeps the K form only where the int4 GEMM runs, so no model reaches it on AVX2 yet)."""
+    piece = _q4_k(192, 1024, False)
+    sz = k_form_scales(piece.scale, piece.offset)
+    assert sz is not None
+    w = weight_only.Int4Weight(int4_pack.pack_codes(piece.q, PACK_AVX2), sz, 32, 192, 1024)
+    assert w.sz_form == cpu_native.SZ_K
+    dense = piece.dequantize().double()
+    x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows))
+    offsets = 8 * piece.scale.double().abs().repeat_interleave(32, 1)
+    assert_float64_close(_native("ps_gemv_int4", w, x, PACK_AVX2), x, dense, offsets=offsets)

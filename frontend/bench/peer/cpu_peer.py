@@ -13,7 +13,9 @@ quantization field):
                                 ids to /completion (n_predict, ignore_eos, cache_prompt false), 16 in flight
   hf[:batch=16,dtype=bfloat16]  HF transformers, static batches
   pagedserve[-NAME][:k=v,...]   pagedserve's LLM on the GGUF; k=v sets any EngineArgs field (engine-serve's
-                                flag names with _, e.g. pagedserve-int8:quantization=int8,max_num_seqs=64)
+                                flag names with _, e.g. pagedserve-int8:quantization=int8,max_num_seqs=64);
+                                env.NAME=value sets an environment variable of its process, e.g.
+                                pagedserve-nostep:env.PAGEDSERVE_CPU_DECODE_STEP=0
 
 Every engine run appends one JSON line to --result-file; the tables are printed.
 
@@ -101,6 +103,7 @@ def child_main(payload: str) -> None:
     """In the child (child.py): one pagedserve or HF engine's run, reported to the parent."""
     job = json.loads(payload)
     engine, cfg = job["engine"], job["cfg"]
+    os.environ.update(engine.get("env", {}))       # read lazily (common/envs.py): before the engine starts
     run = run_pagedserve if engine["kind"] == "pagedserve" else run_hf
     result = run(cfg, engine["options"])
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -42,7 +42,13 @@ def parse_engine(text: str) -> dict[str, Any]:
         _check_hf_options(name, options)
     elif name.startswith("pagedserve"):
         kind = "pagedserve"
-        options = engine_args_overrides(name, options)
+        # env.NAME=value: an environment variable of this engine's child process alone (A/B switches such as
+        # PAGEDSERVE_CPU_DECODE_STEP, which are no EngineArgs fields)
+        env = {key[4:]: options.pop(key) for key in [k for k in options if k.startswith("env.")]}
+        if any(not key for key in env):
+            raise ValueError(f"engine {name!r}: env. needs a variable name (env.NAME=value)")
+        spec = {"name": name, "kind": kind, "options": engine_args_overrides(name, options)}
+        return {**spec, "env": env} if env else spec
     else:
         raise ValueError(f"engine {name!r}: the name must be llama.cpp, hf[-...] or pagedserve[-...]")
     return {"name": name, "kind": kind, "options": options}

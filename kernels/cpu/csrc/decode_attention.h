@@ -20,4 +20,7 @@ typedef struct {
 /* Sequence seq's query heads that share KV head `head`: one (sequence, KV head) task. */
 void ps_decode_task(const DecodeJob *j, int64_t seq, int64_t head);
 
+/* 1 where this build has vector loops for the usual head sizes (AVX-512: d % 64 == 0; AVX2: d % 32 == 0). */
+int ps_decode_attention_vectorized(void);
+
 #endif

@@ -29,6 +29,7 @@ typedef struct LinearDesc {
     const float *bias;                      /* [n] or NULL */
     int64_t sz_form;                        /* int4, 5-6 bit: GemvInt4.sz_form */
     int64_t bits;                           /* 5-6 bit: GemvIntN.bits */
+    int64_t layout;                         /* int4: GemvInt4.layout, the form torch wrote the pack in */
     const struct LinearDesc *parts;         /* split: the parts' descriptions, side by side in y (no bias here) */
     int64_t num_parts;
 } LinearDesc;
@@ -92,9 +93,10 @@ static void aim(Ahead *ahead, const LinearDesc *l, int tid, int threads) {
 static void form_part(const LinearDesc *l, const float *x, int64_t rows, float *y, int tid, int threads,
                       int64_t *a, int64_t *b) {
     if (l->kind == LINEAR_INT4) {
-        const GemvInt4 w = {(const uint8_t *)l->w, l->scales, l->n, l->k, l->group, l->sz_form, PACK_AVX512};
+        const GemvInt4 w = {(const uint8_t *)l->w, l->scales, l->n, l->k, l->group, l->sz_form, l->layout};
         split(l->n / 64, tid, threads, a, b);
-        if (ps_gemm_int4_part(&w, x, rows, y, *a, *b))           /* 1 row without VBMI: the GEMV, 8 rows a call */
+        /* the GEMM reads the AVX-512 form alone; 1 row without VBMI: the GEMV, 8 rows a call */
+        if (l->layout != PACK_AVX512 || ps_gemm_int4_part(&w, x, rows, y, *a, *b))
             for (int64_t t = 0; t < rows; t += GEMV_MAX_ROWS)
                 ps_gemv_int4_blocks(&w, x + t * l->k, rows - t < GEMV_MAX_ROWS ? rows - t : GEMV_MAX_ROWS,
                                     y + t * l->n, *a, *b);
@@ -343,6 +345,13 @@ int64_t ps_decode_step_scratch(const ModelDesc *m, int64_t rows, int64_t threads
    step outside the linears: norms, rotary, SiLU, cache writes, attention launches); elsewhere the GEMV's 8. */
 enum { DECODE_STEP_MAX_ROWS = 32 };
 int ps_decode_step_max_rows(void) { return ps_gemm_int4_vectorized() ? DECODE_STEP_MAX_ROWS : GEMV_MAX_ROWS; }
+
+/* The int4 pack forms (bit PACK_x) for which every kernel a step calls has its vector path here: the int4 GEMV
+   of that form, the int8 GEMV and the attention (5/6-bit layers exist only where their GEMM is built, and
+   LoRA's loops are plain C elsewhere). Where a form is not here the PyTorch layers are faster than the step. */
+int ps_decode_step_layouts(void) {
+    return ps_gemv_int8_vectorized() && ps_decode_attention_vectorized() ? ps_gemv_int4_layouts() : 0;
+}
 
 /* One decode step: hidden [rows, hidden] holds the embeddings and receives the final-normed states;
    lora_slots [rows] each row's adapter slot (-1: none) or NULL. Returns 0 on success, 2 for shapes this path

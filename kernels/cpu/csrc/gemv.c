@@ -105,6 +105,12 @@ void ps_gemv_int4_blocks(const GemvInt4 *w, const float *x, int64_t rows, float 
         return;
     }
 #endif
+#if GEMV_INT4_AVX2
+    if (w->layout == PACK_AVX2) {
+        ps_gemv_int4_blocks_avx2(w, x, rows, y, nb0, nb1);
+        return;
+    }
+#endif
     int4_blocks_portable(w, x, rows, y, nb0, nb1);
 }
 
@@ -150,12 +156,11 @@ int ps_gemv_int8(const int8_t *q, const uint16_t *scale, int64_t chunks, int64_t
     return run_gemv(NULL, &w, x, rows, y, n, threads);
 }
 
-/* 1 where the GEMVs above were built with their AVX-512 paths (the portable loops are slower than torch's
-   own kernels, so callers only choose these where this says 1). */
-int ps_gemv_vectorized(void) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)   /* gemv_int8.c's INT8_I16 too */
-    return 1;
-#else
-    return 0;
-#endif
+/* What the GEMVs above were built with a vector path for (the portable loops are slower than torch's own
+   kernels, so callers only choose these where these say so): the int4 pack forms, then int8. The AVX-512 int4
+   path is counted with gemv_int8.c's (AVX512BW/VL), as the one flag these replace counted them. */
+int ps_gemv_int4_layouts(void) {
+    return (GEMV_INT8_AVX512 ? 1 << PACK_AVX512 : 0) | (GEMV_INT4_AVX2 ? 1 << PACK_AVX2 : 0);
 }
+
+int ps_gemv_int8_vectorized(void) { return GEMV_INT8_AVX512 || GEMV_INT8_AVX2; }

@@ -17,7 +17,8 @@ enum { SZ_K_GROUPS = 8 };          /* groups that share a super-scale: Q4_K's 25
 /* torch's CPU int4 pack follows the CPU dispatch torch runs (aten's weight_to_int4pack_kernel). Under AVX-512:
    blocks of 64 output channels, [n / 64, k, 32] bytes, byte j of a column holding channel j in its low nibble
    and j + 32 in its high one. Under AVX2: blocks of 32, [n / 32, k, 16], channels j and j + 16. Without either:
-   blocks of 32 whose byte j holds channels 2j and 2j + 1. The vector kernels read the AVX-512 form alone;
+   blocks of 32 whose byte j holds channels 2j and 2j + 1. The AVX-512 kernels read the AVX-512 form, the AVX2
+   GEMV (gemv_avx2.c) the AVX2 one (ps_gemv_int4_layouts says which this build has);
    kernels/cpu/int4_pack.py finds which form this process's torch writes. */
 enum { PACK_AVX512 = 0, PACK_AVX2 = 1, PACK_PLAIN = 2 };
 
@@ -34,12 +35,12 @@ static inline int ps_int4_code(const uint8_t *packed, int64_t layout, int64_t k,
 }
 
 typedef struct {
-    const uint8_t *packed;     /* torch's CPU int4 pack, in form `layout` (the vector kernels: PACK_AVX512 alone) */
+    const uint8_t *packed;     /* torch's CPU int4 pack, in form `layout` */
     const uint16_t *sz;        /* the group scales, in form sz_form */
     int64_t n, k, group;
     int64_t sz_form;           /* SZ_SCALES: symmetric groups (GGUF Q4_0), zero 0 and not stored; SZ_PAIRS: bfloat16
                                   (scale, zero) [k / group, n, 2]; SZ_K: see above */
-    int64_t layout;            /* PACK_*: left 0 (PACK_AVX512) by the kernels that read no other */
+    int64_t layout;            /* PACK_*: PACK_AVX512 for the kernels that read no other (the GEMMs) */
 } GemvInt4;
 
 /* Whether the kernels take scales of this form for k input columns in groups of `group`. */
@@ -128,5 +129,31 @@ typedef struct {
    x [rows, k] and y [rows, n] are float32, row-major. */
 void ps_gemv_int4_blocks(const GemvInt4 *w, const float *x, int64_t rows, float *y, int64_t nb0, int64_t nb1);
 void ps_gemv_int8_rows(const GemvInt8 *w, const float *x, int64_t rows, float *y, int64_t r0, int64_t r1);
+
+/* The AVX2 + FMA kernels (gemv_avx2.c). The int4 one reads PACK_AVX2 and is built wherever the CPU has AVX2
+   (the pack's form picks it); the int8 one where gemv_int8.c's AVX-512 path is not. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GEMV_INT4_AVX2 1
+void ps_gemv_int4_blocks_avx2(const GemvInt4 *w, const float *x, int64_t rows, float *y, int64_t nb0, int64_t nb1);
+#else
+#define GEMV_INT4_AVX2 0
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define GEMV_INT8_AVX512 1
+#define GEMV_INT8_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GEMV_INT8_AVX512 0
+#define GEMV_INT8_AVX2 1
+/* 0 on success, 1 out of memory (nothing written). */
+int ps_gemv_int8_rows_avx2(const GemvInt8 *w, const float *x, int64_t rows, float *y, int64_t r0, int64_t r1);
+#else
+#define GEMV_INT8_AVX512 0
+#define GEMV_INT8_AVX2 0
+#endif
+
+/* Bit PACK_x set where the int4 GEMV has a vector path for torch's pack form x (0: the portable loop alone). */
+int ps_gemv_int4_layouts(void);
+/* 1 where the int8 GEMV has a vector path (AVX-512 or AVX2). */
+int ps_gemv_int8_vectorized(void);
 
 #endif

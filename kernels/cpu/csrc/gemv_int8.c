@@ -305,6 +305,9 @@ static float int8_dot_i16(const int8_t *q, const int16_t *x, int64_t k) {
 void ps_gemv_int8_rows(const GemvInt8 *w, const float *x, int64_t rows, float *y, int64_t r0, int64_t r1) {
     const int64_t chunks = w->chunks, n = w->n, chunk = w->chunk, k = chunks * chunk;
     int64_t r = r0;
+#if GEMV_INT8_AVX2
+    if (!ps_gemv_int8_rows_avx2(w, x, rows, y, r0, r1)) return;     /* out of memory: the loop below */
+#endif
 #ifdef INT8_I16
     if (r1 - r0 >= 16) {
         enum { STACK_VALUES = 16384 };

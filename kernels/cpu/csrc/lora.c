@@ -104,6 +104,75 @@ INLINE void expand_block(const void *b, const float *const *xps, int64_t rank, i
     if (m == BLOCK * LANES) expand_masked(b, xps, rank, out, yts, m, TK, BF16, 0);
     else expand_masked(b, xps, rank, out, yts, m, TK, BF16, 1);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* The same blocks in eight lanes (AVX2 has no masked 16-bit loads: a row's last few elements go through a
+   buffer). Each token's sums are made as for any TK, so its bits do not depend on the tokens beside it. */
+
+/* 8 elements from i on as float32 (the first m where m < 8, the rest 0): of a weight (BF16 as above) or of x. */
+INLINE __m256 load8(const void *w, int64_t i, int64_t m, const int BF16) {
+    if (m >= 8) {
+        if (!BF16) return _mm256_loadu_ps((const float *)w + i);
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    float buf[8] = {0};
+    for (int64_t e = 0; e < m; ++e) buf[e] = BF16 ? bf16_to_f32(((const uint16_t *)w)[i + e]) : ((const float *)w)[i + e];
+    return _mm256_loadu_ps(buf);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+INLINE void dot_block(const void *a, int64_t in, const float *const *xs, float *out, int64_t ld, const int R,
+                      const int TK, const int BF16) {
+    __m256 acc[BLOCK][TOKENS];
+    for (int j = 0; j < R; ++j)
+        for (int i = 0; i < TK; ++i) acc[j][i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < in; k += 8) {
+        const int64_t m = in - k;
+        __m256 xv[TOKENS];
+        for (int i = 0; i < TK; ++i) xv[i] = load8(xs[i], k, m, 0);
+        for (int j = 0; j < R; ++j) {
+            if (!(k & 15)) _mm_prefetch((const char *)a + (j * in + k) * (BF16 ? 2 : 4) + PF_BYTES, _MM_HINT_T0);
+            const __m256 w = load8(a, j * in + k, m, BF16);
+            for (int i = 0; i < TK; ++i) acc[j][i] = _mm256_fmadd_ps(w, xv[i], acc[j][i]);
+        }
+    }
+    for (int j = 0; j < R; ++j)
+        for (int i = 0; i < TK; ++i) out[i * ld + j] = hsum8(acc[j][i]);
+}
+
+/* Columns c0..c0+15 (the first m of them) of expand_block: 2 TK sums in registers across the rank. */
+INLINE void expand16(const void *b, const float *const *xps, int64_t rank, int64_t out, float *const *yts,
+                     int64_t c0, int64_t m, const int TK, const int BF16) {
+    __m256 acc[TOKENS][2];
+    __m256i mk[2];
+    for (int h = 0; h < 2; ++h) {
+        const int64_t left = m - c0 - 8 * h;
+        mk[h] = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 0 ? 0 : left > 8 ? 8 : left)),
+                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (int i = 0; i < TK; ++i) acc[i][h] = _mm256_maskload_ps(yts[i] + c0 + 8 * h, mk[h]);
+    }
+    for (int64_t r = 0; r < rank; ++r) {
+        const __m256 w0 = load8(b, r * out + c0, m - c0, BF16), w1 = load8(b, r * out + c0 + 8, m - c0 - 8, BF16);
+        for (int i = 0; i < TK; ++i) {
+            const __m256 v = _mm256_set1_ps(xps[i][r]);
+            acc[i][0] = _mm256_fmadd_ps(v, w0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(v, w1, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < TK; ++i)
+        for (int h = 0; h < 2; ++h) _mm256_maskstore_ps(yts[i] + c0 + 8 * h, mk[h], acc[i][h]);
+}
+
+INLINE void expand_block(const void *b, const float *const *xps, int64_t rank, int64_t out, float *const *yts,
+                         int64_t m, const int TK, const int BF16) {
+    for (int64_t c0 = 0; c0 < m; c0 += LANES) expand16(b, xps, rank, out, yts, c0, m, TK, BF16);
+}
 #else
 /* Element i of a float32 (BF16 = 0) or bfloat16 (BF16 = 1) weight. */
 INLINE float weight(const void *w, int64_t i, const int BF16) {

@@ -23,6 +23,14 @@ def test_pagedserve_options_are_typed_as_engine_args():
     assert engines.parse_engine("pagedserve") == {"name": "pagedserve", "kind": "pagedserve", "options": {}}
 
 
+def test_pagedserve_env_options_go_to_its_process():
+    spec = engines.parse_engine("pagedserve-off:env.PAGEDSERVE_CPU_DECODE_STEP=0,max_num_seqs=4")
+    assert spec == {"name": "pagedserve-off", "kind": "pagedserve", "options": {"max_num_seqs": 4},
+                    "env": {"PAGEDSERVE_CPU_DECODE_STEP": "0"}}
+    with pytest.raises(ValueError, match="variable name"):
+        engines.parse_engine("pagedserve:env.=1")
+
+
 def test_engine_kinds():
     assert engines.parse_engine("llama.cpp")["kind"] == "llama"
     assert engines.parse_engine("hf:batch=8") == {"name": "hf", "kind": "hf", "options": {"batch": "8"}}
