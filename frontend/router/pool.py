@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 logger = logging.getLogger(__name__)
 
+PROBE_TIMEOUT_FLOOR_S = 2.0
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 
 
@@ -83,7 +84,8 @@ class ReplicaPool:
         await asyncio.gather(*(self._probe(r) for r in self.replicas))
 
     async def _probe(self, replica: Replica) -> None:
-        timeout = self.interval_s * 0.9
+        # A busy replica's /health may take a while on a loaded CPU; a short interval must not make it dead.
+        timeout = max(PROBE_TIMEOUT_FLOOR_S, self.interval_s)
         try:
             health = await self.client.get(f"{replica.url}/health", headers=replica.headers(), timeout=timeout)
             healthy = health.status_code == 200

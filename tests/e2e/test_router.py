@@ -42,7 +42,7 @@ def _router(*servers, **kwargs) -> Router:
 
 
 def _done_counts(servers) -> list[float]:
-    return [s.metric(DONE) for s in servers]
+    return [s.metrics()[DONE] for s in servers]      # 0 before a replica's first request
 
 
 def _deltas_after(servers, send) -> list[float]:
