@@ -15,11 +15,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedserve.common import envs
 from pagedserve.common.errors import RequestError, error_field
 from pagedserve.common.version import __version__
 from pagedserve.frontend.http.admission import Admission
 from pagedserve.frontend.client.async_client import AsyncEngineClient
 from pagedserve.frontend.client.core_client import EngineDeadError
+from pagedserve.frontend.http.drain import Drain, DrainMiddleware
 from pagedserve.frontend.rl.dev_routes import add_dev_routes
 from pagedserve.frontend.http.errors import ModelNotFoundError, classify, error_payload
 from pagedserve.frontend.http.guards import ApiKeyMiddleware, BodyLimitMiddleware
@@ -91,7 +93,8 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
     serving = OpenAIServing(engine, served_model_name, admission,
                             settings.tool_call_parser if settings.enable_auto_tool_choice else None, loras)
     app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
-    _add_guards_and_handlers(app, settings)
+    app.state.drain = drain = Drain(settings.shutdown_timeout)
+    _add_guards_and_handlers(app, settings, drain)
     if loras is not None:
         add_lora_routes(app, loras, settings.allow_runtime_lora_updating)
     add_responses_routes(app, serving, settings)
@@ -136,6 +139,12 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
     async def version() -> dict:
         return {"version": __version__}
 
+    if envs.VLLM_SERVER_DEV_MODE or settings.api_key:      # with a key, ApiKeyMiddleware guards it
+        @app.post("/drain")
+        async def drain_route() -> Response:
+            drain.begin("POST /drain")
+            return JSONResponse({"status": "draining", "in_flight": drain.in_flight}, status_code=202)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
         serving.check_model(body.model)
@@ -163,8 +172,10 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
     return app
 
 
-def _add_guards_and_handlers(app: FastAPI, settings: ServerArgs) -> None:
-    # The last added runs first: the key is checked before any of the body is read.
+def _add_guards_and_handlers(app: FastAPI, settings: ServerArgs, drain: Drain) -> None:
+    # The last added runs first: the key is checked before any of the body is read, and a request refused
+    # for either never counts as in flight for the drain.
+    app.add_middleware(DrainMiddleware, drain=drain)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=OPEN_PATHS)

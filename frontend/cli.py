@@ -59,6 +59,7 @@ def serve(args: EngineArgs, server: ServerArgs, level: int, chat_template: str |
     import uvicorn
 
     from pagedserve.frontend.api_server import build_app
+    from pagedserve.frontend.http.drain import DrainingServer
     from pagedserve.frontend.client.async_client import AsyncEngineClient
     from pagedserve.frontend.engine_launch import serve_headless, start_engines
 
@@ -73,10 +74,11 @@ def serve(args: EngineArgs, server: ServerArgs, level: int, chat_template: str |
     engine = AsyncEngineClient(proc.info, client, chat_template, max_media_bytes=server.max_body_bytes)
     _announce(proc, bool(server.engine_token))
     app = build_app(engine, server, proc.info.served_model_name)
+    config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.log_level, loop="uvloop",
+                            timeout_graceful_shutdown=10, ssl_keyfile=server.ssl_keyfile,
+                            ssl_certfile=server.ssl_certfile)
     try:
-        uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level, loop="uvloop",
-                    timeout_graceful_shutdown=10, ssl_keyfile=server.ssl_keyfile,
-                    ssl_certfile=server.ssl_certfile)
+        DrainingServer(config, app.state.drain).run()
     finally:
         engine.shutdown()
         logger.info("engine-serve stopped")

@@ -83,6 +83,9 @@ class ServerArgs:
                    "least recently used is dropped; 0 keeps none")
     responses_store_ttl: float = setting(
         3600.0, help="/v1/responses: seconds a stored response is kept after it was made")
+    shutdown_timeout: float = setting(
+        30.0, help="on SIGTERM or POST /drain: seconds in-flight requests may take to finish (new ones get 503 "
+                   "with Retry-After and /health turns unready meanwhile) before the server exits")
     log_level: str = setting("info", choices=LOG_LEVELS, help="log messages of this level and above")
     root_path: str | None = setting(
         None, help="the path prefix a reverse proxy serves this server under (e.g. /llm): routes answer with "
@@ -121,6 +124,8 @@ class ServerArgs:
                 raise ValueError(f"{flag} must be a positive integer, got {value}")
         if self.responses_store_max_entries < 0:
             raise ValueError(f"--responses-store-max-entries must be >= 0, got {self.responses_store_max_entries}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if not self.responses_store_ttl > 0:
             raise ValueError(f"--responses-store-ttl must be positive, got {self.responses_store_ttl}")
         if not 0 < self.data_parallel_rpc_port < 65536:

@@ -9,7 +9,7 @@ block count), so it needs nothing from the engines but their outputs' finishes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Hashable, Sequence
 
 ROUTING_POLICIES = ("prefix", "least-loaded")
 # The prefix engine keeps a request while its load is within max(MIN_SLACK, half the least load) of the least.
@@ -27,20 +27,25 @@ class PrefixRouter:
         self.available = [True] * num_engines   # False while an engine is dead or restarting
         self._held: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_engines)]
         self._next = 0                          # round-robin among equally loaded engines
+        self.last_matched = 0                   # prompt blocks the last routed engine was known to hold
 
-    def route(self, prompt_token_ids: Sequence[int]) -> int | None:
+    def route(self, prompt_token_ids: Sequence[Hashable], allowed: Collection[int] | None = None) -> int | None:
         """The engine for this prompt (None while none is available); its load counts the request until
-        `finished`."""
-        if not any(self.available):
+        `finished`. The prompt may be token ids or text (the fleet router hashes characters); `allowed`: the
+        engines that may take it (the fleet router's replicas serving its model), all when None."""
+        usable = [up and (allowed is None or e in allowed) for e, up in enumerate(self.available)]
+        if not any(usable):
             return None
         hashes = self._block_hashes(prompt_token_ids)
-        engine = self._least_loaded()
+        engine = self._least_loaded(usable)
+        self.last_matched = 0
         if self.policy == "prefix" and hashes:
-            matched = [self._matched(held, hashes) if up else -1 for held, up in zip(self._held, self.available)]
+            matched = [self._matched(held, hashes) if up else -1 for held, up in zip(self._held, usable)]
             best = max(range(len(matched)), key=lambda e: (matched[e], -self.loads[e]))
             least = self.loads[engine]
             if matched[best] > 0 and self.loads[best] <= least + max(MIN_SLACK, least // 2):
                 engine = best
+            self.last_matched = matched[engine]
         self._remember(engine, hashes)
         self.loads[engine] += 1
         return engine
@@ -53,14 +58,14 @@ class PrefixRouter:
         self.available[engine] = available
         self._held[engine].clear()
 
-    def _least_loaded(self) -> int:
+    def _least_loaded(self, usable: list[bool]) -> int:
         n = len(self.loads)
-        order = [(self._next + i) % n for i in range(n) if self.available[(self._next + i) % n]]
+        order = [(self._next + i) % n for i in range(n) if usable[(self._next + i) % n]]
         engine = min(order, key=lambda e: self.loads[e])
         self._next = (engine + 1) % n
         return engine
 
-    def _block_hashes(self, ids: Sequence[int]) -> list[int]:
+    def _block_hashes(self, ids: Sequence[Hashable]) -> list[int]:
         out, h, bs = [], 0, self.block_size
         for start in range(0, len(ids) - bs + 1, bs):
             h = hash((h, tuple(ids[start:start + bs])))

@@ -1,0 +1,120 @@
+"""The replicas behind the router and what the probes know of them.
+
+Every --health-check-interval each replica's /health, /v1/models and /metrics are read (concurrently, each
+probe bounded by the interval): healthy means /health answered 200, so a dead replica and a draining one
+(503, frontend/http/drain.py) leave the pool at the next probe, and come back at the first probe that passes.
+A request that finds a replica refusing connections takes it out at once (`mark_down`), without waiting.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+logger = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_FLOOR_S = 2.0
+RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
+
+
+@dataclass
+class Replica:
+    index: int
+    url: str
+    api_key: str | None
+    healthy: bool = False
+    models: list[dict] = field(default_factory=list)    # its /v1/models cards, as it last listed them
+    running: float = 0.0                                 # its own gauges, summed over engines, last scraped
+    waiting: float = 0.0
+    in_flight: int = 0                                   # requests this router has open on it now
+
+    @property
+    def load(self) -> float:
+        # The scrape lags; what this router has open on it is a floor it knows now.
+        return max(self.running + self.waiting, float(self.in_flight))
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or any(card.get("id") == model for card in self.models)
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+class ReplicaPool:
+    def __init__(self, replicas: list[Replica], interval_s: float, client: httpx.AsyncClient,
+                 on_change: Callable[[Replica], None]) -> None:
+        self.replicas = replicas
+        self.interval_s = interval_s
+        self.client = client
+        self.on_change = on_change          # called when a replica joins or leaves the pool
+
+    def candidates(self, model: str | None) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy and r.serves(model)]
+
+    def known(self, model: str | None) -> bool:
+        """Whether any replica, healthy or not, has listed this model."""
+        return any(r.serves(model) for r in self.replicas)
+
+    def models(self) -> list[dict]:
+        """The union of the healthy replicas' model cards, first listing wins."""
+        cards: dict[str, dict] = {}
+        for replica in self.replicas:
+            if replica.healthy:
+                for card in replica.models:
+                    cards.setdefault(card.get("id"), card)
+        return list(cards.values())
+
+    def mark_down(self, replica: Replica, reason: str) -> None:
+        if replica.healthy:
+            logger.warning("replica %s leaves the pool: %s", replica.url, reason)
+            replica.healthy = False
+            self.on_change(replica)
+
+    async def run(self) -> None:
+        """Probe forever (the app's lifespan cancels it)."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.probe_all()
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self._probe(r) for r in self.replicas))
+
+    async def _probe(self, replica: Replica) -> None:
+        # A busy replica's /health may take a while on a loaded CPU; a short interval must not make it dead.
+        timeout = max(PROBE_TIMEOUT_FLOOR_S, self.interval_s)
+        try:
+            health = await self.client.get(f"{replica.url}/health", headers=replica.headers(), timeout=timeout)
+            healthy = health.status_code == 200
+            if healthy:
+                models = await self.client.get(f"{replica.url}/v1/models", headers=replica.headers(),
+                                               timeout=timeout)
+                models.raise_for_status()
+                replica.models = list(models.json().get("data", []))
+                await self._scrape(replica, timeout)
+            reason = f"/health answered {health.status_code}"
+        except (httpx.HTTPError, ValueError) as exc:     # unreachable, or answers that are not what they say
+            healthy, reason = False, f"{type(exc).__name__}: {exc}"
+        if healthy and not replica.healthy:
+            logger.info("replica %s joins the pool (%d models)", replica.url, len(replica.models))
+            replica.healthy = True
+            self.on_change(replica)
+        elif not healthy:
+            self.mark_down(replica, reason)
+
+    async def _scrape(self, replica: Replica, timeout: float) -> None:
+        """Its queue gauges; a replica without them (not a vLLM-shaped server) counts as idle."""
+        r = await self.client.get(f"{replica.url}/metrics", headers=replica.headers(), timeout=timeout)
+        if r.status_code != 200:
+            return
+        values = {RUNNING: 0.0, WAITING: 0.0}
+        try:
+            for family in text_string_to_metric_families(r.text):
+                if family.name in values:
+                    values[family.name] = sum(s.value for s in family.samples)
+        except ValueError:          # not Prometheus text: the replica has no load to read
+            return
+        replica.running, replica.waiting = values[RUNNING], values[WAITING]
