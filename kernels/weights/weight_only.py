@@ -209,7 +209,7 @@ def int4_dense_min_rows(w: Int4Weight | None = None) -> int:
 
 
 def _gemv_path(x2: torch.Tensor, int4: bool = False) -> bool:
-    """A CPU call of a few rows that a vector GEMV of kernels/cpu/csrc/gemv.c takes (float32, weight read once
+    """A CPU call of a few rows that a vector GEMV of kernels/cpu/csrc/gemv_entry.c takes (float32, weight read once
     for all rows; torch's int8 kernel reads it once per row and wants bfloat16 activations)."""
     native = _native()
     return x2.device.type == "cpu" and x2.shape[0] <= GEMV_MAX_ROWS and (native.int4_gemv if int4 else native.gemv)

@@ -1,4 +1,4 @@
-"""The C GEMVs (kernels/cpu/csrc/gemv.c) and the one-call decode step (kernels/cpu/csrc/decode_step.c).
+"""The C GEMVs (kernels/cpu/csrc/gemv_entry.c and its loops) and the one-call decode step (decode_step.c).
 
 GEMVs: against a float64 matmul of the exact weights the packed forms hold, for every row count they take,
 through this machine's build (AVX-512 or AVX2 + FMA, where the CPU has it), a portable build of the same sources

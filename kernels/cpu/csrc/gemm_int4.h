@@ -21,7 +21,7 @@ static inline GemmRun ps_int16_run(const void *w, int64_t n, int64_t k, int64_t 
 int ps_gemm_int4_vectorized(void);
 
 /* Rows from which it pays. Without AVX512-VBMI a row or two stream the weights faster through the float
-   GEMV (gemv.c), which reads each code once, than through the tile this kernel unpacks them into
+   GEMV (gemv_int4.c), which reads each code once, than through the tile this kernel unpacks them into
    (docs/cpu_performance.md, the embedded model's 30 layers: 0.65-0.84x the GEMV's speed at 1 row, 0.88-1.02x
    at 2, 1.08-1.11x at 4). With it, 1-3 rows unpack each pair of columns with two byte shuffles straight
    into the dot products, and take half the float GEMV's instructions (issue 25). */

@@ -1,4 +1,5 @@
-/* Weight-only GEMV over the packed layouts of kernels/weights/weight_only.py (gemv.c). */
+/* Weight-only GEMV over the packed layouts of kernels/weights/weight_only.py (the loops: gemv_int4.c, gemv_int8.c,
+   gemv_avx2.c; the entry points: gemv_entry.c). */
 #ifndef PAGEDSERVE_GEMV_H
 #define PAGEDSERVE_GEMV_H
 

@@ -3,7 +3,7 @@
 
 int4: the int4 GEMV for a 64-channel block of torch's AVX2 pack, which holds it as two blocks of 32 channels,
 [k, 16] bytes each, byte j of a column holding channel j in its low nibble and j + 16 in its high one. Each
-channel's sum is the AVX-512 kernel's (gemv.c): one FMA chain over the group's columns, then
+channel's sum is the AVX-512 kernel's (gemv_int4.c): one FMA chain over the group's columns, then
 tot = acc * scale + (zero - 8 scale) * sum(x); so a row gets those bits whatever rows run beside it, and the
 AVX-512 GEMV's bits on the same codes. Built wherever AVX2, FMA and F16C are (an AVX-512 build too: it is
 chosen by the pack's form, which an ATEN_CPU_CAPABILITY override can make PACK_AVX2 there).

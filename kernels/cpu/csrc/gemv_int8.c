@@ -1,6 +1,6 @@
 /* The int8 GEMV (gemv.h's ps_gemv_int8_rows): int8 weights in chunks of input columns (Q8_0, Q6_K, Q5 layers
 kept as int8, the tied head), float32 in and out, any number of input rows. The entry point that splits it over
-threads is gemv.c's ps_gemv_int8. */
+threads is gemv_entry.c's ps_gemv_int8. */
 #include "gemv.h"
 #include "int4_pairs.h"
 
