@@ -22,26 +22,12 @@ from torch import nn
 from pagedserve.common.multimodal.families import image_token_id
 from pagedserve.executor.model.models.gemma import Gemma3ForCausalLM, GemmaRMSNorm
 from pagedserve.executor.model.models.vision.idefics3_vision import Idefics3Encoder, Idefics3VisionEmbeddings
-from pagedserve.executor.model.models.vision.vlm import SKIP, VisionLanguageModel, tied_text_config
+from pagedserve.executor.model.models.vision.vlm import (SKIP, VisionLanguageModel, tied_text_config,
+                                                         tower_canonical_name)
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 
 _LM = "language_model."
-# (incoming prefix, canonical prefix), first match wins: transformers 5's in-memory names.
-_PREFIXES = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
-             ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector."))
-# The hub's checkpoints (and transformers 4) nest SigLIP's modules one level deeper (SiglipVisionModel.vision_model).
-_CLASSIC_TOWER = "vision_tower.vision_model."
 _VISION_TYPES = ("siglip_vision_model", "siglip")
-
-
-def _canonical(name: str) -> str:
-    for old, new in _PREFIXES:
-        if name.startswith(old):
-            name = new + name[len(old):]
-            break
-    if name.startswith(_CLASSIC_TOWER):
-        name = "vision_tower." + name[len(_CLASSIC_TOWER):]
-    return name
 
 
 class SiglipVisionTower(nn.Module):
@@ -136,7 +122,7 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
     # ---------------------------------------------------------------- weights
 
     def canonical_name(self, raw: str) -> str:
-        return _canonical(raw)
+        return tower_canonical_name(raw)
 
     def text_name(self, name: str) -> str | None:
         return name[len(_LM):] if name.startswith(_LM) else None

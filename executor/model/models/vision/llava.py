@@ -7,7 +7,8 @@ The runner merges the two: `embed_input_ids(ids)`, the rows at `image_token_id` 
 
 Checkpoint names are canonicalised to the layout transformers 5's save_pretrained writes (`language_model.model.*`,
 `language_model.lm_head.*`, `vision_tower.*`, `multi_modal_projector.*`), which is this module's own parameter
-layout; the hub's classic llava-hf names and transformers 5's in-memory ones are renamed to it (_canonical).
+layout; the hub's classic llava-hf names and transformers 5's in-memory ones are renamed to it
+(vlm.tower_canonical_name).
 """
 from __future__ import annotations
 
@@ -20,26 +21,11 @@ from pagedserve.common.multimodal.families import image_token_id
 from pagedserve.executor.model.layers.activation import get_activation
 from pagedserve.executor.model.models import text_model_class
 from pagedserve.executor.model.models.vision.clip import CLIPVisionTower, hidden_state_indices
-from pagedserve.executor.model.models.vision.vlm import SKIP, VisionLanguageModel
+from pagedserve.executor.model.models.vision.vlm import SKIP, VisionLanguageModel, tower_canonical_name
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
 
 _LM = "language_model."
-# (incoming prefix, canonical prefix), first match wins: transformers 5's in-memory names.
-_PREFIXES = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
-             ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector."))
-# The classic hub layout nests CLIP's modules one level deeper (CLIPVisionModel.vision_model).
-_CLASSIC_TOWER = "vision_tower.vision_model."
 _STRATEGIES = ("default", "full")
-
-
-def _canonical(name: str) -> str:
-    for old, new in _PREFIXES:
-        if name.startswith(old):
-            name = new + name[len(old):]
-            break
-    if name.startswith(_CLASSIC_TOWER):
-        name = "vision_tower." + name[len(_CLASSIC_TOWER):]
-    return name
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -101,7 +87,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
     # ---------------------------------------------------------------- weights
 
     def canonical_name(self, raw: str) -> str:
-        return _canonical(raw)
+        return tower_canonical_name(raw)
 
     def text_name(self, name: str) -> str | None:
         return name[len(_LM):] if name.startswith(_LM) else None

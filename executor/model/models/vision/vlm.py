@@ -18,6 +18,25 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 SKIP = "<skip>"           # vision_param: a tensor this rank reads past (a later stage's, an unused layer's)
 
 
+# A (language model, vision tower, projector) checkpoint's names, canonical as transformers 5's save_pretrained
+# writes them: its in-memory names are renamed (first match wins), and the hub's classic layout, which nests the
+# tower's modules one level deeper (CLIPVisionModel / SiglipVisionModel.vision_model), is flattened. Llava and
+# Gemma 3 share it.
+_TOWER_PREFIXES = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+                   ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector."))
+_CLASSIC_TOWER = "vision_tower.vision_model."
+
+
+def tower_canonical_name(name: str) -> str:
+    for old, new in _TOWER_PREFIXES:
+        if name.startswith(old):
+            name = new + name[len(old):]
+            break
+    if name.startswith(_CLASSIC_TOWER):
+        name = "vision_tower." + name[len(_CLASSIC_TOWER):]
+    return name
+
+
 def tied_text_config(hf_config: Any) -> Any:
     """The text model's config, tied as the top-level config says: HF ties a VLM's lm_head by that flag
     (Idefics3, Qwen2-VL), whatever text_config's own says."""
