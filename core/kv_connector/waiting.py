@@ -21,13 +21,13 @@ class WaitingForKV:
         num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
         if num_external == 0:
             return False
+        if not load_async:      # every connector here loads before the request's first step
+            raise NotImplementedError("a KV connector that loads within the request's step")
         # Not in the prefix cache until they arrived: no other request may hit blocks still being filled.
         if self.kv.allocate_slots(request, num_external, hit_blocks, num_hit, cache=False) is None:
             self.connector.update_state_after_alloc(request, [], 0)
             return False
         self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id), num_external)
-        if not load_async:      # (every connector here loads before the request's first step)
-            raise NotImplementedError("a connector that loads within the step")
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.requests[request.request_id] = request
         return True

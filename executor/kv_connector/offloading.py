@@ -29,6 +29,7 @@ class DiskOffloadingWorker(KVConnectorWorker):
         self._fmt: BlockFormat | None = None
         self._writer: BlockWriter | None = None
         self._gathered: list[torch.Tensor] = []
+        self._save_ids: torch.Tensor | None = None          # this step's block ids to save, on the cache's device
         self._finished_loads: dict[str, int] = {}
         self._invalid: list[bytes] = []
         self._read_warned = False
@@ -97,8 +98,9 @@ class DiskOffloadingWorker(KVConnectorWorker):
         meta = self._metadata
         if meta is None or not meta.saves or self._writer is None:
             return
-        ids = torch.tensor([b.block_id for b in meta.saves], device=kv_layer.device)
-        self._gathered.append(kv_layer.index_select(1, ids))     # a copy: the pool may reuse the blocks
+        if self._save_ids is None:
+            self._save_ids = torch.tensor([b.block_id for b in meta.saves], device=kv_layer.device)
+        self._gathered.append(kv_layer.index_select(1, self._save_ids))    # a copy: the pool may reuse the blocks
 
     def wait_for_save(self) -> None:
         meta = self._metadata
@@ -110,7 +112,7 @@ class DiskOffloadingWorker(KVConnectorWorker):
             event.record()
         targets = [(block_path(self.dir, b.key, b.depth), b.key, b.depth) for b in meta.saves]
         self._writer.submit(SaveBatch(targets, self._gathered, event, len(targets) * self._fmt.nbytes))
-        self._gathered = []
+        self._gathered, self._save_ids = [], None
 
     def get_finished(self, finished_req_ids: list[str]) -> KVConnectorOutput | None:
         out = KVConnectorOutput(finished_recving=self._finished_loads, invalid_keys=self._invalid)
