@@ -16,6 +16,7 @@ from pagedserve.common.model.model_files import tokenizer_folder
 from pagedserve.common.request_checks import (check_request, check_request_id, check_waiting_room,
                                               generation_budget)
 from pagedserve.core.kv_cache.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.kv_connector.offloading import make_scheduler_connector
 from pagedserve.core.lora.registry import LoRARegistry
 from pagedserve.core.multimodal.checks import check_mm_features, multimodal_info
 from pagedserve.core.pooling.requests import check_runner, pooling_info
@@ -62,7 +63,8 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.structured_outputs = make_structured_output_manager(config)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured_outputs,
-                                   config.speculative, config.multimodal)
+                                   config.speculative, config.multimodal,
+                                   make_scheduler_connector(config.kv_transfer, cache.block_size))
         self.block_hasher = BlockHasher(cache.block_size) if cache.enable_prefix_caching else None
         self.loras: LoRARegistry | None = None
         if config.lora is not None:
@@ -77,7 +79,7 @@ class EngineCore:
         self._batch_queue: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self._info: EngineInfo | None = None
         # collective_rpc, weight reloads, sleep (core/rl/control.py)
-        self.rl = RLControl(self.executor, config.rl, self.reset_prefix_cache, self.settle)
+        self.rl = RLControl(self.executor, config.rl, self._weights_changed, self.settle)
         logger.info("engine core ready in %.1f s: %d KV blocks", time.perf_counter() - start, self.num_blocks)
 
     @classmethod
@@ -127,6 +129,7 @@ class EngineCore:
                           req.lora_int_id, digest, req.pooling_params,
                           whole_prompt=self.config.pooler is not None and self.config.pooler.whole_prompt,
                           mm_features=mm_features)
+        request.persistent_kv = self.rl.weights_version == 0
         if structured is not None:
             request.structured = self.structured_outputs.submit(structured)
         self.scheduler.add_request(request)
@@ -251,6 +254,12 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
+    def _weights_changed(self) -> bool:
+        """New weights: the requests in flight keep their hashes, so none of their KV may reach a KV tier."""
+        for request in self.scheduler.requests.values():
+            request.persistent_kv = False
+        return self.reset_prefix_cache()
+
     # ---------------------------------------------------------------- what clients may ask
 
     def info(self) -> EngineInfo:
@@ -305,5 +314,6 @@ class EngineCore:
 
 
 def _has_work(sched: SchedulerOutput) -> bool:
-    """Tokens to run, or finished requests the workers must drop."""
-    return sched.total_num_scheduled_tokens > 0 or bool(sched.finished_req_ids)
+    """Tokens to run, finished requests the workers must drop, or KV for them to load."""
+    return (sched.total_num_scheduled_tokens > 0 or bool(sched.finished_req_ids)
+            or sched.kv_connector_metadata is not None)

@@ -19,6 +19,7 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     WAITING_FOR_GRAMMAR = 3     # its structured-output grammar is still compiling (vLLM's WAITING_FOR_FSM)
+    WAITING_FOR_REMOTE_KVS = 4  # a KV connector is loading blocks for it (core/kv_connector/waiting.py)
     # Everything from here on is finished.
     FINISHED_STOPPED = 10
     FINISHED_LENGTH_CAPPED = 11
@@ -73,6 +74,9 @@ class Request:
         # Its recent draft positions verified and accepted, decayed (core/spec_decode/state.py SpecDecodeState.acceptance)
         self.spec_hits = self.spec_trials = 0.0
         self.lora_int_id = lora_int_id          # 0: the base model
+        # Its KV may be stored and loaded across processes (a KV connector): not under weights updated in this
+        # process, whose version number means nothing to another (EngineCore.add_request sets it).
+        self.persistent_kv = True
         self._lora_digest = lora_digest         # the adapter's identity in the prefix cache
         self._hasher = block_hasher
         # A pooling request: its prompt is computed and pooled, never decoded (max_tokens is 0). whole_prompt:

@@ -124,6 +124,14 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     # LoRA (vllm:lora_requests_info): the names of adapters with running and with waiting requests.
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []
+    # A KV connector's tier (vLLM's vllm:external_prefix_cache_*): tokens looked up there after the prefix
+    # cache, and of those, tokens it held.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    # Requests whose connector load is in flight (in num_waiting too), and whose load finished with the step
+    # that sent these stats (they run from the next): a step that only loaded is no stall.
+    num_loading: int = 0
+    num_loads_done: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -228,6 +236,32 @@ class GrammarBitmask(msgspec.Struct, array_like=True):
     num_words: int
 
 
+class KVBlockTransfer(msgspec.Struct, array_like=True):
+    """One block between the KV cache and a connector's store: the cache's block id and the store's key."""
+    block_id: int
+    key: bytes               # the block's chained hash (core/block_hash.py)
+    depth: int               # its index in its prefix chain
+
+
+class KVConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What the scheduler's connector asks of the workers' this step (vLLM's KVConnectorMetadata)."""
+    # By request, in chain order: blocks to fill before this step runs (the request runs in a later step).
+    loads: dict[str, list[KVBlockTransfer]] = {}
+    # Blocks whose every token's KV this step completes: stored once the step has written them.
+    saves: list[KVBlockTransfer] = []
+
+
+class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What the workers' connector reports back (vLLM's KVConnectorOutput)."""
+    # Requests whose loads are done, each with how many of its blocks arrived intact: a prefix of its list;
+    # the blocks after the first bad one are computed instead.
+    finished_recving: dict[str, int] = {}
+    saved: list[tuple[bytes, int]] = []        # (key, bytes on disk) of blocks stored since the last report
+    failed_saves: list[bytes] = []             # blocks not stored (the writer is behind, or an I/O error)
+    invalid_keys: list[bytes] = []             # stored blocks found missing, corrupt or foreign (deleted)
+    saves_disabled: bool = False               # an I/O error stopped saving (the worker warned once)
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True):
     """One step's work, as a diff against the persistent batch the workers keep."""
     scheduled_new_reqs: list[NewRequestData]
@@ -246,6 +280,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # core's encoder cache evicted them); frees come first.
     encoder_inputs: list[EncoderInput] = []
     free_encoder_mm_hashes: list[str] = []
+    kv_connector_metadata: Optional[KVConnectorMetadata] = None     # --kv-transfer-config: loads and saves
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
@@ -261,6 +296,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     draft_token_ids: Optional[list[list[int]]] = None
     # Pooling rows whose prompt completed this step: their pooled vector (float32 bytes), None elsewhere.
     pooler_output: Optional[list[Optional[bytes]]] = None
+    kv_connector_output: Optional[KVConnectorOutput] = None        # --kv-transfer-config: loads and saves done
 
 
 class PromptLogprobsChunk(msgspec.Struct, array_like=True):

@@ -10,6 +10,8 @@ from typing import Any
 from pagedserve.common.config.arg_utils import check_choices, setting
 from pagedserve.common.config.rules import (check_lora_engine, check_parallel, check_pipeline, check_positive,
                                             check_timeout, resolve_device, resolve_max_model_len, weight_only)
+from pagedserve.common.kv_transfer.config import KV_OFFLOADING_BACKENDS
+from pagedserve.common.kv_transfer.identity import resolve_kv_transfer
 from pagedserve.common.config.dtype import DTYPE_CHOICES, checkpoint_dtype, resolve_dtype, resolve_kv_cache_dtype
 from pagedserve.common.model.generation_config import AUTO, check_setting, load_generation_defaults
 from pagedserve.common.model.hub import TOKENIZER_FILES, local_or_hub_path, looks_like_hub_id
@@ -193,6 +195,15 @@ class EngineArgs:
                                             "repeated image is neither processed nor sent to the engine again")
     allowed_local_media_path: str | None = setting(
         None, help="a folder file:// image URLs may be read from (unset: file:// URLs are refused)")
+    kv_transfer_config: dict[str, Any] | None = setting(
+        None, help="the KV connector, vLLM's keys as a JSON object: {\"kv_connector\": \"OffloadingConnector\", "
+                   "\"kv_role\": \"kv_both\", \"kv_connector_extra_config\": {\"backend\": \"disk\", \"path\": "
+                   "\"/var/kv\", \"size_gib\": 8}} (docs/kv_tiers.md; unset: none)")
+    kv_offloading_backend: str | None = setting(
+        None, choices=KV_OFFLOADING_BACKENDS, help="a KV tier below the pool, as vLLM's flag: disk (blocks in "
+        "--kv-offloading-path, kept across restarts); shorthand for an OffloadingConnector --kv-transfer-config")
+    kv_offloading_size: float | None = setting(None, help="with --kv-offloading-backend: the tier's GiB (LRU beyond)")
+    kv_offloading_path: str | None = setting(None, help="with --kv-offloading-backend disk: a writable folder")
     worker_extension_cls: str | None = setting(
         None, help="a class (\"module.Class\") whose methods are added to every worker, callable with "
                    "collective_rpc (RL weight syncing: docs/rl_weight_updates.md)")
@@ -233,6 +244,7 @@ class EngineArgs:
                                              compile_timeout_s=float(self.structured_outputs_compile_timeout))
         speculative = parse_speculative_config(self.speculative_config, self.tensor_parallel_size)
         scheduler = self._scheduler_config(model.max_model_len)
+        draft = self._draft_model_config(speculative, model)
         multimodal = resolve_multimodal(model.arch_config, self.limit_mm_per_prompt, self.mm_processor_kwargs,
                                         self.mm_processor_cache_gb, self.allowed_local_media_path,
                                         scheduler.max_num_batched_tokens,
@@ -241,11 +253,13 @@ class EngineArgs:
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             parallel=parallel, multimodal=multimodal, structured_outputs=structured,
                             speculative=speculative,
-                            draft_model=self._draft_model_config(speculative, model), lora=self._lora_config(model),
+                            draft_model=draft, lora=self._lora_config(model),
                             pooler=self._check_pooler(pooler),
                             rl=RLConfig(worker_extension_cls=self.worker_extension_cls,
                                         enable_sleep_mode=self.enable_sleep_mode,
-                                        requests_while_sleeping=self.requests_while_sleeping))
+                                        requests_while_sleeping=self.requests_while_sleeping),
+                            kv_transfer=resolve_kv_transfer(self, model, draft, speculative, cache, parallel,
+                                                            pooler is not None))
 
     def _check_pooler(self, pooler: PoolerConfig | None) -> PoolerConfig | None:
         if pooler is None:

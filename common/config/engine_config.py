@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.common.kv_transfer.config import KVTransferConfig
 from pagedserve.common.model.model_files import ModelSource
 from pagedserve.common.multimodal.config import MultiModalConfig
 from pagedserve.common.pooler_config import PoolerConfig
@@ -143,3 +144,4 @@ class EngineConfig:
     pooler: PoolerConfig | None               # --runner pooling: how prompts become vectors; None: generate
     rl: RLConfig                              # worker extension, sleep mode
     multimodal: MultiModalConfig | None       # None: a text model
+    kv_transfer: KVTransferConfig | None      # the KV connector (--kv-transfer-config, --kv-offloading-*); None: none

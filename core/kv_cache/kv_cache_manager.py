@@ -61,12 +61,14 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVCacheBlock] = (),
-                       num_new_computed_tokens: int = 0, num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+                       num_new_computed_tokens: int = 0, num_lookahead_tokens: int = 0,
+                       cache: bool = True) -> list[KVCacheBlock] | None:
         """Make room for num_new_tokens more tokens after the computed ones; None if the pool is short.
 
         new_computed_blocks are prefix hits (for a request being scheduled from the waiting queue).
         num_lookahead_tokens: slots past those a speculative draft model writes its proposals to; they hold
         no token of the request, so they never make a block count as computed for the prefix cache.
+        cache=False: the new blocks join the prefix cache only with cache_blocks (a connector fills them first).
         """
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
@@ -82,9 +84,17 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and cache:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """The request's full blocks up to num_tokens join the prefix cache (their KV is there now)."""
+        if self.enable_caching:
+            self._cache_full_blocks(request, self.req_to_blocks.get(request.request_id, []), num_tokens)
+
+    def holds_blocks(self, request_id: str) -> bool:
+        return bool(self.req_to_blocks.get(request_id))
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         # Blocks are registered when scheduled, before they are computed: a later request in the

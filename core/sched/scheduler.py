@@ -9,9 +9,12 @@ from pagedserve.common.config.engine_args import SchedulerConfig
 from pagedserve.common.multimodal.config import MultiModalConfig
 from pagedserve.common.speculative import SpeculativeConfig
 from pagedserve.core.kv_cache.kv_cache_manager import KVCacheManager
+from pagedserve.core.kv_connector.base import KVConnectorScheduler
+from pagedserve.core.kv_connector.waiting import WaitingForKV
 from pagedserve.core.multimodal.encoder_scheduler import EncoderScheduler
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched.request_queue import make_queue
+from pagedserve.core.sched.stats import pick_victim, scheduler_stats
 from pagedserve.core.sched.step_tokens import append_tokens, step_tokens
 from pagedserve.core.spec_decode.state import SpecDecodeState
 from pagedserve.core.structured_output import StructuredOutputManager
@@ -35,8 +38,11 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  structured: StructuredOutputManager | None = None,
-                 speculative: SpeculativeConfig | None = None, multimodal: MultiModalConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, multimodal: MultiModalConfig | None = None,
+                 connector: KVConnectorScheduler | None = None) -> None:
         self.config = config
+        self.connector = connector
+        self.loads = WaitingForKV(connector, kv_cache_manager) if connector is not None else None
         self.mm = EncoderScheduler(multimodal) if multimodal is not None else None
         self.spec = SpecDecodeState(speculative, config) if speculative is not None else None
         self.lookahead = speculative.num_lookahead_tokens if speculative is not None else 0
@@ -98,10 +104,14 @@ class Scheduler:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
             self.grammar_waiters.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.loads.remove(request)
         else:                            # waiting, or preempted while a step for it was in flight
             self.waiting.remove(request)
 
     def _free(self, request: Request) -> None:
+        if self.connector is not None:
+            self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
         self.kv.free(request)
         if self.mm is not None:
             self.mm.release_all(request)
@@ -146,7 +156,7 @@ class Scheduler:
                     num_new += len(draft)
             while (new_blocks := self.kv.allocate_slots(request, num_new,
                                                         num_lookahead_tokens=self.lookahead)) is None:
-                victim = self._pick_victim()
+                victim = pick_victim(self.running, self._in_flight, self.config.policy)
                 if victim is None:
                     break
                 if self.running.index(victim) < idx:
@@ -181,10 +191,11 @@ class Scheduler:
                 break                    # its adapter finds no slot: it waits, and no later request passes it
             if request.lora_int_id:
                 loras.add(request.lora_int_id)
-            scheduled = self._admit(request, budget)
-            if scheduled is None:
+            if (scheduled := self._admit(request, budget)) is None:
                 break
             self.waiting.pop()
+            if not scheduled:            # its KV loads first (WaitingForKV): no tokens for it this step
+                continue
             new_block_ids, num_new = scheduled
             request.status = RequestStatus.RUNNING
             request.mark_scheduled()
@@ -206,6 +217,8 @@ class Scheduler:
             self._scheduled[id(out)] = {rid: self.requests[rid] for rid in num_scheduled}
             if self.config.batch_queue_size > 1:
                 self._in_flight.update(num_scheduled.keys())
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out, self.requests, self.kv.get_block_ids)
         if self.structured is not None:
             out.grammar_bitmask = self.structured.grammar_bitmask(
                 [(r.request_id, r.structured) for r in sampling if r.structured is not None], drafts)
@@ -246,16 +259,6 @@ class Scheduler:
             return 0
         return min(num_new, budget)
 
-    def _pick_victim(self) -> Request | None:
-        """The running request that gives way; never one in a batch in flight (None when all are)."""
-        candidates = [r for r in self.running if r.request_id not in self._in_flight] if self._in_flight \
-            else self.running
-        if not candidates:
-            return None
-        if self.config.policy == "priority":
-            return max(candidates, key=Request.sort_key)
-        return candidates[-1]            # FCFS: the latest arrival gives way
-
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
@@ -272,10 +275,15 @@ class Scheduler:
         self.waiting.add_preempted(request)
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
 
-    def _admit(self, request: Request, budget: int) -> tuple[list[int], int] | None:
-        hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-        if self.mm is not None:
-            hit_blocks, num_hit = self.kv.cut_hit(hit_blocks, self.mm.cut_hit(request, num_hit))
+    def _admit(self, request: Request, budget: int) -> tuple[list[int], int] | tuple[()] | None:
+        """(new block ids, tokens) to schedule; () when its KV loads from the connector first; None: not now."""
+        if self.kv.holds_blocks(request.request_id):     # its load is done: it holds the blocks it filled
+            hit_blocks, num_hit = [], request.num_computed_tokens
+        else:
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            hit_blocks, num_hit = self.kv.cut_hit(hit_blocks, self.mm.cut_hit(request, num_hit) if self.mm else num_hit)
+            if self.loads is not None and self.loads.start(request, hit_blocks, num_hit):
+                return ()
         num_new = request.num_tokens - num_hit
         if (request.whole_prompt or not self.config.enable_chunked_prefill) and num_new > budget:
             return None
@@ -308,11 +316,10 @@ class Scheduler:
             return
         self._sent_to_workers.add(rid)
         new_reqs.append(NewRequestData(
-            req_id=rid, prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=list(request.output_token_ids), sampling_params=request.sampling_params,
-            block_ids=self.kv.get_block_ids(rid), num_computed_tokens=request.num_computed_tokens,
-            lora_int_id=request.lora_int_id, pooling_params=request.pooling_params,
-            mm_features=request.mm_placements))
+            req_id=rid, prompt_token_ids=request.prompt_token_ids, output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params, block_ids=self.kv.get_block_ids(rid),
+            num_computed_tokens=request.num_computed_tokens, lora_int_id=request.lora_int_id,
+            pooling_params=request.pooling_params, mm_features=request.mm_placements))
 
     def _unemit(self, request: Request, new_reqs: list[NewRequestData], cached: CachedRequestData) -> None:
         rid = request.request_id
@@ -335,6 +342,9 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         prompt_logprobs = result.prompt_logprobs or {}
         scheduled = self._scheduled.pop(id(sched), {})
+        if self.loads is not None:
+            for request in self.loads.finish(result.kv_connector_output):
+                self.waiting.add_preempted(request)     # it was admitted before everything still waiting
         if self.config.batch_queue_size > 1:
             self._in_flight.subtract(scheduled.keys())
             self._in_flight = +self._in_flight       # drop the zero counts
@@ -386,13 +396,4 @@ class Scheduler:
         return out
 
     def make_stats(self) -> SchedulerStats:
-        stats = self.kv.prefix_stats
-        out = SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=self.kv.usage,
-            prefix_cache_queries=stats.queries, prefix_cache_hits=stats.hits,
-            num_preemptions=self.num_preemptions)
-        if self.spec is not None:
-            out.spec_num_drafts, out.spec_num_draft_tokens = self.spec.num_drafts, self.spec.num_draft_tokens
-            out.spec_num_accepted_tokens = self.spec.num_accepted_tokens
-            out.spec_accepted_per_pos = list(self.spec.accepted_per_pos)
-        return out
+        return scheduler_stats(self)

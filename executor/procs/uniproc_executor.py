@@ -45,6 +45,7 @@ class UniProcExecutor(Executor):
         if self._step_thread is not None:
             self._step_thread.shutdown(wait=True)
             self._step_thread = None
+        self.worker.shutdown()
 
 
 class _Launched:

@@ -177,6 +177,7 @@ def _serve_loop(worker: Worker, reader: BroadcastReader, replies: _Replies, rank
                                type(exc).__name__, str(exc)[:200])
             continue
         if isinstance(msg, WorkerShutdown):
+            worker.shutdown()
             return 0
         try:
             if isinstance(msg, ExecuteModel):

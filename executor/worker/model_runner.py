@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pagedserve.common.config.engine_args import EngineConfig
+from pagedserve.executor.kv_connector.offloading import make_worker_connector
 from pagedserve.executor.model.parallel_state import PPGroup
 from pagedserve.executor.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagedserve.executor.worker.spec_decode.draft_proposer import DraftModelProposer, bind_draft_cache
@@ -99,6 +100,7 @@ class ModelRunner:
         self.mrope = hasattr(model, "mrope_positions")       # M-RoPE (Qwen2-VL): positions per request
         # Gemma 3: an item's tokens attend to each other both ways (item_bounds.py)
         self.bidirectional_items = multimodal and config.multimodal.bidirectional_items
+        self.kv_connector = make_worker_connector(config.kv_transfer)   # --kv-transfer-config: loads, saves
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
@@ -111,6 +113,8 @@ class ModelRunner:
         self.kv_caches = [_zeros(shape, self.kv_dtype, self.device) for _ in layers]
         for layer, cache in zip(layers, self.kv_caches):
             layer.bind_kv_cache(cache, self.attn_backend)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches)
         if self.drafter is not None:       # the draft's own cache, indexed by the same block ids
             draft_layers = self.drafter.model.attention_layers()
             shape = (2, num_blocks, draft_layers[0].num_kv_heads, self.block_size, draft_layers[0].head_dim)
@@ -213,6 +217,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> PendingStep:
+        """The step, with the KV connector's loads before it and its saves after it (docs/kv_tiers.md)."""
+        kv = self.kv_connector
+        if kv is None:
+            return self._launch(sched)
+        kv.bind_connector_metadata(sched.kv_connector_metadata)
+        kv.start_load_kv()              # loads fill blocks of requests that run in a later step
+        step = self._launch(sched)
+        for i, cache in enumerate(self.kv_caches):
+            kv.save_kv_layer(i, cache)  # after the forward (the layers' own hooks: not yet, docs/kv_tiers.md)
+        kv.wait_for_save()
+        step.kv_connector_output = kv.get_finished(sched.finished_req_ids)
+        kv.clear_connector_metadata()
+        return step
+
+    def _launch(self, sched: SchedulerOutput) -> PendingStep:
         """Queue the step on the device and return before its sampled ids reach the host. A request whose
         sampling reads its earlier ids (penalties, bad words) waits for them; drafts and a draft model
         need the ids on the host, so those steps finish here."""

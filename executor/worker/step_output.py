@@ -16,7 +16,7 @@ import torch
 
 from pagedserve.executor.worker.request_state import CachedRequestState
 from pagedserve.executor.worker.sample.sampling_metadata import SamplerOutput
-from pagedserve.ipc.messages import LogprobsEntry, ModelRunnerOutput, PromptLogprobsChunk
+from pagedserve.ipc.messages import KVConnectorOutput, LogprobsEntry, ModelRunnerOutput, PromptLogprobsChunk
 
 
 class PinnedPool:
@@ -62,6 +62,7 @@ class PendingStep:
         self._event: torch.cuda.Event | None = None
         self._pinned: torch.Tensor | None = None      # the pool buffer host_ids is a view of
         self._output: ModelRunnerOutput | None = None
+        self.kv_connector_output: KVConnectorOutput | None = None     # the KV connector's report, if any
 
     @classmethod
     def ready(cls, output: ModelRunnerOutput) -> "PendingStep":
@@ -103,6 +104,8 @@ class PendingStep:
             with self._lock:
                 if self._output is None:
                     self._output = self._build()
+        if self.kv_connector_output is not None:
+            self._output.kv_connector_output = self.kv_connector_output
         return self._output
 
     def _build(self) -> ModelRunnerOutput:

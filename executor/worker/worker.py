@@ -183,6 +183,11 @@ class Worker:
         assert self.runner is not None
         return self.runner.execute_model(scheduler_output)
 
+    def shutdown(self) -> None:
+        """Let the KV connector's writes in progress finish (a restart then finds them)."""
+        if self.runner is not None and self.runner.kv_connector is not None:
+            self.runner.kv_connector.close()
+
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingStep:
         """Queue the step on the device; its output is taken with .result() (async scheduling)."""
         assert self.runner is not None

@@ -97,7 +97,9 @@ class Metrics:
         for attr, field in (("prefix_queries", "prefix_cache_queries"), ("prefix_hits", "prefix_cache_hits"),
                             ("preemptions", "num_preemptions"), ("spec_drafts", "spec_num_drafts"),
                             ("spec_draft_tokens", "spec_num_draft_tokens"),
-                            ("spec_accepted", "spec_num_accepted_tokens")):
+                            ("spec_accepted", "spec_num_accepted_tokens"),
+                            ("external_queries", "external_prefix_cache_queries"),
+                            ("external_hits", "external_prefix_cache_hits")):
             total = getattr(stats, field)
             getattr(m, attr).inc(max(0, total - self._last_totals.get((engine, field), 0)))
             self._last_totals[(engine, field)] = total
@@ -167,6 +169,9 @@ _COUNTERS = (
     ("prefix_queries", "vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens."),
     ("prefix_hits", "vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens."),
     ("preemptions", "vllm:num_preemptions", "Cumulative number of preemptions in the engine."),
+    # A KV connector's tier after the prefix cache (vLLM's names; docs/kv_tiers.md).
+    ("external_queries", "vllm:external_prefix_cache_queries", "External prefix cache queries, in queried tokens."),
+    ("external_hits", "vllm:external_prefix_cache_hits", "External prefix cache hits, in cached tokens."),
     ("prompt_tokens", "vllm:prompt_tokens", "Number of prefill tokens processed."),
     ("generation_tokens", "vllm:generation_tokens", "Number of generation tokens processed."),
     # Speculative decoding (vLLM's names): verify passes with drafts, draft tokens, accepted ones.

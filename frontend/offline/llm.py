@@ -242,7 +242,8 @@ class LLM:
                         bar.update(1)
                         bar.set_postfix_str(f"{out_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
                 stats = step.scheduler_stats
-                if stats is not None and stats.num_running == 0 and stats.num_waiting > 0 and not step.outputs:
+                if (stats is not None and stats.num_running == 0 and stats.num_waiting > 0 and not step.outputs
+                        and not stats.num_loading and not stats.num_loads_done):
                     raise RuntimeError("the scheduler could not admit any waiting request: "
                                        "the KV cache is too small for the queued requests")
         except BaseException:

@@ -22,6 +22,7 @@ from pagedserve.common.config.engine_args import (DEFAULT_CPU_KV_CACHE_GIB, DEFA
                                       DEFAULT_TORCHRUN_COLLECTIVE_TIMEOUT_S, DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S,
                                       CacheConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig,
                                       RLConfig, SchedulerConfig, StructuredOutputsConfig)
+from pagedserve.common.kv_transfer.config import KVTransferConfig
 from pagedserve.common.speculative import SpeculativeConfig
 
 ROOT = os.path.dirname(os.path.abspath(pagedserve.__file__))         # the package: the repository root
@@ -49,7 +50,9 @@ RESOLVED = {"model", "tokenizer", "revision", "tokenizer_revision", "download_di
             "runner", "convert",    # runner, convert: resolved with the model files into EngineConfig.pooler
             # resolved with the model's config into EngineConfig.multimodal (None for a text model)
             "limit_mm_per_prompt", "mm_processor_kwargs", "mm_processor_cache_gb", "allowed_local_media_path",
-            "media_io_kwargs"}
+            "media_io_kwargs",
+            # resolved with the model's files (the tier's namespace) into EngineConfig.kv_transfer (None: unset)
+            "kv_transfer_config", "kv_offloading_backend", "kv_offloading_size", "kv_offloading_path"}
 # Not the engine core's: the client that starts the core (or cores: data_parallel_size) reads it; accepted
 # vLLM no-ops.
 ELSEWHERE = {"engine_heartbeat_timeout", "trust_remote_code", "disable_log_stats", "data_parallel_size"}
@@ -69,7 +72,8 @@ def load_script(name: str):
 
 
 @pytest.mark.parametrize("cls", [ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig,
-                                 StructuredOutputsConfig, SpeculativeConfig, RLConfig, EngineConfig])
+                                 StructuredOutputsConfig, SpeculativeConfig, RLConfig, KVTransferConfig,
+                                 EngineConfig])
 def test_frozen_configs_repeat_no_default(cls):
     with_default = [f.name for f in dataclasses.fields(cls)
                     if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
@@ -92,6 +96,7 @@ def test_unset_settings_resolve_to_the_engine_args_defaults(tiny_llama_dir):
     assert config.parallel.distributed_executor_backend == "uni"
     assert config.model.max_model_len == config.scheduler.max_model_len == 1024      # max_position_embeddings
     assert config.speculative is None and config.draft_model is None                  # unset: no speculation
+    assert config.kv_transfer is None                                                 # unset: no KV connector
 
 
 @pytest.mark.parametrize("name, value", [

@@ -1,0 +1,124 @@
+"""The KV connector's settings: --kv-transfer-config (vLLM's JSON keys) or its shorthand --kv-offloading-*,
+resolved once into a frozen KVTransferConfig that travels with the EngineConfig to every process."""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+# The connectors there are (vLLM's names): OffloadingConnector moves blocks to a tier below the pool.
+KV_CONNECTORS = ("OffloadingConnector",)
+# vLLM's roles: a producer only saves, a consumer only loads, kv_both does both.
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# The tiers an OffloadingConnector may use (vLLM's --kv-offloading-backend; its "native" host tier is not here).
+KV_OFFLOADING_BACKENDS = ("disk",)
+_TOP_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
+_EXTRA_KEYS = ("backend", "path", "size_gib")
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    kv_connector: str           # one of KV_CONNECTORS
+    kv_role: str                # one of KV_ROLES
+    backend: str                # one of KV_OFFLOADING_BACKENDS
+    path: str                   # the tier's folder, absolute; the blocks live in path/<namespace>/
+    size_bytes: int             # least recently used blocks are deleted beyond this
+    # Everything the KV of a block depends on besides its tokens (model files, weights, dtypes, layout):
+    # common/kv_transfer/identity.py. A tier never hands one namespace's blocks to another.
+    namespace: str
+
+    @property
+    def namespace_dir(self) -> str:
+        return os.path.join(self.path, self.namespace)
+
+    @property
+    def can_load(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def can_save(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+
+def parse_kv_transfer(transfer: dict[str, Any] | None, backend: str | None, size_gib: float | None,
+                      path: str | None) -> KVTransferConfig | None:
+    """The connector asked for, checked (its folder exists and is writable); ValueError naming the flag. Its
+    namespace is left empty: the caller fills it in once the model is resolved (identity.kv_namespace)."""
+    if backend is None:
+        if size_gib is not None or path is not None:
+            raise ValueError("kv_offloading_size / kv_offloading_path: set --kv-offloading-backend too")
+        return None if transfer is None else _from_json(transfer)
+    if transfer is not None:
+        raise ValueError("kv_offloading_backend: give it or --kv-transfer-config, not both (the backend is "
+                         "shorthand for an OffloadingConnector)")
+    if backend not in KV_OFFLOADING_BACKENDS:
+        raise ValueError(f"kv_offloading_backend must be one of {', '.join(KV_OFFLOADING_BACKENDS)}, got {backend!r}")
+    return KVTransferConfig("OffloadingConnector", "kv_both", backend, _check_folder(path, "--kv-offloading-path"),
+                            _size_bytes(size_gib, "--kv-offloading-size"), namespace="")
+
+
+def _from_json(transfer: dict[str, Any]) -> KVTransferConfig:
+    where = "kv_transfer_config"
+    if not isinstance(transfer, dict):
+        raise ValueError(f"{where} must be a JSON object, got {transfer!r}")
+    _known_keys(transfer, _TOP_KEYS, where)
+    connector = transfer.get("kv_connector")
+    if connector not in KV_CONNECTORS:
+        raise ValueError(f"{where}.kv_connector must be one of {', '.join(KV_CONNECTORS)}, got {connector!r}")
+    role = transfer.get("kv_role", "kv_both")
+    if role not in KV_ROLES:
+        raise ValueError(f"{where}.kv_role must be one of {', '.join(KV_ROLES)}, got {role!r}")
+    extra = transfer.get("kv_connector_extra_config") or {}
+    where = f"{where}.kv_connector_extra_config"
+    if not isinstance(extra, dict):
+        raise ValueError(f"{where} must be a JSON object, got {extra!r}")
+    _known_keys(extra, _EXTRA_KEYS, where)
+    backend = extra.get("backend", "disk")
+    if backend not in KV_OFFLOADING_BACKENDS:
+        raise ValueError(f"{where}.backend must be one of {', '.join(KV_OFFLOADING_BACKENDS)}, got {backend!r}")
+    return KVTransferConfig(connector, role, backend, _check_folder(extra.get("path"), f"{where}.path"),
+                            _size_bytes(extra.get("size_gib"), f"{where}.size_gib"), namespace="")
+
+
+def _known_keys(obj: dict[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(obj) - set(allowed))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(allowed)})")
+
+
+def _size_bytes(size_gib: Any, flag: str) -> int:
+    if size_gib is None:
+        raise ValueError(f"{flag}: the tier's size in GiB is required")
+    if isinstance(size_gib, bool) or not isinstance(size_gib, (int, float)) or not 0 < size_gib < float("inf"):
+        raise ValueError(f"{flag} must be a size in GiB above 0, got {size_gib!r}")
+    return int(size_gib * _GIB)
+
+
+def _check_folder(path: Any, flag: str) -> str:
+    """An existing folder this process can create files in: refused at start, not at the first save."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{flag}: the disk tier needs a folder")
+    folder = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag}: {folder} does not exist or is not a folder")
+    try:        # os.access says yes for root on a read-only bind mount: only a real file tells
+        fd, probe = tempfile.mkstemp(prefix=".pagedserve-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"{flag}: {folder} is not writable: {exc.strerror or exc}") from None
+    return folder
+
+
+def check_kv_transfer_engine(world_size: int, pooling: bool, prefix_caching: bool) -> None:
+    """What this slice of the connector runs with (docs/kv_tiers.md: what is not done yet)."""
+    if not prefix_caching:
+        raise ValueError("kv_transfer_config: the KV connector keys blocks by their prefix hashes: it needs "
+                         "enable_prefix_caching")
+    if world_size > 1:
+        raise ValueError("kv_transfer_config: the KV connector runs with one rank for now (tensor_parallel_size "
+                         "and pipeline_parallel_size 1)")
+    if pooling:
+        raise ValueError("kv_transfer_config: the KV connector serves generating models (not --runner pooling)")

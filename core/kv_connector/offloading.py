@@ -1,0 +1,121 @@
+"""The OffloadingConnector's scheduler side: a tier of full blocks below the pool, keyed by their prefix
+hashes (this slice: the disk tier, docs/kv_tiers.md)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pagedserve.common.kv_transfer.config import KVTransferConfig
+from pagedserve.core.kv_connector.base import KVConnectorScheduler
+from pagedserve.core.kv_connector.disk_index import DiskIndex
+from pagedserve.core.request import Request
+from pagedserve.ipc.messages import KVBlockTransfer, KVConnectorMetadata, KVConnectorOutput, SchedulerOutput
+
+
+def _can_load(request: Request) -> bool:
+    # Prompt logprobs need every prompt position's logits, so such a request computes its whole prompt (as
+    # with the prefix cache); KV under weights updated in this process is never shared across processes.
+    return request.persistent_kv and request.sampling_params.prompt_logprobs is None
+
+
+class OffloadingConnectorScheduler(KVConnectorScheduler):
+    def __init__(self, config: KVTransferConfig, block_size: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.index = DiskIndex(config.namespace_dir, config.size_bytes)
+        self.saving = config.can_save
+        self.queries = self.hits = 0
+        self._matched: dict[str, tuple[int, int]] = {}      # request -> (first block, blocks) its lookup found
+        self._load_start: dict[str, int] = {}               # request -> first block of its loads in flight
+        self._loads: dict[str, list[KVBlockTransfer]] = {}  # planned for the next metadata
+        self._saved_upto: dict[str, int] = {}               # request -> blocks already stored or handed over
+        self._pending: dict[bytes, tuple[Request, int]] = {}   # saves in flight: key -> (request, depth)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.config.can_load or not _can_load(request):
+            return 0, False
+        bs = self.block_size
+        start = num_computed_tokens // bs
+        # Whole blocks only, and at least one token left to compute (the last one's logits are sampled).
+        end = min((request.num_tokens - 1) // bs, len(request.block_hashes))
+        n = 0
+        while start + n < end and request.block_hashes[start + n] in self.index:
+            n += 1
+        self.queries += max(0, request.num_tokens - num_computed_tokens)
+        self.hits += n * bs
+        if n == 0:
+            return 0, False
+        self._matched[request.request_id] = (start, n)
+        self.index.touch_chain(request.block_hashes[:start + n])
+        # Loaded before the request's first step (the workers load at the start of the next step), not in it:
+        # a block that turns out bad is then simply computed.
+        return n * bs, True
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        matched = self._matched.pop(request.request_id, None)
+        if not num_external_tokens or matched is None:
+            return
+        start, n = matched
+        hashes = request.block_hashes
+        self._loads[request.request_id] = [KVBlockTransfer(block_ids[i], hashes[i], i) for i in range(start, start + n)]
+        self._load_start[request.request_id] = start
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput, requests: Mapping[str, Request],
+                             block_ids: Callable[[str], list[int]]) -> KVConnectorMetadata | None:
+        saves = self._plan_saves(scheduler_output, requests, block_ids) if self.saving else []
+        if not self._loads and not saves:
+            return None
+        meta = KVConnectorMetadata(loads=self._loads, saves=saves)
+        self._loads = {}
+        return meta
+
+    def _plan_saves(self, scheduler_output: SchedulerOutput, requests: Mapping[str, Request],
+                    block_ids: Callable[[str], list[int]]) -> list[KVBlockTransfer]:
+        """Blocks of the scheduled requests that hold only known tokens (they have a hash) and whose KV is
+        complete by the end of this step, not stored yet."""
+        saves = []
+        for rid in scheduler_output.num_scheduled_tokens:
+            request = requests[rid]
+            start = self._saved_upto.get(rid, 0)
+            end = min(len(request.block_hashes), request.num_computed_tokens // self.block_size)
+            if end <= start or not request.persistent_kv:
+                continue
+            ids = block_ids(rid)
+            for i in range(start, end):
+                key = request.block_hashes[i]
+                if key not in self.index and key not in self._pending:
+                    saves.append(KVBlockTransfer(ids[i], key, i))
+                    self._pending[key] = (request, i)
+            self._saved_upto[rid] = end
+        return saves
+
+    def update_connector_output(self, output: KVConnectorOutput) -> dict[str, int]:
+        chains: dict[int, Request] = {}
+        for key, nbytes in output.saved:
+            request, depth = self._pending.pop(key, (None, 0))
+            if request is not None:
+                self.index.add(key, depth, nbytes)
+                chains[id(request)] = request
+        for request in chains.values():       # the new leaves go before their chain's first blocks
+            self.index.touch_chain(request.block_hashes)
+        self.index.evict()
+        for key in output.failed_saves:
+            self._pending.pop(key, None)
+        for key in output.invalid_keys:
+            self.index.discard(key)
+        if output.saves_disabled:
+            self.saving = False
+        return {rid: (self._load_start.pop(rid, 0) + n) * self.block_size
+                for rid, n in output.finished_recving.items()}
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        for table in (self._matched, self._load_start, self._loads, self._saved_upto):
+            table.pop(rid, None)
+        return False, None
+
+
+def make_scheduler_connector(config: KVTransferConfig | None, block_size: int) -> KVConnectorScheduler | None:
+    if config is None:
+        return None
+    return OffloadingConnectorScheduler(config, block_size)     # the one connector there is (KV_CONNECTORS)
