@@ -1,16 +1,31 @@
 """The scheduler's running totals as the SchedulerStats each step's outputs carry."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sized
+from typing import TYPE_CHECKING, Protocol
 
 from pagedserve.ipc.messages import SchedulerStats
 
 if TYPE_CHECKING:
+    from pagedserve.core.kv_cache.kv_cache_manager import KVCacheManager
+    from pagedserve.core.kv_connector.base import KVConnectorScheduler
+    from pagedserve.core.kv_connector.waiting import WaitingForKV
     from pagedserve.core.request import Request
-    from pagedserve.core.sched.scheduler import Scheduler
+    from pagedserve.core.spec_decode.state import SpecDecodeState
 
 
-def scheduler_stats(sched: "Scheduler") -> SchedulerStats:
+class CountedState(Protocol):
+    """What the totals are read from (the Scheduler; named here so that this module need not import it)."""
+    kv: KVCacheManager
+    loads: WaitingForKV | None
+    running: list[Request]
+    waiting: Sized
+    num_preemptions: int
+    spec: SpecDecodeState | None
+    connector: KVConnectorScheduler | None
+
+
+def scheduler_stats(sched: CountedState) -> SchedulerStats:
     prefix = sched.kv.prefix_stats
     loading = len(sched.loads.requests) if sched.loads is not None else 0
     out = SchedulerStats(
@@ -27,7 +42,7 @@ def scheduler_stats(sched: "Scheduler") -> SchedulerStats:
     return out
 
 
-def pick_victim(running: list["Request"], in_flight: dict[str, int], policy: str) -> "Request | None":
+def pick_victim(running: list[Request], in_flight: dict[str, int], policy: str) -> Request | None:
     """The running request that gives way; never one in a batch in flight (None when all are)."""
     candidates = [r for r in running if r.request_id not in in_flight] if in_flight else running
     if not candidates:
