@@ -106,19 +106,11 @@ void ps_gemv_int4_blocks_avx2(const GemvInt4 *w, const float *x, int64_t rows, f
 #endif
 
 #if GEMV_INT8_AVX2
-/* x as int16, one scale a row, as gemv_int8.c rounds it (|error| <= max|x| / 65534 an element). The row is
-   padded with zeros to `stride` so that a chunk's last 16 columns may read past its end. Returns the scale. */
+/* x as int16 (gemv.h's ps_row_to_i16), the row padded with zeros to `stride` so that a chunk's last 16 columns
+   may read past its end. Returns the scale. */
 static float row_i16(const float *x, int64_t k, int64_t stride, int16_t *out) {
-    float top = 0.0f;
-    for (int64_t i = 0; i < k; ++i) top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
     memset(out + k, 0, sizeof(int16_t) * (stride - k));
-    if (top == 0.0f) {
-        memset(out, 0, sizeof(int16_t) * k);
-        return 0.0f;
-    }
-    const float inv = 32767.0f / top;
-    for (int64_t i = 0; i < k; ++i) out[i] = (int16_t)lrintf(x[i] * inv);
-    return top / 32767.0f;
+    return ps_row_to_i16(x, k, out);
 }
 
 /* 16 codes from q as int16; m < 16: the first m, the rest 0 (a chunk's tail: its padded x is then never summed). */

@@ -11,21 +11,6 @@ threads is gemv_entry.c's ps_gemv_int8. */
    chunk's codes contiguous per channel (a whole row is one chunk for plain int8). */
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 #define INT8_I16 1
-/* x as int16 with one scale per row (|error| <= max|x| / 65534 per element, far below the int8 weights' own
-   rounding), so that vpmaddwd multiplies 32 codes by 32 inputs and adds pairs in one instruction: a third of
-   the float path's instructions per weight, which made a Q8_0 head compute-bound (measured 5.6 GB/s on one
-   thread where int4 layers stream at 13). Returns the scale. */
-static float row_to_i16(const float *x, int64_t k, int16_t *out) {
-    float top = 0.0f;
-    for (int64_t i = 0; i < k; ++i) top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
-    if (top == 0.0f) {
-        memset(out, 0, sizeof(int16_t) * k);
-        return 0.0f;
-    }
-    const float inv = 32767.0f / top;
-    for (int64_t i = 0; i < k; ++i) out[i] = (int16_t)lrintf(x[i] * inv);
-    return top / 32767.0f;
-}
 
 /* Sixteen output channels r0.. for one input row. Chunk by chunk, the sixteen channels' codes are one
    contiguous run of the chunk's plane (16 * chunk bytes), which the prefetchers follow; channel by channel,
@@ -316,7 +301,7 @@ void ps_gemv_int8_rows(const GemvInt8 *w, const float *x, int64_t rows, float *y
         int16_t *xq = rows * k <= STACK_VALUES ? on_stack : malloc(sizeof(int16_t) * rows * k);
         float *x_scale = rows <= GEMV_MAX_ROWS ? scales_on_stack : malloc(sizeof(float) * rows);
         if (xq && x_scale) {
-            for (int64_t t = 0; t < rows; ++t) x_scale[t] = row_to_i16(x + t * k, k, xq + t * k);
+            for (int64_t t = 0; t < rows; ++t) x_scale[t] = ps_row_to_i16(x + t * k, k, xq + t * k);
             if (chunks == 1 && chunk > INT8_LONG_ROW)
                 for (; r < r1; ++r)
                     for (int64_t t = 0; t < rows; ++t)
