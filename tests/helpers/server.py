@@ -3,6 +3,7 @@ prints kept, and the RSS and open fds of its process tree."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import ssl
@@ -22,14 +23,37 @@ TOKEN = "engine-token-abc"
 SMALL_KV = ("--kv-cache-memory", "0.25")      # GiB: servers that live through a module need not hold 2
 
 
+def _port_range() -> range:
+    """This test process's own ports: below the kernel's ephemeral range (which bind(0), every outgoing
+    connection and Ray's many workers draw from, so a port picked there can be taken before the server binds
+    it: CI failures of servers that could not start beside the Ray tests), one slice per xdist worker."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    low, high = 10000, max(ephemeral_low, 12000)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker) if worker.isdigit() else 0
+    size = (high - low) // max(workers, 1)
+    return range(low + index * size, low + (index + 1) * size)
+
+
 def free_port(avoid: set[int] = frozenset()) -> int:
-    """A loopback port free now (the OS picks it), not one of `avoid`."""
-    while True:
+    """A loopback port free now, from this test process's own range (_port_range), not one of `avoid`."""
+    ports = _port_range()
+    for _ in range(1000):
+        port = random.SystemRandom().choice(ports)     # not the tests' seeded generator
+        if port in avoid:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in avoid:
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free loopback port in {ports}")
 
 
 def free_port_pair() -> int:

@@ -189,7 +189,7 @@ def test_torchrun_launcher_two_cpu_ranks(tiny_llama_dir, tp1_tokens):
     import subprocess
     import sys
 
-    from pagedserve.ipc.sockets import free_tcp_port
+    from pagedserve.tests.helpers.server import free_port as free_tcp_port
     prompts, expected = tp1_tokens
     root = pathlib.Path(__file__).resolve().parents[3]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -238,7 +238,7 @@ def test_torchrun_collective_rpc_takes_kwargs_and_survives_refusals(tiny_llama_d
     import subprocess
     import sys
 
-    from pagedserve.ipc.sockets import free_tcp_port
+    from pagedserve.tests.helpers.server import free_port as free_tcp_port
     script = tmp_path / "rpc.py"
     script.write_text(_TORCHRUN_RPC)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -281,7 +281,7 @@ def test_torchrun_stopped_rank_fails_the_launch(tiny_llama_dir):
     import subprocess
     import sys
 
-    from pagedserve.ipc.sockets import free_tcp_port
+    from pagedserve.tests.helpers.server import free_port as free_tcp_port
     timeout_s = 5.0
     root = pathlib.Path(__file__).resolve().parents[3]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -297,6 +297,9 @@ def test_torchrun_stopped_rank_fails_the_launch(tiny_llama_dir):
             lines.append(line)
             if "engine core ready" in line:
                 break
+        else:
+            raise AssertionError(f"the launch ended (rc {proc.wait()}) before its engine was ready: "
+                                 + "".join(lines)[-3000:])
         rank1 = _torchrun_rank(proc.pid, "1")
         rank1.suspend()
         stopped_at = time.monotonic()
