@@ -64,6 +64,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Defaults of secrets that are also flags (--api-key, --engine-token): never shown in --help.
     "PAGEDSERVE_API_KEY": lambda: os.environ.get("PAGEDSERVE_API_KEY") or None,
     "PAGEDSERVE_ENGINE_TOKEN": lambda: os.environ.get("PAGEDSERVE_ENGINE_TOKEN") or None,
+    # OpenTelemetry's own variables for --otlp-traces-endpoint (frontend/tracing): the endpoint is the flag's
+    # default; the SDK's exporter reads the other OTEL_EXPORTER_OTLP_TRACES_* (headers, timeout, TLS) itself.
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": lambda: os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None,
+    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": _choice("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc",
+                                                  ("grpc", "http/protobuf")),
     # The API key `pagedserve bench serve`, `chat` and `complete` send (the OpenAI clients' variable, as vLLM's).
     "OPENAI_API_KEY": lambda: os.environ.get("OPENAI_API_KEY") or None,
     # Where scripts/build_llama_server.sh builds llama.cpp's server (the CPU peer of the benchmarks).

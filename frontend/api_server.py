@@ -31,6 +31,8 @@ from pagedserve.frontend.openai.protocol import (ChatCompletionRequest, Completi
                                           ModelCard, ModelList, TokenizeRequest)
 from pagedserve.frontend.responses.serving import add_responses_routes
 from pagedserve.frontend.server_args import ServerArgs
+from pagedserve.frontend.tracing.request_spans import RequestSpans
+from pagedserve.frontend.tracing.trace_headers import TraceHeadersMiddleware
 from pagedserve.frontend.openai.serving import OpenAIServing
 from pagedserve.frontend.pooling.serving import add_pooling_routes
 
@@ -68,23 +70,38 @@ def response_for(exc: BaseException, retry_after_s: int = RETRY_AFTER_S) -> JSON
     return error_response(500, "internal server error", kind)
 
 
-def _lifespan(loras: LoRAModels | None,
-              modules: list[LoRAModule]) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+def _lifespan(loras: LoRAModels | None, modules: list[LoRAModule],
+              spans: RequestSpans | None) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """The app's startup: --lora-modules load before the server takes requests (a refused one stops the
-    start, with the reason). Shutdown is the caller's: the engine outlives the app (cli.serve)."""
+    start, with the reason). At its end the spans still queued are sent; the engine's shutdown is the
+    caller's: the engine outlives the app (cli.serve)."""
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         for module in modules:
             await loras.load(module)
         yield
+        if spans is not None:
+            spans.shutdown()
     return lifespan
+
+
+def _request_spans(engine: AsyncEngineClient, settings: ServerArgs, served_model_name: str) -> RequestSpans | None:
+    """--otlp-traces-endpoint: a span per request; without it no hook is installed and nothing imported."""
+    if not settings.otlp_traces_endpoint:
+        return None
+    spans = RequestSpans(settings.otlp_traces_endpoint, served_model_name)
+    engine.started_hooks.append(spans.begin)
+    engine.finished_hooks.append(spans.finish)
+    engine.unfinished_hooks.append(spans.drop)
+    return spans
 
 
 def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name: str) -> FastAPI:
     loras = LoRAModels(engine, served_model_name) if engine.info.max_loras else None
     lora_modules = parse_lora_modules(settings.lora_modules) if loras is not None else []
+    spans = _request_spans(engine, settings, served_model_name)
     app = FastAPI(title="pagedserve", version=__version__, root_path=settings.root_path or "",
-                  lifespan=_lifespan(loras, lora_modules))
+                  lifespan=_lifespan(loras, lora_modules, spans))
     metrics = Metrics(served_model_name, engine.info.max_model_len, engine.num_engines, engine.info.max_loras)
     engine.finished_hooks.append(metrics.observe_finished)
     engine.inter_token_hooks.append(metrics.observe_inter_token)
@@ -94,6 +111,8 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
                             settings.tool_call_parser if settings.enable_auto_tool_choice else None, loras)
     app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
     app.state.drain = drain = Drain(settings.shutdown_timeout)
+    if spans is not None:         # innermost: it sees only requests the guards let through
+        app.add_middleware(TraceHeadersMiddleware)
     _add_guards_and_handlers(app, settings, drain)
     if loras is not None:
         add_lora_routes(app, loras, settings.allow_runtime_lora_updating)

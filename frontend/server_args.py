@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from pagedserve.common import envs
 from pagedserve.common.config.arg_utils import check_choices, setting
 from pagedserve.frontend.dp.router import ROUTING_POLICIES
 from pagedserve.frontend.parsers.tool_parsers import TOOL_PARSERS
@@ -86,6 +87,11 @@ class ServerArgs:
     shutdown_timeout: float = setting(
         30.0, help="on SIGTERM or POST /drain: seconds in-flight requests may take to finish (new ones get 503 "
                    "with Retry-After and /health turns unready meanwhile) before the server exits")
+    otlp_traces_endpoint: str | None = setting(
+        env="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        help="send one OpenTelemetry span per request (vLLM's llm_request, gen_ai.* attributes) to this OTLP "
+             "endpoint; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks grpc (the default) or http/protobuf (pip "
+             "install 'pagedserve[otel]')")
     log_level: str = setting("info", choices=LOG_LEVELS, help="log messages of this level and above")
     root_path: str | None = setting(
         None, help="the path prefix a reverse proxy serves this server under (e.g. /llm): routes answer with "
@@ -122,6 +128,8 @@ class ServerArgs:
                             ("--max-concurrent-requests", self.max_concurrent_requests)):
             if value is not None and value <= 0:
                 raise ValueError(f"{flag} must be a positive integer, got {value}")
+        if self.otlp_traces_endpoint:
+            envs.OTEL_EXPORTER_OTLP_TRACES_PROTOCOL        # ValueError, naming the variable, for a bad one
         if self.responses_store_max_entries < 0:
             raise ValueError(f"--responses-store-max-entries must be >= 0, got {self.responses_store_max_entries}")
         if not self.shutdown_timeout >= 0:

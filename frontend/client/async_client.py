@@ -2,7 +2,8 @@
 
 Its face is narrow on purpose: the HTTP layer (and any Python caller) uses `info` (the engine's limits and
 names, as the core told them), `tokenize`, `render_chat`, `detokenize`, `prepare` + `stream` (or
-`generate`, which is both), `abort`, `is_dead`, `check_health`, `last_stats` and `finished_hooks`.
+`generate`, which is both), `abort`, `is_dead`, `check_health`, `last_stats` and the hooks (`started_hooks`,
+`finished_hooks`, ...).
 """
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ class AsyncEngineClient:
         # Each hook's last argument is the index of the engine core the observation came from.
         # Called with every finished RequestOutput and its total generated tokens (metrics).
         self.finished_hooks: list[Callable[[RequestOutput, int, int], None]] = []
+        # Called with each request as it starts, and with the id of each that ends unfinished (tracing).
+        self.started_hooks: list[Callable[[PreparedRequest], None]] = []
+        self.unfinished_hooks: list[Callable[[str], None]] = []
         # Called with the intervals between consecutive output tokens seen in each batch of outputs (metrics).
         self.inter_token_hooks: list[Callable[[list[float], int], None]] = []
         # Called with the SchedulerStats of every engine step (metrics).
@@ -179,6 +183,7 @@ class AsyncEngineClient:
         self._queues[rid] = queue
         self._children[rid] = prepared.child_ids
         self.processors.track(prepared)
+        self._run_hooks(self.started_hooks, prepared)
         finished = False
         try:
             for request in prepared.requests:
@@ -195,6 +200,7 @@ class AsyncEngineClient:
             self._queues.pop(rid, None)
             children = self._children.pop(rid, [])
             if not finished:        # cancelled, disconnected or failed: the engine must drop it
+                self._run_hooks(self.unfinished_hooks, rid)
                 self.processors.output.abort_request(children)
                 if not self.is_dead:
                     await self.client.abort_requests(children)
