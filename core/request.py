@@ -11,7 +11,7 @@ from pagedserve.core.block_hash import BlockHasher
 from pagedserve.common.multimodal.families import PLACEMENT_TENSORS
 from pagedserve.common.params.pooling_params import PoolingParams
 from pagedserve.common.params.sampling_params import SamplingParams
-from pagedserve.ipc.messages import LogprobsEntry, MultiModalFeature, PromptLogprobsChunk, TensorData
+from pagedserve.ipc.messages import EngineCoreEvent, EngineCoreOutput, LogprobsEntry, MultiModalFeature, PromptLogprobsChunk, TensorData
 
 
 class RequestStatus(enum.IntEnum):
@@ -64,6 +64,8 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None    # for the queue-time metric
         self.queue_time_reported = False
+        # Its scheduling moments not yet sent (traces: --collect-detailed-traces); a few per request.
+        self._events: list[EngineCoreEvent] = [EngineCoreEvent("QUEUED", self._since_arrival())]
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.block_hashes: list[bytes] = []
@@ -121,8 +123,23 @@ class Request:
         return None
 
     def mark_scheduled(self) -> None:
+        """Admitted to run: first from waiting, or again after a preemption."""
         if self.first_scheduled_time is None:
             self.first_scheduled_time = time.time()
+        self._events.append(EngineCoreEvent("SCHEDULED", self._since_arrival()))
+
+    def note_preempted(self) -> None:
+        self.num_preemptions += 1
+        self._events.append(EngineCoreEvent("PREEMPTED", self._since_arrival()))
+
+    def stamp_timing(self, out: EngineCoreOutput) -> None:
+        """The output carries the queue time (the first output only) and the events since the last one."""
+        out.queue_time = self.take_queue_time()
+        if self._events:
+            out.events, self._events = self._events, []
+
+    def _since_arrival(self) -> float:
+        return max(0.0, time.time() - self.arrival_time)
 
     def take_queue_time(self) -> float | None:
         """Seconds from arrival (the frontend's clock) to first scheduled, on the request's first output only."""

@@ -12,6 +12,7 @@ from pagedserve.frontend.parsers.tool_parsers import TOOL_PARSERS
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
 TOOL_PARSER_NAMES = tuple(TOOL_PARSERS)
 
+DETAILED_TRACES = ("all", "model", "worker")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -92,6 +93,10 @@ class ServerArgs:
         help="send one OpenTelemetry span per request (vLLM's llm_request, gen_ai.* attributes) to this OTLP "
              "endpoint; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks grpc (the default) or http/protobuf (pip "
              "install 'pagedserve[otel]')")
+    collect_detailed_traces: str | None = setting(
+        None, choices=DETAILED_TRACES,
+        help="with --otlp-traces-endpoint: add the engine core's scheduling moments of each request (QUEUED, "
+             "SCHEDULED, PREEMPTED) to its span as events; vLLM's values, which all add the same events here")
     log_level: str = setting("info", choices=LOG_LEVELS, help="log messages of this level and above")
     root_path: str | None = setting(
         None, help="the path prefix a reverse proxy serves this server under (e.g. /llm): routes answer with "
@@ -128,6 +133,8 @@ class ServerArgs:
                             ("--max-concurrent-requests", self.max_concurrent_requests)):
             if value is not None and value <= 0:
                 raise ValueError(f"{flag} must be a positive integer, got {value}")
+        if self.collect_detailed_traces and not self.otlp_traces_endpoint:
+            raise ValueError("--collect-detailed-traces needs --otlp-traces-endpoint (the spans it adds to)")
         if self.otlp_traces_endpoint:
             envs.OTEL_EXPORTER_OTLP_TRACES_PROTOCOL        # ValueError, naming the variable, for a bad one
         if self.responses_store_max_entries < 0:

@@ -81,6 +81,13 @@ class LogprobsEntry(msgspec.Struct, array_like=True):
     sampled_rank: int
 
 
+class EngineCoreEvent(msgspec.Struct, array_like=True):
+    """A moment of a request's life in the engine core (vLLM's EngineCoreEventType names), as seconds since its
+    arrival on the frontend's clock: a duration, so a core on another host with another clock still places it."""
+    kind: str                               # "QUEUED" | "SCHEDULED" | "PREEMPTED"
+    seconds: float
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
@@ -95,6 +102,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_prompt_logprobs: Optional[list[LogprobsEntry]] = None
     error_field: Optional[str] = None       # with error: the request field at fault (RequestError.field)
     pooling_output: Optional[bytes] = None  # a pooling request's answer: float32 values, little-endian, raw
+    events: Optional[list[EngineCoreEvent]] = None      # those since its last output (traces)
 
     @property
     def finished(self) -> bool:

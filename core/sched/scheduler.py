@@ -267,7 +267,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0  # recompute: prefix caching usually makes this cheap
         request.spec_token_ids = []      # proposed from KV the preemption dropped
-        request.num_preemptions += 1
+        request.note_preempted()
         self.num_preemptions += 1
         if request.request_id in self._sent_to_workers:
             self._sent_to_workers.discard(request.request_id)
@@ -363,7 +363,7 @@ class Scheduler:
                 continue                 # a prefill chunk
             out = EngineCoreOutput(request_id=rid, new_token_ids=[], new_prompt_logprobs=scored,
                                    num_cached_tokens=max(request.num_cached_tokens, 0))
-            out.queue_time = request.take_queue_time()   # the first output of any kind carries it
+            request.stamp_timing(out)      # the first output of any kind carries the queue time
             if token < 0:
                 outputs.append(out)
                 continue
@@ -391,7 +391,7 @@ class Scheduler:
         request.num_output_placeholders = 0
         out = EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason="stop",
                                num_cached_tokens=max(request.num_cached_tokens, 0), pooling_output=pooled)
-        out.queue_time = request.take_queue_time()
+        request.stamp_timing(out)
         self._free(request)
         return out
 

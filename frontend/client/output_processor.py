@@ -8,7 +8,7 @@ from typing import Any
 from pagedserve.common.params.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.frontend.client.detokenizer import IncrementalDetokenizer
 from pagedserve.frontend.client.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.ipc.messages import EngineCoreOutput, LogprobsEntry
+from pagedserve.ipc.messages import EngineCoreEvent, EngineCoreOutput, LogprobsEntry
 
 
 @dataclass
@@ -40,6 +40,7 @@ class _Parent:
     arrival_time: float = field(default_factory=time.time)
     first_token_time: float | None = None
     queue_time: float | None = None           # measured by the engine core, sent with the first token
+    events: list[EngineCoreEvent] = field(default_factory=list)     # its samples' scheduling moments
     error: str | None = None
     error_kind: str | None = None
     error_field: str | None = None
@@ -99,6 +100,8 @@ class OutputProcessor:
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if out.queue_time is not None and parent.queue_time is None:
                 parent.queue_time = out.queue_time
+            if out.events:
+                parent.events.extend(out.events)
             if out.pooling_output is not None:
                 parent.pooling_output = out.pooling_output
             if out.new_token_ids:
@@ -158,7 +161,8 @@ class OutputProcessor:
             metrics["queue_time"] = parent.queue_time
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
                              parent.num_cached_tokens, metrics, parent.error, parent.error_kind,
-                             self._prompt_logprobs(parent, delta), parent.error_field, parent.pooling_output)
+                             self._prompt_logprobs(parent, delta), parent.error_field, parent.pooling_output,
+                             parent.events if finished else [])
 
     @staticmethod
     def _prompt_logprobs(parent: _Parent, delta: bool) -> list[dict[int, Logprob] | None] | None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.ipc.messages import EngineCoreEvent
+
 
 @dataclass
 class Logprob:
@@ -40,3 +42,5 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error_field: str | None = None         # with error: the request field at fault, when one is
     pooling_output: bytes | None = None    # a pooling request's answer: float32 values (frontend/pooling/requests.py)
+    # On the finished output: the engine core's scheduling moments of all its samples, in the order they came.
+    events: list[EngineCoreEvent] = field(default_factory=list)

@@ -43,9 +43,11 @@ class _Started:
 
 
 class RequestSpans:
-    def __init__(self, endpoint: str, model_name: str) -> None:
+    def __init__(self, endpoint: str, model_name: str, detailed: bool = False) -> None:
+        """detailed: the engine core's scheduling moments become the span's events."""
         self.tracer, self.provider = otel.make_tracer(endpoint)
         self.model_name = model_name
+        self.detailed = detailed
         self._started: dict[str, _Started] = {}
 
     def begin(self, prepared: PreparedRequest) -> None:
@@ -68,6 +70,9 @@ class RequestSpans:
         span = self.tracer.start_span(SPAN_NAME, context=otel.parent_context(started.headers),
                                       kind=otel.server_kind(), attributes=attributes,
                                       start_time=int(arrival * 1e9))
+        if self.detailed:
+            for event in out.events:
+                span.add_event(event.kind, timestamp=int((arrival + event.seconds) * 1e9))
         span.end(end_time=int(last * 1e9))
 
     def shutdown(self) -> None:

@@ -13,10 +13,11 @@ import httpx
 import pytest
 
 from pagedserve.tests.frontend.tracing.otlp_receiver import OtlpReceiver, attributes
-from pagedserve.tests.helpers.server import SMALL_KV, Server, free_port
+from pagedserve.tests.helpers.server import Server, free_port
 
 pytestmark = pytest.mark.timeout(300)
 
+KV_BLOCKS = 40                # of 16 tokens
 SPAN_KIND_SERVER = 2          # opentelemetry.proto.trace.v1.Span.SpanKind.SPAN_KIND_SERVER
 
 
@@ -38,8 +39,9 @@ def traced_server(tiny_serving_model, receiver):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        server = Server(*SMALL_KV, "--otlp-traces-endpoint",
-                        f"http://127.0.0.1:{receiver.server.server_address[1]}/v1/traces",
+        # A pool of KV_BLOCKS blocks: long requests side by side preempt one another (detailed traces show it).
+        server = Server("--num-gpu-blocks-override", str(KV_BLOCKS), "--collect-detailed-traces", "all",
+                        "--otlp-traces-endpoint", f"http://127.0.0.1:{receiver.server.server_address[1]}/v1/traces",
                         model=tiny_serving_model, max_model_len=512)
     finally:
         for k, v in saved.items():
@@ -107,6 +109,41 @@ def test_a_request_without_trace_context_is_a_root_span(traced_server, receiver)
                                                      prompt="root", max_tokens=2)
     [span] = receiver.wait_for(lambda s: attributes(s)["gen_ai.request.id"].startswith(resp.id))
     assert span.parent_span_id == b""
+
+
+def test_detailed_traces_carry_the_scheduling_moments_preemptions_included(traced_server, receiver):
+    """Four requests of 300 tokens need ~80 blocks of a pool of 40: the scheduler preempts, and each span
+    says when its request was queued, scheduled, preempted and scheduled again, in order, inside the span."""
+    client = traced_server.client()
+    model = client.models.list().data[0].id
+
+    def long(i: int) -> str:
+        header, trace_id, _ = _traceparent()
+        client.completions.create(model=model, prompt=f"long {i}", max_tokens=300, extra_body={"ignore_eos": True},
+                                  extra_headers={"traceparent": header})
+        return trace_id
+
+    preemptions_before = traced_server.metric("num_preemptions_total")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        trace_ids = list(pool.map(long, range(4)))
+    assert traced_server.metric("num_preemptions_total") > preemptions_before
+    kinds_seen = set()
+    for trace_id in trace_ids:
+        [span] = receiver.wait_for(_of_trace(trace_id))
+        kinds = [e.name for e in span.events]
+        times = [e.time_unix_nano for e in span.events]
+        assert kinds[:2] == ["QUEUED", "SCHEDULED"] and times == sorted(times), kinds
+        assert span.start_time_unix_nano <= times[0] and times[-1] <= span.end_time_unix_nano
+        # Every preemption is followed by a new scheduling.
+        assert kinds.count("SCHEDULED") == kinds.count("PREEMPTED") + 1, kinds
+        kinds_seen.update(kinds)
+    assert "PREEMPTED" in kinds_seen
+
+
+def test_detailed_traces_need_an_endpoint():
+    from pagedserve.frontend.server_args import ServerArgs
+    with pytest.raises(ValueError, match="--collect-detailed-traces needs --otlp-traces-endpoint"):
+        ServerArgs(collect_detailed_traces="all", otlp_traces_endpoint=None)
 
 
 def test_a_collector_that_is_down_costs_requests_nothing(traced_server, receiver, receiver_port):
