@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import jsonschema
@@ -192,6 +192,41 @@ def test_langchain_structured_output_and_bind_tools(server):
     assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_time" and isinstance(msg.tool_calls[0]["args"], dict)
     msg = llm.bind_tools([get_time, Weather], tool_choice="any").invoke("Anything")
     assert msg.tool_calls and {c["name"] for c in msg.tool_calls} <= {"get_time", "Weather"}
+
+
+def test_litellm_tool_call(server):
+    """litellm's OpenAI-compatible provider, as its users point it at a vLLM server."""
+    import litellm
+    resp = litellm.completion(model="openai/" + server.client().models.list().data[0].id, api_base=server.url + "/v1",
+                              api_key=server.api_key, messages=MESSAGES, tools=TOOLS, max_tokens=60, seed=3,
+                              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = resp.choices[0].message.tool_calls[0]
+    assert resp.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
+
+
+def test_agents_sdk_over_chat_completions(server):
+    """The OpenAI Agents SDK with its chat-completions model (the one it uses for non-OpenAI servers): the
+    forced call runs the Python tool, whose answer ends the run."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    set_tracing_disabled(True)
+    ran: list[str] = []
+
+    @function_tool       # an enum: a free string would run a random model's argument to max_tokens
+    def get_time(zone: Literal["UTC", "CET"]) -> str:
+        """The time in a zone."""
+        ran.append(zone)
+        return f"12:00 {zone}"
+
+    model = OpenAIChatCompletionsModel(model=server.client().models.list().data[0].id,
+                                       openai_client=server.async_client())
+    agent = Agent(name="clock", instructions="Answer with the tool.", tools=[get_time], model=model,
+                  model_settings=ModelSettings(tool_choice="get_time", max_tokens=60, extra_body={"seed": 1}),
+                  tool_use_behavior="stop_on_first_tool")
+    result = asyncio.run(Runner.run(agent, "What time is it?"))
+    assert len(ran) == 1 and result.final_output == f"12:00 {ran[0]}"
 
 
 @pytest.mark.parametrize("fields,param", [
