@@ -111,12 +111,12 @@ def test_a_killed_engine_fails_only_its_streams_and_restarts(tiny_serving_model)
         client = server.client()
         model = client.models.list().data[0].id
         # In order: least-loaded puts 0, 2 on one engine, 1, 3 on the other.
-        threads, ended = start_streams(client, model, 4)
-        time.sleep(1.0)
+        streams = start_streams(client, model, 4)
+        streams.wait_streaming()                         # all four running, two on each engine
+        ended = streams.ended
         killed_at = time.monotonic()
         os.kill(cores[1].pid, signal.SIGKILL)
-        for t in threads:
-            t.join(120)
+        streams.join()
         failed = [i for i, (how, _) in ended.items() if how != "done"]
         assert len(ended) == 4 and len(failed) == 2, ended
         assert all(ended[i][1] - killed_at < 1.0 for i in failed), ended

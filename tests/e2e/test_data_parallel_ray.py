@@ -57,14 +57,14 @@ def test_engines_on_two_ray_nodes_serve_and_heal(two_nodes, tiny_serving_model, 
         assert [e["state"] for e in httpx.get(f"{server.url}/health", timeout=10).json()["engines"]] == ["ok", "ok"]
         client = server.client()
         model = client.models.list().data[0].id
-        threads, ended = start_streams(client, model, 4)      # least-loaded: two streams on each engine
-        time.sleep(1.0)
+        streams = start_streams(client, model, 4)      # least-loaded: two streams on each engine
+        streams.wait_streaming()                         # all four running, two on each engine
+        ended = streams.ended
         victim = sorted(hosts)[1]
         core_pids = ray.get([h.core_pid.remote() for h in hosts.values()])
         killed_at = time.monotonic()
         os.kill(ray.get(hosts[victim].core_pid.remote()), signal.SIGKILL)
-        for t in threads:
-            t.join(120)
+        streams.join()
         failed = [i for i, (how, _) in ended.items() if how != "done"]
         assert len(ended) == 4 and len(failed) == 2, ended
         assert all(ended[i][1] - killed_at < 1.0 for i in failed), ended

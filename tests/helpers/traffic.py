@@ -123,22 +123,41 @@ async def run_one(client: openai.AsyncOpenAI, spec: Spec, model: str, deadline_s
     return Result(spec, outcome, detail, time.monotonic() - start)
 
 
+@dataclasses.dataclass
+class Streams:
+    """start_streams' streams: each ends in ended[i] = ("done" or the error's type, when)."""
+    threads: list[threading.Thread]
+    ended: dict[int, tuple[str, float]]
+    streaming: list[threading.Event]       # set at each stream's first chunk
+
+    def wait_streaming(self, timeout_s: float = 60) -> None:
+        """Until every stream has had its first chunk (a loaded machine starts them late)."""
+        deadline = time.monotonic() + timeout_s
+        for i, event in enumerate(self.streaming):
+            if not event.wait(max(0.0, deadline - time.monotonic())):
+                raise AssertionError(f"stream {i} had no first chunk in {timeout_s} s: {self.ended}")
+
+    def join(self, timeout_s: float = 120) -> None:
+        for t in self.threads:
+            t.join(timeout_s)
+
+
 def start_streams(client: openai.OpenAI, model: str, count: int, max_tokens: int = 480,
-                  stagger_s: float = 0.2) -> tuple[list[threading.Thread], dict[int, tuple[str, float]]]:
+                  stagger_s: float = 0.2) -> Streams:
     """`count` streamed completions on threads, started in order `stagger_s` apart (least-loaded routing
-    alternates them between two engines); each ends in ended[i] = ("done" or the error's type, when)."""
-    ended: dict[int, tuple[str, float]] = {}
+    alternates them between two engines)."""
+    streams = Streams([], {}, [threading.Event() for _ in range(count)])
 
     def stream(i: int) -> None:
         try:
             for _ in client.completions.create(model=model, prompt=f"Story {i}:", max_tokens=max_tokens, stream=True,
                                                extra_body={"ignore_eos": True}):
-                pass
-            ended[i] = ("done", time.monotonic())
+                streams.streaming[i].set()
+            streams.ended[i] = ("done", time.monotonic())
         except Exception as exc:       # a killed engine's streams end in an error
-            ended[i] = (type(exc).__name__, time.monotonic())
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
+            streams.ended[i] = (type(exc).__name__, time.monotonic())
+    for i in range(count):
+        streams.threads.append(threading.Thread(target=stream, args=(i,)))
+        streams.threads[-1].start()
         time.sleep(stagger_s)
-    return threads, ended
+    return streams
