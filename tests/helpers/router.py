@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -16,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import openai
 
-from pagedserve.tests.helpers.server import free_port
+from pagedserve.tests.helpers.server import free_port, stop_process
 
 ROUTER_KEY = "router-key-456"
 
@@ -75,13 +74,7 @@ class Router:
         return httpx.get(f"{self.url}/metrics", timeout=10).text
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 class StaticUpstream:

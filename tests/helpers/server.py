@@ -56,6 +56,17 @@ def free_port(avoid: set[int] = frozenset()) -> int:
     raise RuntimeError(f"no free loopback port in {ports}")
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM (a server's graceful stop), then SIGKILL after grace_s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def free_port_pair() -> int:
     """A port P such that P and P + 1 are both free now."""
     while True:
@@ -189,13 +200,7 @@ class Server:
         return sorted(left)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def stop_and_check_clean(self, kids: list[psutil.Process] | None = None) -> None:
         """Stop the server; then no child may be left and no ipc file either."""
