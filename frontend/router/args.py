@@ -8,6 +8,7 @@ from pagedserve.common.config.arg_utils import check_choices, setting
 from pagedserve.frontend.server_args import LOG_LEVELS
 
 ROUTING_LOGICS = ("roundrobin", "least-load", "prefix", "session")
+SERVICE_DISCOVERY = ("static", "k8s")
 
 
 @dataclass(frozen=True)
@@ -15,9 +16,19 @@ class RouterArgs:
     """Made with bad values it raises ValueError naming the flag."""
     host: str = setting("127.0.0.1", help="address the router listens on")
     port: int = setting(8000, help="port the router listens on")
+    service_discovery: str = setting(
+        "static", choices=SERVICE_DISCOVERY,
+        help="where the replicas come from: static (--backend); k8s (the pods matching --k8s-label-selector in "
+             "--k8s-namespace, listed and watched through the Kubernetes API: a running pod joins once its "
+             "/health probe passes, a deleted or terminating one leaves)")
     backend: tuple[str, ...] = setting(
         (), append=True, help="a replica's base URL (http://HOST:PORT, an engine-serve or any OpenAI-compatible "
-                              "server); repeat the flag for each replica")
+                              "server); repeat the flag for each replica (service-discovery static)")
+    k8s_namespace: str = setting("default", help="service-discovery k8s: the namespace whose pods are watched")
+    k8s_label_selector: str = setting(
+        "", help="service-discovery k8s: the replicas' pods, as a Kubernetes label selector "
+                 "(app.kubernetes.io/component=replica,app.kubernetes.io/name=pagedserve)")
+    k8s_port: int = setting(8000, help="service-discovery k8s: the port engine-serve listens on in each pod")
     backend_api_key: tuple[str, ...] = setting(
         (), append=True, help="the API key the router presents to the replicas: once for all of them, or once "
                               "per --backend in the same order (unset: the client's Authorization passes through "
@@ -55,17 +66,19 @@ class RouterArgs:
 
     def validate(self) -> None:
         check_choices(self, as_flags=True)
-        if not self.backend:
-            raise ValueError("give at least one --backend URL")
+        self._validate_discovery()
         for url in self.backend:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.netloc:
                 raise ValueError(f"--backend must be an http(s)://HOST:PORT URL, got {url!r}")
+        if self.service_discovery != "static" and len(self.backend_api_key) > 1:
+            raise ValueError("give --backend-api-key once with --service-discovery k8s: the replicas come and go")
         if len(self.backend_api_key) not in (0, 1, len(self.backend)):
             raise ValueError(f"give --backend-api-key once, or once per --backend ({len(self.backend)}), got "
                              f"{len(self.backend_api_key)}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        for flag, port in (("--port", self.port), ("--k8s-port", self.k8s_port)):
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{flag} must be in [0, 65535], got {port}")
         for flag, value in (("--health-check-interval", self.health_check_interval),
                             ("--request-timeout", self.request_timeout)):
             if not value > 0:
@@ -76,6 +89,18 @@ class RouterArgs:
                 raise ValueError(f"{flag} must be a positive integer, got {value}")
         if self.max_retries < 0:
             raise ValueError(f"--max-retries must be >= 0, got {self.max_retries}")
+
+    def _validate_discovery(self) -> None:
+        if self.service_discovery == "static" and not self.backend:
+            raise ValueError("give at least one --backend URL (or --service-discovery k8s)")
+        if self.service_discovery == "k8s":
+            if self.backend:
+                raise ValueError("--backend is for --service-discovery static; k8s finds the replicas itself")
+            # An empty selector matches every pod in the namespace, the routers' own among them.
+            if not self.k8s_label_selector.strip():
+                raise ValueError("--service-discovery k8s needs a --k8s-label-selector naming the replicas' pods")
+            if not self.k8s_namespace:
+                raise ValueError("--k8s-namespace must not be empty")
 
     def key_for(self, index: int) -> str | None:
         """The API key towards replica `index`."""

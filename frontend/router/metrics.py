@@ -34,6 +34,7 @@ class RouterMetrics:
 
     def render(self, pool: ReplicaPool) -> bytes:
         up = [r for r in pool.replicas if r.healthy]
+        self.healthy.clear()        # discovered replicas come and go: a gone one's series goes too
         for replica in pool.replicas:
             self.healthy.labels(replica.url).set(1 if replica.healthy else 0)
         self.running.set(sum(r.running for r in up))

@@ -82,7 +82,9 @@ class Routing:
             self.prefix.finished(replica.index)
 
     def replica_changed(self, replica: Replica) -> None:
-        """A replica joined or left: what it held is gone (a restarted replica's cache starts empty)."""
+        """A replica joined or left: what it held is gone (a restarted replica's cache starts empty). A
+        discovered replica's index may be new here."""
+        self.prefix.add_engines(replica.index + 1)
         self.prefix.set_available(replica.index, True)
 
     def _round_robin(self, candidates: list[Replica], least_load: bool) -> Replica:

@@ -6,6 +6,7 @@ HPA's metric is the router's gauge); the Dockerfile passes hadolint and its targ
 entrypoint are the ones the manifests use."""
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -20,7 +21,10 @@ import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
 
+from pagedserve.common.config.arg_utils import dataclass_from
 from pagedserve.frontend.cli import parse_args
+from pagedserve.frontend.router.args import RouterArgs
+from pagedserve.frontend.router.main import add_cli_args
 from pagedserve.frontend.router.metrics import RouterMetrics
 
 HERE = os.path.dirname(__file__)
@@ -118,6 +122,32 @@ def test_replicas_drain_within_the_grace_period_behind_probes(overlay):
     assert grace > pre_stop + server.shutdown_timeout
     if name == "gpu":
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def test_the_router_discovers_exactly_the_replica_pods(overlay):
+    _, objs = overlay
+    router, replica = (objs[("Deployment", f"pagedserve-{c}")] for c in ("router", "replica"))
+    container = _container(router)
+    assert container["args"][0] == "router"
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    # Kubernetes expands $(POD_NAMESPACE) from the env the container declares.
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    assert env == {"POD_NAMESPACE": "metadata.namespace"}
+    args = dataclass_from(parser.parse_args(container["args"][1:]), RouterArgs)
+    assert (args.service_discovery, args.k8s_namespace) == ("k8s", "$(POD_NAMESPACE)")
+    labels = replica["spec"]["template"]["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in _selector(args.k8s_label_selector).items())
+    router_labels = router["spec"]["template"]["metadata"]["labels"]
+    assert not all(router_labels.get(k) == v for k, v in _selector(args.k8s_label_selector).items())
+    assert args.k8s_port == _container(replica)["ports"][0]["containerPort"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    # Its service account may watch pods, which discovery needs, and nothing more.
+    role = objs[("Role", "pagedserve-router")]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert router["spec"]["template"]["spec"]["serviceAccountName"] == "pagedserve-router"
+    binding = objs[("RoleBinding", "pagedserve-router")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "pagedserve-router"}]
 
 
 def test_services_budgets_and_autoscaler_name_the_right_pods(overlay):
