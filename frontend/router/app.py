@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedserve.common.version import __version__
 from pagedserve.frontend.http.guards import ApiKeyMiddleware, BodyLimitMiddleware
 from pagedserve.frontend.router.args import RouterArgs
+from pagedserve.frontend.router.dynamic_config import DynamicConfigFile
 from pagedserve.frontend.router.k8s import K8sDiscovery
 from pagedserve.frontend.router.metrics import RouterMetrics
 from pagedserve.frontend.router.pool import Replica, ReplicaPool
@@ -39,15 +40,22 @@ def build_router_app(args: RouterArgs) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        config_file = None
+        if args.dynamic_config_json is not None:       # a missing or bad file stops the start here
+            config_file = DynamicConfigFile(args.dynamic_config_json, args.routing_logic, pool.sync)
+            config_file.load()
         discovery = _start_discovery(args, pool)
+        tasks = [asyncio.create_task(pool.run())]
+        if config_file is not None:
+            tasks.append(asyncio.create_task(config_file.run()))
         await pool.probe_all()         # the first requests find the pool known
         logger.info("router over %d replicas (%d healthy), routing-logic %s, service-discovery %s",
                     len(pool.replicas), len(pool.candidates(None)), args.routing_logic, args.service_discovery)
-        prober = asyncio.create_task(pool.run())
         try:
             yield
         finally:
-            prober.cancel()
+            for task in tasks:
+                task.cancel()
             if discovery is not None:
                 discovery.stop()
             await client.aclose()

@@ -24,6 +24,10 @@ class RouterArgs:
     backend: tuple[str, ...] = setting(
         (), append=True, help="a replica's base URL (http://HOST:PORT, an engine-serve or any OpenAI-compatible "
                               "server); repeat the flag for each replica (service-discovery static)")
+    dynamic_config_json: str | None = setting(
+        None, help="service-discovery static: the replicas from this JSON file instead of --backend, re-read "
+                   "when it changes (production-stack's shape: {\"static_backends\": \"http://a:8000,"
+                   "http://b:8000\"}); a version that is not valid is logged and the last good one kept")
     k8s_namespace: str = setting("default", help="service-discovery k8s: the namespace whose pods are watched")
     k8s_label_selector: str = setting(
         "", help="service-discovery k8s: the replicas' pods, as a Kubernetes label selector "
@@ -71,8 +75,9 @@ class RouterArgs:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.netloc:
                 raise ValueError(f"--backend must be an http(s)://HOST:PORT URL, got {url!r}")
-        if self.service_discovery != "static" and len(self.backend_api_key) > 1:
-            raise ValueError("give --backend-api-key once with --service-discovery k8s: the replicas come and go")
+        if (self.service_discovery != "static" or self.dynamic_config_json) and len(self.backend_api_key) > 1:
+            raise ValueError("give --backend-api-key once with --service-discovery k8s or --dynamic-config-json: "
+                             "the replicas come and go")
         if len(self.backend_api_key) not in (0, 1, len(self.backend)):
             raise ValueError(f"give --backend-api-key once, or once per --backend ({len(self.backend)}), got "
                              f"{len(self.backend_api_key)}")
@@ -91,8 +96,12 @@ class RouterArgs:
             raise ValueError(f"--max-retries must be >= 0, got {self.max_retries}")
 
     def _validate_discovery(self) -> None:
-        if self.service_discovery == "static" and not self.backend:
-            raise ValueError("give at least one --backend URL (or --service-discovery k8s)")
+        if self.service_discovery == "static" and not self.backend and not self.dynamic_config_json:
+            raise ValueError("give at least one --backend URL (or --dynamic-config-json, or --service-discovery "
+                             "k8s)")
+        if self.dynamic_config_json is not None and (self.backend or self.service_discovery != "static"):
+            raise ValueError("--dynamic-config-json lists the replicas itself: not with --backend or "
+                             "--service-discovery k8s")
         if self.service_discovery == "k8s":
             if self.backend:
                 raise ValueError("--backend is for --service-discovery static; k8s finds the replicas itself")
