@@ -16,6 +16,7 @@ from pagedserve.frontend.http.guards import ApiKeyMiddleware, BodyLimitMiddlewar
 from pagedserve.frontend.router.args import RouterArgs
 from pagedserve.frontend.router.dynamic_config import DynamicConfigFile
 from pagedserve.frontend.router.k8s import K8sDiscovery
+from pagedserve.frontend.router.lora import LoraPlacer, parse_lora_modules
 from pagedserve.frontend.router.metrics import RouterMetrics
 from pagedserve.frontend.router.pool import Replica, ReplicaPool
 from pagedserve.frontend.router.proxy import Proxy
@@ -35,8 +36,9 @@ def build_router_app(args: RouterArgs) -> FastAPI:
     client = httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=min(5.0, args.request_timeout)),
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
     pool = ReplicaPool(replicas, args.health_check_interval, client, routing.replica_changed, args.key_for)
+    lora = LoraPlacer(pool, client, parse_lora_modules(args.lora_modules)) if args.routing_logic == "lora" else None
     proxy = Proxy(pool, routing, metrics, client, args.max_retries,
-                  pass_client_auth=not args.api_key and not args.backend_api_key)
+                  pass_client_auth=not args.api_key and not args.backend_api_key, lora=lora)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -5,9 +5,10 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from pagedserve.common.config.arg_utils import check_choices, setting
+from pagedserve.frontend.router.lora import parse_lora_modules
 from pagedserve.frontend.server_args import LOG_LEVELS
 
-ROUTING_LOGICS = ("roundrobin", "least-load", "prefix", "session")
+ROUTING_LOGICS = ("roundrobin", "least-load", "prefix", "session", "lora")
 SERVICE_DISCOVERY = ("static", "k8s")
 
 
@@ -45,7 +46,12 @@ class RouterArgs:
         help="where a request goes among the healthy replicas serving its model: roundrobin; least-load (the "
              "replicas' vllm:num_requests_running + waiting, scraped each --health-check-interval); prefix (the "
              "replica this router sent the longest prefix of the prompt to, unless clearly busier than the "
-             "least loaded); session (the same replica for the same --session-key header or body 'user')")
+             "least loaded); session (the same replica for the same --session-key header or body 'user'); lora (the "
+             "least loaded replica with the request's adapter loaded, loading it on one when none has)")
+    lora_modules: tuple[str, ...] = setting(
+        (), append="+", help="routing-logic lora: NAME=PATH adapters the router may load on a replica "
+                             "(POST /v1/load_lora_adapter) when none has NAME loaded; an adapter a replica "
+                             "lists is loaded from the path it lists")
     session_key: str = setting("x-session-id", help="routing-logic session: the header that names a session; "
                                                     "without it, the body's 'user' field")
     health_check_interval: float = setting(
@@ -63,7 +69,7 @@ class RouterArgs:
     log_level: str = setting("info", choices=LOG_LEVELS, help="log messages of this level and above")
 
     def __post_init__(self) -> None:
-        for name in ("backend", "backend_api_key"):
+        for name in ("backend", "backend_api_key", "lora_modules"):
             if isinstance(getattr(self, name), list):       # RouterArgs(...) from Python code
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         self.validate()
@@ -71,6 +77,7 @@ class RouterArgs:
     def validate(self) -> None:
         check_choices(self, as_flags=True)
         self._validate_discovery()
+        parse_lora_modules(self.lora_modules)
         for url in self.backend:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.netloc:

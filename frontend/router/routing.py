@@ -68,8 +68,8 @@ class Routing:
             decision = "prefix-hit" if self.prefix.last_matched else "prefix-miss"
         elif self.logic == "session" and facts.session is not None:
             replica, decision = max(candidates, key=lambda r: _weight(facts.session, r.url)), "session"
-        elif self.logic == "least-load":
-            replica, decision = self._round_robin(candidates, least_load=True), "least-load"
+        elif self.logic in ("least-load", "lora"):     # lora: the candidates are the replicas with the adapter
+            replica, decision = self._round_robin(candidates, least_load=True), self.logic
         else:       # roundrobin, and a session request that names no session
             replica = self._round_robin(candidates, least_load=False)
             decision = "roundrobin" if self.logic == "roundrobin" else "session-none"
