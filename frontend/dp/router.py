@@ -53,6 +53,13 @@ class PrefixRouter:
     def finished(self, engine: int) -> None:
         self.loads[engine] = max(0, self.loads[engine] - 1)
 
+    def add_engines(self, num_engines: int) -> None:
+        """Grow to `num_engines` engines (the fleet router's discovered replicas), the new ones available."""
+        while len(self.loads) < num_engines:
+            self.loads.append(0)
+            self.available.append(True)
+            self._held.append(OrderedDict())
+
     def set_available(self, engine: int, available: bool) -> None:
         """An engine leaves service (dead) or returns (restarted, its cache empty)."""
         self.available[engine] = available

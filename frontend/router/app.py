@@ -14,6 +14,9 @@ from fastapi.responses import JSONResponse, Response
 from pagedserve.common.version import __version__
 from pagedserve.frontend.http.guards import ApiKeyMiddleware, BodyLimitMiddleware
 from pagedserve.frontend.router.args import RouterArgs
+from pagedserve.frontend.router.dynamic_config import DynamicConfigFile
+from pagedserve.frontend.router.k8s import K8sDiscovery
+from pagedserve.frontend.router.lora import LoraPlacer, parse_lora_modules
 from pagedserve.frontend.router.metrics import RouterMetrics
 from pagedserve.frontend.router.pool import Replica, ReplicaPool
 from pagedserve.frontend.router.proxy import Proxy
@@ -32,20 +35,31 @@ def build_router_app(args: RouterArgs) -> FastAPI:
     # One connection pool for every replica; no bound on connections: admission is the replicas' (their 429s).
     client = httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=min(5.0, args.request_timeout)),
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
-    pool = ReplicaPool(replicas, args.health_check_interval, client, routing.replica_changed)
+    pool = ReplicaPool(replicas, args.health_check_interval, client, routing.replica_changed, args.key_for)
+    lora = LoraPlacer(pool, client, parse_lora_modules(args.lora_modules)) if args.routing_logic == "lora" else None
     proxy = Proxy(pool, routing, metrics, client, args.max_retries,
-                  pass_client_auth=not args.api_key and not args.backend_api_key)
+                  pass_client_auth=not args.api_key and not args.backend_api_key, lora=lora)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        config_file = None
+        if args.dynamic_config_json is not None:       # a missing or bad file stops the start here
+            config_file = DynamicConfigFile(args.dynamic_config_json, args.routing_logic, pool.sync)
+            config_file.load()
+        discovery = _start_discovery(args, pool)
+        tasks = [asyncio.create_task(pool.run())]
+        if config_file is not None:
+            tasks.append(asyncio.create_task(config_file.run()))
         await pool.probe_all()         # the first requests find the pool known
-        logger.info("router over %d replicas (%d healthy), routing-logic %s", len(replicas),
-                    len(pool.candidates(None)), args.routing_logic)
-        prober = asyncio.create_task(pool.run())
+        logger.info("router over %d replicas (%d healthy), routing-logic %s, service-discovery %s",
+                    len(pool.replicas), len(pool.candidates(None)), args.routing_logic, args.service_discovery)
         try:
             yield
         finally:
-            prober.cancel()
+            for task in tasks:
+                task.cancel()
+            if discovery is not None:
+                discovery.stop()
             await client.aclose()
 
     app = FastAPI(title="pagedserve router", version=__version__, lifespan=lifespan, openapi_url=None)
@@ -58,7 +72,7 @@ def build_router_app(args: RouterArgs) -> FastAPI:
     async def health() -> Response:
         up = len(pool.candidates(None))
         return JSONResponse({"status": "ok" if up else "unavailable", "healthy_replicas": up,
-                             "replicas": len(replicas)}, status_code=200 if up else 503)
+                             "replicas": len(pool.replicas)}, status_code=200 if up else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -79,3 +93,13 @@ def build_router_app(args: RouterArgs) -> FastAPI:
         return await proxy.forward(request, body, facts)
 
     return app
+
+
+def _start_discovery(args: RouterArgs, pool: ReplicaPool) -> K8sDiscovery | None:
+    """The watch that keeps the pool's replicas in step with Kubernetes, if the replicas come from there."""
+    if args.service_discovery != "k8s":
+        return None
+    discovery = K8sDiscovery(args.k8s_namespace, args.k8s_label_selector, args.k8s_port, pool.sync,
+                             asyncio.get_running_loop())
+    discovery.start()
+    return discovery

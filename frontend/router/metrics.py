@@ -21,7 +21,8 @@ class RouterMetrics:
             ["replica", "reason"], registry=r)
         self.decisions = Counter(
             "pagedserve_router:routing_decisions", "Routing decisions by logic and decision (prefix-hit / "
-            "prefix-miss: the prefix hit estimate; session; session-none; roundrobin; least-load)",
+            "prefix-miss: the prefix hit estimate; session; session-none; roundrobin; least-load; lora; lora-load = "
+            "an adapter was loaded on a replica for the request)",
             ["logic", "decision"], registry=r)
         self.healthy = Gauge("pagedserve_router:replica_healthy", "1 while the replica is in the pool",
                              ["replica"], registry=r)
@@ -34,6 +35,7 @@ class RouterMetrics:
 
     def render(self, pool: ReplicaPool) -> bytes:
         up = [r for r in pool.replicas if r.healthy]
+        self.healthy.clear()        # discovered replicas come and go: a gone one's series goes too
         for replica in pool.replicas:
             self.healthy.labels(replica.url).set(1 if replica.healthy else 0)
         self.running.set(sum(r.running for r in up))

@@ -4,12 +4,16 @@ Every --health-check-interval each replica's /health, /v1/models and /metrics ar
 probe bounded by the interval): healthy means /health answered 200, so a dead replica and a draining one
 (503, frontend/http/drain.py) leave the pool at the next probe, and come back at the first probe that passes.
 A request that finds a replica refusing connections takes it out at once (`mark_down`), without waiting.
+
+The set of replicas itself may change (`sync`, from frontend/router/k8s.py's watch): a new one joins once its
+first probe passes, probed at once rather than at the next interval; a gone one leaves at once (requests open
+on it finish, nothing new goes to it).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import httpx
@@ -31,6 +35,7 @@ class Replica:
     running: float = 0.0                                 # its own gauges, summed over engines, last scraped
     waiting: float = 0.0
     in_flight: int = 0                                   # requests this router has open on it now
+    removed: bool = False                                # left the pool's list (discovery no longer lists it)
 
     @property
     def load(self) -> float:
@@ -46,11 +51,31 @@ class Replica:
 
 class ReplicaPool:
     def __init__(self, replicas: list[Replica], interval_s: float, client: httpx.AsyncClient,
-                 on_change: Callable[[Replica], None]) -> None:
+                 on_change: Callable[[Replica], None], key_for: Callable[[int], str | None]) -> None:
         self.replicas = replicas
         self.interval_s = interval_s
         self.client = client
         self.on_change = on_change          # called when a replica joins or leaves the pool
+        self.key_for = key_for              # the API key towards replica `index`
+        self._next_index = len(replicas)    # indices are never reused: routing state is keyed by them
+        self._first_probes: set[asyncio.Task] = set()
+
+    def sync(self, urls: Collection[str]) -> None:
+        """Make the replicas exactly `urls` (in the event loop's thread)."""
+        wanted = {url.rstrip("/") for url in urls}
+        for replica in [r for r in self.replicas if r.url not in wanted]:
+            logger.info("replica %s is no longer discovered", replica.url)
+            self.replicas.remove(replica)
+            replica.removed = True
+            self.mark_down(replica, "no longer discovered")
+        for url in sorted(wanted - {r.url for r in self.replicas}):
+            replica = Replica(self._next_index, url, self.key_for(self._next_index))
+            self._next_index += 1
+            self.replicas.append(replica)
+            logger.info("replica %s discovered; it joins once its probe passes", url)
+            task = asyncio.get_running_loop().create_task(self._probe(replica))
+            self._first_probes.add(task)
+            task.add_done_callback(self._first_probes.discard)
 
     def candidates(self, model: str | None) -> list[Replica]:
         return [r for r in self.replicas if r.healthy and r.serves(model)]
@@ -81,7 +106,7 @@ class ReplicaPool:
             await self.probe_all()
 
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self._probe(r) for r in self.replicas))
+        await asyncio.gather(*(self._probe(r) for r in list(self.replicas)))
 
     async def _probe(self, replica: Replica) -> None:
         # A busy replica's /health may take a while on a loaded CPU; a short interval must not make it dead.
@@ -98,6 +123,8 @@ class ReplicaPool:
             reason = f"/health answered {health.status_code}"
         except (httpx.HTTPError, ValueError) as exc:     # unreachable, or answers that are not what they say
             healthy, reason = False, f"{type(exc).__name__}: {exc}"
+        if replica.removed:           # discovery dropped it while the probe was out
+            return
         if healthy and not replica.healthy:
             logger.info("replica %s joins the pool (%d models)", replica.url, len(replica.models))
             replica.healthy = True

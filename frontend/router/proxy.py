@@ -18,6 +18,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedserve.frontend.router.lora import LoraPlacer
 from pagedserve.frontend.router.metrics import RouterMetrics
 from pagedserve.frontend.router.pool import Replica, ReplicaPool
 from pagedserve.frontend.router.routing import RequestFacts, Routing
@@ -39,12 +40,18 @@ class Proxy:
     client: httpx.AsyncClient
     max_retries: int
     pass_client_auth: bool      # no router key and no replica key: the client's key is for the replicas
+    lora: LoraPlacer | None = None      # routing-logic lora: loads an adapter where none has it
 
     async def forward(self, request: Request, body: bytes, facts: RequestFacts) -> Response:
         tried: set[int] = set()
         refusals: list[httpx.Response] = []
         for _ in range(1 + self.max_retries):
             candidates = [r for r in self.pool.candidates(facts.model) if r.index not in tried]
+            if not candidates and self.lora is not None:
+                placed = await self.lora.place(facts.model, tried)
+                candidates = [placed] if placed is not None else []
+                if placed is not None:
+                    self.metrics.decisions.labels(self.routing.logic, "lora-load").inc()
             if not candidates:
                 break
             replica, decision = self.routing.pick(candidates, facts)
@@ -129,7 +136,7 @@ class Proxy:
         if refusals and all(r.status_code == 429 for r in refusals):
             outcome, status, kind = "overloaded", 429, "rate_limit_error"
             message = "every replica tried is at capacity; retry later"
-        elif not tried and not self.pool.known(facts.model):
+        elif not tried and not self.pool.known(facts.model) and not (self.lora and self.lora.path_of(facts.model)):
             self.metrics.requests.labels("none", "client_error").inc()
             return _error(404, f"no replica serves the model {facts.model!r}", "NotFoundError", "model")
         else:

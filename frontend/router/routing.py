@@ -68,8 +68,8 @@ class Routing:
             decision = "prefix-hit" if self.prefix.last_matched else "prefix-miss"
         elif self.logic == "session" and facts.session is not None:
             replica, decision = max(candidates, key=lambda r: _weight(facts.session, r.url)), "session"
-        elif self.logic == "least-load":
-            replica, decision = self._round_robin(candidates, least_load=True), "least-load"
+        elif self.logic in ("least-load", "lora"):     # lora: the candidates are the replicas with the adapter
+            replica, decision = self._round_robin(candidates, least_load=True), self.logic
         else:       # roundrobin, and a session request that names no session
             replica = self._round_robin(candidates, least_load=False)
             decision = "roundrobin" if self.logic == "roundrobin" else "session-none"
@@ -82,7 +82,9 @@ class Routing:
             self.prefix.finished(replica.index)
 
     def replica_changed(self, replica: Replica) -> None:
-        """A replica joined or left: what it held is gone (a restarted replica's cache starts empty)."""
+        """A replica joined or left: what it held is gone (a restarted replica's cache starts empty). A
+        discovered replica's index may be new here."""
+        self.prefix.add_engines(replica.index + 1)
         self.prefix.set_available(replica.index, True)
 
     def _round_robin(self, candidates: list[Replica], least_load: bool) -> Replica:

@@ -32,7 +32,8 @@ class Router:
     """`pagedserve router --backend ...` until it reports `healthy` replicas."""
 
     def __init__(self, *backends: str, routing: str = "roundrobin", backend_key: str | None = None,
-                 extra: tuple[str, ...] = (), healthy: int | None = None, startup_s: float = 60) -> None:
+                 extra: tuple[str, ...] = (), healthy: int | None = None, startup_s: float = 60,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(tempfile.mkdtemp(prefix="ps-test-router-"), "router.log")
@@ -44,7 +45,7 @@ class Router:
         if backend_key:
             cmd += ["--backend-api-key", backend_key]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         want = len(backends) if healthy is None else healthy
         wait_for(lambda: self._healthy_count() == want, startup_s, f"the router to see {want} replicas")
 
@@ -58,6 +59,9 @@ class Router:
 
     def healthy_count(self) -> int | None:
         return self._healthy_count()
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=5).json()
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=ROUTER_KEY, max_retries=0, timeout=120)

@@ -67,6 +67,19 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 30) -> None:
             proc.wait()
 
 
+def free_port_on(hosts: list[str]) -> int:
+    """A port free now on every one of these loopback addresses (127.0.0.0/8 is all loopback on Linux)."""
+    while True:
+        port = free_port()
+        try:
+            for host in hosts:
+                with socket.socket() as s:
+                    s.bind((host, port))
+        except OSError:
+            continue
+        return port
+
+
 def free_port_pair() -> int:
     """A port P such that P and P + 1 are both free now."""
     while True:
@@ -102,22 +115,25 @@ class Server:
 
     def __init__(self, *extra: str, model: str | None = None, api_key: str | None = API_KEY,
                  token: str | None = TOKEN, log_level: str = "warning", max_model_len: int | None = 1024,
-                 dtype: str | None = "float32", startup_s: float = 180, tls: tuple[str, str] | None = None) -> None:
+                 dtype: str | None = "float32", startup_s: float = 180, tls: tuple[str, str] | None = None,
+                 host: str = "127.0.0.1", port: int | None = None) -> None:
         """api_key: None serves without one; token: the engine core's tcp token (None leaves the core on
-        engine-serve's default transport).
+        engine-serve's default transport). host, port: where it listens (another loopback address, with the
+        same port as another server's, stands for a pod IP; free_port_on finds such a port).
         max_model_len, dtype: None leaves engine-serve's own default (the model's).
         tls: (certificate, key) files: serve HTTPS, and trust that certificate here."""
         # The engine core listens on PORT and PORT + 1.
         self.engine_port: int | None = free_port_pair() if token is not None else None
-        self.port = free_port(avoid={self.engine_port, self.engine_port + 1} if self.engine_port else set())
+        self.port = port or free_port(avoid={self.engine_port, self.engine_port + 1} if self.engine_port else set())
         self.api_key, self.token = api_key, token
-        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://{host}:{self.port}"
         self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=tls[0]) if tls else True
         if tls:
             extra = (*extra, "--ssl-certfile", tls[0], "--ssl-keyfile", tls[1])
         self.tmpdir = tempfile.mkdtemp(prefix="ps-test-srv-")
         self.log_path = os.path.join(self.tmpdir, "server.log")
         cmd = [sys.executable, "-m", "pagedserve.frontend.cli", *([model] if model else []), "--port", str(self.port),
+               *(["--host", host] if host != "127.0.0.1" else []),
                *(["--api-key", api_key] if api_key is not None else []), "--log-level", log_level]
         if dtype is not None:
             cmd += ["--dtype", dtype]
