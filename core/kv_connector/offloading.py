@@ -2,10 +2,12 @@
 hashes (this slice: the disk tier, docs/kv_tiers.md)."""
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from pagedserve.common.kv_transfer.config import KVTransferConfig
+from pagedserve.common.kv_transfer.layout import block_path
 from pagedserve.core.kv_connector.base import KVConnectorScheduler
 from pagedserve.core.kv_connector.disk_index import DiskIndex
 from pagedserve.core.request import Request
@@ -39,7 +41,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         # Whole blocks only, and at least one token left to compute (the last one's logits are sampled).
         end = min((request.num_tokens - 1) // bs, len(request.block_hashes))
         n = 0
-        while start + n < end and request.block_hashes[start + n] in self.index:
+        while start + n < end and self._stored(request.block_hashes[start + n], start + n):
             n += 1
         self.queries += max(0, request.num_tokens - num_computed_tokens)
         self.hits += n * bs
@@ -83,11 +85,25 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             ids = block_ids(rid)
             for i in range(start, end):
                 key = request.block_hashes[i]
-                if key not in self.index and key not in self._pending:
+                if key not in self._pending and not self._stored(key, i):
                     saves.append(KVBlockTransfer(ids[i], key, i))
                     self._pending[key] = (request, i)
             self._saved_upto[rid] = end
         return saves
+
+    def _stored(self, key: bytes, depth: int) -> bool:
+        """Whether the tier holds the block. On shared storage another instance (a prefill's producer) may
+        have written it, or removed it, since this one last looked: the disk answers, and the index learns."""
+        if not self.config.shared:
+            return key in self.index
+        try:
+            size = os.stat(block_path(self.config.namespace_dir, key, depth)).st_size
+        except OSError:
+            self.index.discard(key)
+            return False
+        if key not in self.index:
+            self.index.add(key, depth, size)
+        return True
 
     def update_connector_output(self, output: KVConnectorOutput) -> dict[str, int]:
         chains: dict[int, Request] = {}
@@ -118,4 +134,5 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
 def make_scheduler_connector(config: KVTransferConfig | None, block_size: int) -> KVConnectorScheduler | None:
     if config is None:
         return None
-    return OffloadingConnectorScheduler(config, block_size)     # the one connector there is (KV_CONNECTORS)
+    # Both connectors are the disk tier; shared storage differs in config.shared (lookups and saves).
+    return OffloadingConnectorScheduler(config, block_size)

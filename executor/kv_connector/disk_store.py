@@ -123,6 +123,15 @@ class BlockWriter:
             self._pending += batch.nbytes
         self._queue.put(batch)
 
+    def write_now(self, batch: SaveBatch) -> None:
+        """Write on the caller's thread (shared storage: the step's blocks are on disk before its output
+        leaves the engine, so a decode instance asked next finds them)."""
+        if not self.disabled:
+            self._write(batch)
+            return
+        with self._lock:
+            self._results.failed.extend(key for _, key, _ in batch.targets)
+
     def take_results(self) -> WriterResults:
         with self._lock:
             results, self._results = self._results, WriterResults()

@@ -111,7 +111,11 @@ class DiskOffloadingWorker(KVConnectorWorker):
             event = torch.cuda.Event()
             event.record()
         targets = [(block_path(self.dir, b.key, b.depth), b.key, b.depth) for b in meta.saves]
-        self._writer.submit(SaveBatch(targets, self._gathered, event, len(targets) * self._fmt.nbytes))
+        batch = SaveBatch(targets, self._gathered, event, len(targets) * self._fmt.nbytes)
+        if self.config.shared:
+            self._writer.write_now(batch)
+        else:
+            self._writer.submit(batch)
         self._gathered, self._save_ids = [], None
 
     def get_finished(self, finished_req_ids: list[str]) -> KVConnectorOutput | None:
