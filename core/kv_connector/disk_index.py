@@ -24,6 +24,7 @@ class DiskIndex:
         self.capacity = capacity_bytes
         self._entries: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
         self.total_bytes = 0
+        self.evicted = 0                 # blocks evicted since start (vllm:kv_offload_block_eviction)
         self._warned = False
         os.makedirs(namespace_dir, exist_ok=True)
         self._scan()
@@ -88,6 +89,7 @@ class DiskIndex:
         while self.total_bytes > self.capacity and self._entries:
             key, (size, depth) = self._entries.popitem(last=False)
             self.total_bytes -= size
+            self.evicted += 1
             try:
                 os.unlink(block_path(self.dir, key, depth))
             except FileNotFoundError:

@@ -6,12 +6,15 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgspec
+
 from pagedserve.common.kv_transfer.config import KVTransferConfig
 from pagedserve.common.kv_transfer.layout import block_path
 from pagedserve.core.kv_connector.base import KVConnectorScheduler
 from pagedserve.core.kv_connector.disk_index import DiskIndex
 from pagedserve.core.request import Request
-from pagedserve.ipc.messages import KVBlockTransfer, KVConnectorMetadata, KVConnectorOutput, SchedulerOutput
+from pagedserve.ipc.messages import (KVBlockTransfer, KVConnectorMetadata, KVConnectorOutput, KVTransferStats,
+                                     SchedulerOutput)
 
 
 def _can_load(request: Request) -> bool:
@@ -21,8 +24,9 @@ def _can_load(request: Request) -> bool:
 
 
 class OffloadingConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, config: KVTransferConfig, block_size: int) -> None:
+    def __init__(self, config: KVTransferConfig, block_size: int, device: str = "cpu") -> None:
         self.config = config
+        self.stats = KVTransferStats(device="GPU" if device == "cuda" else device.upper())
         self.block_size = block_size
         self.index = DiskIndex(config.namespace_dir, config.size_bytes)
         self.saving = config.can_save
@@ -45,6 +49,10 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             n += 1
         self.queries += max(0, request.num_tokens - num_computed_tokens)
         self.hits += n * bs
+        looked = n + (1 if start + n < end else 0)          # the chain up to its first miss
+        self.stats.block_lookups += looked
+        self.stats.block_hits += n
+        self.stats.block_misses += looked - n
         if n == 0:
             return 0, False
         self._matched[request.request_id] = (start, n)
@@ -107,6 +115,13 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
 
     def update_connector_output(self, output: KVConnectorOutput) -> dict[str, int]:
         chains: dict[int, Request] = {}
+        st = self.stats
+        st.store_bytes += sum(nbytes for _, nbytes in output.saved)
+        st.store_time_s += output.store_time_s
+        st.load_bytes += output.load_bytes
+        st.load_time_s += output.load_time_s
+        st.stores_skipped += len(output.failed_saves)
+        st.invalid_blocks += len(output.invalid_keys)
         for key, nbytes in output.saved:
             request, depth = self._pending.pop(key, (None, 0))
             if request is not None:
@@ -124,6 +139,10 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         return {rid: (self._load_start.pop(rid, 0) + n) * self.block_size
                 for rid, n in output.finished_recving.items()}
 
+    def transfer_stats(self) -> KVTransferStats:
+        self.stats.evictions = self.index.evicted
+        return msgspec.structs.replace(self.stats)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         for table in (self._matched, self._load_start, self._loads, self._saved_upto):
@@ -131,8 +150,9 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         return False, None
 
 
-def make_scheduler_connector(config: KVTransferConfig | None, block_size: int) -> KVConnectorScheduler | None:
+def make_scheduler_connector(config: KVTransferConfig | None, block_size: int,
+                             device: str = "cpu") -> KVConnectorScheduler | None:
     if config is None:
         return None
     # Both connectors are the disk tier; shared storage differs in config.shared (lookups and saves).
-    return OffloadingConnectorScheduler(config, block_size)
+    return OffloadingConnectorScheduler(config, block_size, device)

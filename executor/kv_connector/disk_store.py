@@ -6,6 +6,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -98,6 +99,7 @@ class WriterResults:
     saved: list[tuple[bytes, int]] = field(default_factory=list)
     failed: list[bytes] = field(default_factory=list)
     disabled: bool = False
+    seconds: float = 0.0            # the saved blocks' writes took
 
 
 class BlockWriter:
@@ -154,6 +156,7 @@ class BlockWriter:
                 with self._lock:
                     self._results.failed.append(key)
                 continue
+            t0 = time.perf_counter()
             try:
                 nbytes = write_block(path, self.fmt, key, depth, [h[:, j].contiguous() for h in host])
             except OSError as exc:
@@ -166,6 +169,7 @@ class BlockWriter:
                 continue
             with self._lock:
                 self._results.saved.append((key, nbytes))
+                self._results.seconds += time.perf_counter() - t0
 
     def close(self, timeout_s: float) -> None:
         """Let the blocks handed over so far reach the disk (a restart finds them), at most timeout_s."""

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from pagedserve.common.kv_transfer.layout import HEADER_PREFIX, header_size
 from pagedserve.tests.helpers.server import API_KEY, SMALL_KV, Server, free_port
 from pagedserve.tests.helpers.tiny_models import random_prompts
 
@@ -129,6 +130,39 @@ def test_proxy_output_equals_a_single_server_and_decode_loads_the_prompt(disagg,
     assert len(glob.glob(os.path.join(folder, "*", "*", "*.kvb"))) == sum(FULL_BLOCKS)
     # The prefill instance generated one token per request; decode generated them all.
     assert prefill.metrics()["generation_tokens_total"] == len(PROMPTS)
+
+
+def test_kv_transfer_metrics_count_the_folder_s_traffic(disagg, folder):
+    """/metrics' kv_transfer section on both instances, read after the tests above."""
+    prefill, decode, proxy = disagg
+    files = glob.glob(os.path.join(folder, "*", "*", "*.kvb"))
+    payload = _payload_bytes(files[0])
+    p, d = prefill.wait_idle(), decode.wait_idle()
+    assert p["kv_offload_total_bytes_total"] == sum(os.path.getsize(f) for f in files)     # CPU_to_DISK
+    assert p["kv_offload_total_time_total"] > 0
+    assert p["kv_offload_disk_block_lookup_total"] == 0                 # a producer never looks up
+    hits = d["kv_offload_disk_block_hit_total"]
+    assert hits == d["external_prefix_cache_hits_total"] / BS
+    assert d["kv_offload_total_bytes_total"] == hits * payload          # DISK_to_CPU: checked payloads
+    assert d["kv_offload_total_time_total"] > 0
+    # A prompt the prefill instance never saw, sent to decode directly: its first block is a miss.
+    before = d["kv_offload_disk_block_miss_total"]
+    decode.client().completions.create(model=NAME, prompt=random_prompts(9, [40], 2000)[0], max_tokens=1)
+    d = decode.wait_idle()
+    assert d["kv_offload_disk_block_miss_total"] == before + 1
+    assert d["kv_offload_disk_block_lookup_total"] == d["kv_offload_disk_block_hit_total"] + \
+        d["kv_offload_disk_block_miss_total"]
+    assert d["kv_offload_stores_skipped_total"] == d["kv_offload_block_eviction_total"] == 0
+    labels = {line.split("transfer_type=\"")[1].split("\"")[0] for line in
+              httpx.get(f"{decode.url}/metrics", timeout=10).text.splitlines()
+              if line.startswith("vllm:kv_offload_total_bytes_total{")}
+    assert labels == {"CPU_to_DISK", "DISK_to_CPU"}
+
+
+def _payload_bytes(path: str) -> int:
+    with open(path, "rb") as f:
+        head = header_size(f.read(HEADER_PREFIX))
+    return os.path.getsize(path) - head
 
 
 def test_streaming_through_the_proxy_equals_the_oracle(disagg, oracle, tiny_serving_model):
