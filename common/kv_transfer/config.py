@@ -20,6 +20,7 @@ _TOP_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
 _EXTRA_KEYS = {"OffloadingConnector": ("backend", "path", "size_gib"),
                "SharedStorageConnector": ("shared_storage_path", "size_gib")}
 _GIB = 1 << 30
+_PROBE_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -118,12 +119,22 @@ def _check_folder(path: Any, flag: str) -> str:
     folder = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(folder):
         raise ValueError(f"{flag}: {folder} does not exist or is not a folder")
-    try:        # os.access says yes for root on a read-only bind mount: only a real file tells
+    probe = None
+    try:        # os.access says yes for root on a read-only bind mount: only a real file tells; an empty
+        # file fits on a full disk (it takes an inode, no block), so the probe writes a page's worth
         fd, probe = tempfile.mkstemp(prefix=".pagedserve-probe-", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
+        try:
+            os.write(fd, bytes(_PROBE_BYTES))
+        finally:
+            os.close(fd)
     except OSError as exc:
-        raise ValueError(f"{flag}: {folder} is not writable: {exc.strerror or exc}") from None
+        raise ValueError(f"{flag}: {folder} is not writable (or full): {exc.strerror or exc}") from None
+    finally:
+        if probe is not None:
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass
     return folder
 
 
