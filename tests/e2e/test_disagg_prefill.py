@@ -38,12 +38,12 @@ def _connector(role: str, folder: str) -> tuple[str, ...]:
 
 
 class Proxy:
-    def __init__(self, prefill: Server, decode: Server) -> None:
+    def __init__(self, prefill: Server, decode: Server, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagedserve.frontend.pagedserve_cli", "proxy", "--port", str(self.port),
-             "--prefill", prefill.url, "--decode", decode.url, "--log-level", "warning"],
+             "--prefill", prefill.url, "--decode", decode.url, "--log-level", "warning", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and self.proc.poll() is None:
@@ -195,3 +195,27 @@ def test_a_bad_request_gets_the_instance_s_400_through_the_proxy(disagg, tiny_se
     r = httpx.post(f"{proxy.url}/v1/completions", content=b"{not json", timeout=10,
                    headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+
+
+def test_the_proxy_s_own_key_guards_it_and_its_backend_key_reaches_the_instances(disagg):
+    prefill, decode, _ = disagg
+    guarded = Proxy(prefill, decode, "--api-key", "client-key", "--backend-api-key", API_KEY)
+    try:
+        ok = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="client-key", max_retries=0, timeout=120)
+        assert ok.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=2).usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):     # the instances' key is not the proxy's
+            openai.OpenAI(base_url=f"{guarded.url}/v1", api_key=API_KEY, max_retries=0).models.list()
+        assert httpx.get(f"{guarded.url}/health", timeout=10).status_code == 200      # open, as the server's
+    finally:
+        guarded.stop()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["proxy", "--decode", "http://127.0.0.1:1"], "give at least one --prefill URL"),
+    (["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "127.0.0.1:2"], "--decode must be an http"),
+])
+def test_proxy_flags_are_checked_before_it_starts(argv, message, capsys):
+    from pagedserve.frontend.pagedserve_cli import parse_args
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
