@@ -64,7 +64,8 @@ class EngineCore:
         self.structured_outputs = make_structured_output_manager(config)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured_outputs,
                                    config.speculative, config.multimodal,
-                                   make_scheduler_connector(config.kv_transfer, cache.block_size))
+                                   make_scheduler_connector(config.kv_transfer, cache.block_size,
+                                                            config.model.device))
         self.block_hasher = BlockHasher(cache.block_size) if cache.enable_prefix_caching else None
         self.loras: LoRARegistry | None = None
         if config.lora is not None:

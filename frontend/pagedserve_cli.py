@@ -3,6 +3,8 @@
     pagedserve serve [engine-serve's flags]       the OpenAI-compatible server (the same as `engine-serve`)
     pagedserve chat | complete [-q TEXT]          interactive clients of a running server
     pagedserve router --backend URL ...           the fleet router over many replicas (frontend/router/)
+    pagedserve proxy --prefill URL --decode URL   disaggregated prefill/decode over a shared KV folder
+                                                  (frontend/disagg/)
     pagedserve bench serve | throughput | latency | peer | ladder | spec-decode | kernels | mm
                                                   benchmarks (frontend/bench/)
 
@@ -51,7 +53,7 @@ def _usage_checker(module: ModuleType, parser: argparse.ArgumentParser) -> Calla
 def make_parser() -> argparse.ArgumentParser:
     from pagedserve.frontend import openai_clients
     parser = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: serve, query and benchmark LLMs.")
-    subs = parser.add_subparsers(dest="command", required=True, metavar="{serve,chat,complete,router,bench}")
+    subs = parser.add_subparsers(dest="command", required=True, metavar="{serve,chat,complete,router,proxy,bench}")
     # Listed for --help only: main() passes `serve ...` to engine-serve before this parser sees it.
     subs.add_parser("serve", help="start the OpenAI-compatible server (engine-serve's flags)", add_help=False)
     chat = subs.add_parser("chat", help="chat with a running server", description="Chat with a running server.")
@@ -66,6 +68,11 @@ def make_parser() -> argparse.ArgumentParser:
                              description=router_main.__doc__)
     router_main.add_cli_args(router)
     router.set_defaults(run=router_main.main, check=_usage_checker(router_main, router))
+    from pagedserve.frontend.disagg import main as proxy_main
+    proxy = subs.add_parser("proxy", help="disaggregated prefill/decode: prefill on one instance, decode on "
+                                          "another", description=proxy_main.__doc__)
+    proxy_main.add_cli_args(proxy)
+    proxy.set_defaults(run=proxy_main.main, check=_usage_checker(proxy_main, proxy))
     bench = subs.add_parser("bench", help="benchmarks", description="Benchmarks, shaped like vllm bench.")
     bench_subs = bench.add_subparsers(dest="bench", required=True)
     for name, (module_name, text) in BENCHES.items():

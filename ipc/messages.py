@@ -115,6 +115,21 @@ def refused_output(request_id: str, exc: ValueError) -> EngineCoreOutput:
                             error_kind=error_kind(exc), error_field=error_field(exc))
 
 
+class KVTransferStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A KV connector's tier, totals since start (the kv_transfer section of /metrics: vllm:kv_offload_*)."""
+    device: str = "CPU"            # the pool's side of vLLM's transfer_type labels: CPU, GPU
+    block_lookups: int = 0         # blocks looked up in the tier after the prefix cache (a chain up to its miss)
+    block_hits: int = 0
+    block_misses: int = 0
+    invalid_blocks: int = 0        # hits whose file turned out missing, damaged or foreign at load: computed
+    load_bytes: int = 0            # read from the tier into the pool, and the seconds it took
+    load_time_s: float = 0.0
+    store_bytes: int = 0           # written from the pool to the tier, and the seconds it took
+    store_time_s: float = 0.0
+    stores_skipped: int = 0        # blocks not stored: the writer behind, or saving stopped by an I/O error
+    evictions: int = 0             # blocks the tier deleted to stay within its size
+
+
 class SchedulerStats(msgspec.Struct, array_like=True):
     num_running: int
     num_waiting: int
@@ -140,6 +155,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     # that sent these stats (they run from the next): a step that only loaded is no stall.
     num_loading: int = 0
     num_loads_done: int = 0
+    kv_connector_stats: Optional[KVTransferStats] = None    # vLLM's SchedulerStats field; None: no connector
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -268,6 +284,9 @@ class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     failed_saves: list[bytes] = []             # blocks not stored (the writer is behind, or an I/O error)
     invalid_keys: list[bytes] = []             # stored blocks found missing, corrupt or foreign (deleted)
     saves_disabled: bool = False               # an I/O error stopped saving (the worker warned once)
+    load_bytes: int = 0                        # read from the tier since the last report, in load_time_s
+    load_time_s: float = 0.0
+    store_time_s: float = 0.0                  # seconds the saved blocks took to write
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True):

@@ -7,15 +7,20 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-# The connectors there are (vLLM's names): OffloadingConnector moves blocks to a tier below the pool.
-KV_CONNECTORS = ("OffloadingConnector",)
+# The connectors there are (vLLM's names): OffloadingConnector moves blocks to a tier below the pool;
+# SharedStorageConnector carries blocks between instances through a folder they share (disaggregated prefill:
+# a kv_producer prefills, a kv_consumer decodes), looking each block up on disk, not in an index of its own.
+KV_CONNECTORS = ("OffloadingConnector", "SharedStorageConnector")
 # vLLM's roles: a producer only saves, a consumer only loads, kv_both does both.
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # The tiers an OffloadingConnector may use (vLLM's --kv-offloading-backend; its "native" host tier is not here).
 KV_OFFLOADING_BACKENDS = ("disk",)
 _TOP_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
-_EXTRA_KEYS = ("backend", "path", "size_gib")
+# kv_connector_extra_config's keys per connector (vLLM's SharedStorageConnector takes shared_storage_path).
+_EXTRA_KEYS = {"OffloadingConnector": ("backend", "path", "size_gib"),
+               "SharedStorageConnector": ("shared_storage_path", "size_gib")}
 _GIB = 1 << 30
+_PROBE_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -24,7 +29,7 @@ class KVTransferConfig:
     kv_role: str                # one of KV_ROLES
     backend: str                # one of KV_OFFLOADING_BACKENDS
     path: str                   # the tier's folder, absolute; the blocks live in path/<namespace>/
-    size_bytes: int             # least recently used blocks are deleted beyond this
+    size_bytes: int | None      # least recently used blocks are deleted beyond this; None: never (shared storage)
     # Everything the KV of a block depends on besides its tokens (model files, weights, dtypes, layout):
     # common/kv_transfer/identity.py. A tier never hands one namespace's blocks to another.
     namespace: str
@@ -32,6 +37,12 @@ class KVTransferConfig:
     @property
     def namespace_dir(self) -> str:
         return os.path.join(self.path, self.namespace)
+
+    @property
+    def shared(self) -> bool:
+        """Other instances write the folder while this one runs: a lookup asks the disk, not only the index,
+        and a save reaches the disk before the step's output (the request's answer) leaves the engine."""
+        return self.kv_connector == "SharedStorageConnector"
 
     @property
     def can_load(self) -> bool:
@@ -74,7 +85,12 @@ def _from_json(transfer: dict[str, Any]) -> KVTransferConfig:
     where = f"{where}.kv_connector_extra_config"
     if not isinstance(extra, dict):
         raise ValueError(f"{where} must be a JSON object, got {extra!r}")
-    _known_keys(extra, _EXTRA_KEYS, where)
+    _known_keys(extra, _EXTRA_KEYS[connector], where)
+    if connector == "SharedStorageConnector":
+        size = extra.get("size_gib")
+        return KVTransferConfig(connector, role, "disk", _check_folder(extra.get("shared_storage_path"),
+                                                                       f"{where}.shared_storage_path"),
+                                None if size is None else _size_bytes(size, f"{where}.size_gib"), namespace="")
     backend = extra.get("backend", "disk")
     if backend not in KV_OFFLOADING_BACKENDS:
         raise ValueError(f"{where}.backend must be one of {', '.join(KV_OFFLOADING_BACKENDS)}, got {backend!r}")
@@ -103,12 +119,22 @@ def _check_folder(path: Any, flag: str) -> str:
     folder = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(folder):
         raise ValueError(f"{flag}: {folder} does not exist or is not a folder")
-    try:        # os.access says yes for root on a read-only bind mount: only a real file tells
+    probe = None
+    try:        # os.access says yes for root on a read-only bind mount: only a real file tells; an empty
+        # file fits on a full disk (it takes an inode, no block), so the probe writes a page's worth
         fd, probe = tempfile.mkstemp(prefix=".pagedserve-probe-", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
+        try:
+            os.write(fd, bytes(_PROBE_BYTES))
+        finally:
+            os.close(fd)
     except OSError as exc:
-        raise ValueError(f"{flag}: {folder} is not writable: {exc.strerror or exc}") from None
+        raise ValueError(f"{flag}: {folder} is not writable (or full): {exc.strerror or exc}") from None
+    finally:
+        if probe is not None:
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass
     return folder
 
 

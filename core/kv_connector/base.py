@@ -12,13 +12,17 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pagedserve.core.request import Request
-from pagedserve.ipc.messages import KVConnectorMetadata, KVConnectorOutput, SchedulerOutput
+from pagedserve.ipc.messages import KVConnectorMetadata, KVConnectorOutput, KVTransferStats, SchedulerOutput
 
 
 class KVConnectorScheduler(ABC):
     # Totals since start, in tokens (vllm:external_prefix_cache_queries / _hits).
     queries: int = 0
     hits: int = 0
+
+    def transfer_stats(self) -> KVTransferStats | None:
+        """The tier's totals for /metrics' kv_transfer section; None: a connector without a tier of its own."""
+        return None
 
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:

@@ -19,17 +19,19 @@ class DiskIndex:
     block, so every touch of a chain puts its blocks back in reverse order: the first block is the most
     recent, and eviction takes a chain's deepest blocks (its leaves) first."""
 
-    def __init__(self, namespace_dir: str, capacity_bytes: int) -> None:
+    def __init__(self, namespace_dir: str, capacity_bytes: int | None) -> None:
         self.dir = namespace_dir
         self.capacity = capacity_bytes
         self._entries: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
         self.total_bytes = 0
+        self.evicted = 0                 # blocks evicted since start (vllm:kv_offload_block_eviction)
         self._warned = False
         os.makedirs(namespace_dir, exist_ok=True)
         self._scan()
         self.evict()
-        logger.info("KV disk tier %s: %d blocks, %.1f MiB of %.1f MiB", namespace_dir, len(self._entries),
-                    self.total_bytes / (1 << 20), capacity_bytes / (1 << 20))
+        logger.info("KV disk tier %s: %d blocks, %.1f MiB of %s", namespace_dir, len(self._entries),
+                    self.total_bytes / (1 << 20),
+                    "no bound" if capacity_bytes is None else f"{capacity_bytes / (1 << 20):.1f} MiB")
 
     def _scan(self) -> None:
         """The blocks already there (a restart), oldest minute first and deepest first within it: a chain
@@ -82,9 +84,12 @@ class DiskIndex:
             self.total_bytes -= old[0]
 
     def evict(self) -> None:
+        if self.capacity is None:        # shared storage without size_gib: vLLM's never evicts either
+            return
         while self.total_bytes > self.capacity and self._entries:
             key, (size, depth) = self._entries.popitem(last=False)
             self.total_bytes -= size
+            self.evicted += 1
             try:
                 os.unlink(block_path(self.dir, key, depth))
             except FileNotFoundError:

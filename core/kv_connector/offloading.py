@@ -2,14 +2,19 @@
 hashes (this slice: the disk tier, docs/kv_tiers.md)."""
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgspec
+
 from pagedserve.common.kv_transfer.config import KVTransferConfig
+from pagedserve.common.kv_transfer.layout import block_path
 from pagedserve.core.kv_connector.base import KVConnectorScheduler
 from pagedserve.core.kv_connector.disk_index import DiskIndex
 from pagedserve.core.request import Request
-from pagedserve.ipc.messages import KVBlockTransfer, KVConnectorMetadata, KVConnectorOutput, SchedulerOutput
+from pagedserve.ipc.messages import (KVBlockTransfer, KVConnectorMetadata, KVConnectorOutput, KVTransferStats,
+                                     SchedulerOutput)
 
 
 def _can_load(request: Request) -> bool:
@@ -19,8 +24,9 @@ def _can_load(request: Request) -> bool:
 
 
 class OffloadingConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, config: KVTransferConfig, block_size: int) -> None:
+    def __init__(self, config: KVTransferConfig, block_size: int, device: str = "cpu") -> None:
         self.config = config
+        self.stats = KVTransferStats(device="GPU" if device == "cuda" else device.upper())
         self.block_size = block_size
         self.index = DiskIndex(config.namespace_dir, config.size_bytes)
         self.saving = config.can_save
@@ -39,10 +45,14 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         # Whole blocks only, and at least one token left to compute (the last one's logits are sampled).
         end = min((request.num_tokens - 1) // bs, len(request.block_hashes))
         n = 0
-        while start + n < end and request.block_hashes[start + n] in self.index:
+        while start + n < end and self._stored(request.block_hashes[start + n], start + n):
             n += 1
         self.queries += max(0, request.num_tokens - num_computed_tokens)
         self.hits += n * bs
+        looked = n + (1 if start + n < end else 0)          # the chain up to its first miss
+        self.stats.block_lookups += looked
+        self.stats.block_hits += n
+        self.stats.block_misses += looked - n
         if n == 0:
             return 0, False
         self._matched[request.request_id] = (start, n)
@@ -83,14 +93,35 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             ids = block_ids(rid)
             for i in range(start, end):
                 key = request.block_hashes[i]
-                if key not in self.index and key not in self._pending:
+                if key not in self._pending and not self._stored(key, i):
                     saves.append(KVBlockTransfer(ids[i], key, i))
                     self._pending[key] = (request, i)
             self._saved_upto[rid] = end
         return saves
 
+    def _stored(self, key: bytes, depth: int) -> bool:
+        """Whether the tier holds the block. On shared storage another instance (a prefill's producer) may
+        have written it, or removed it, since this one last looked: the disk answers, and the index learns."""
+        if not self.config.shared:
+            return key in self.index
+        try:
+            size = os.stat(block_path(self.config.namespace_dir, key, depth)).st_size
+        except OSError:
+            self.index.discard(key)
+            return False
+        if key not in self.index:
+            self.index.add(key, depth, size)
+        return True
+
     def update_connector_output(self, output: KVConnectorOutput) -> dict[str, int]:
         chains: dict[int, Request] = {}
+        st = self.stats
+        st.store_bytes += sum(nbytes for _, nbytes in output.saved)
+        st.store_time_s += output.store_time_s
+        st.load_bytes += output.load_bytes
+        st.load_time_s += output.load_time_s
+        st.stores_skipped += len(output.failed_saves)
+        st.invalid_blocks += len(output.invalid_keys)
         for key, nbytes in output.saved:
             request, depth = self._pending.pop(key, (None, 0))
             if request is not None:
@@ -108,6 +139,10 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         return {rid: (self._load_start.pop(rid, 0) + n) * self.block_size
                 for rid, n in output.finished_recving.items()}
 
+    def transfer_stats(self) -> KVTransferStats:
+        self.stats.evictions = self.index.evicted
+        return msgspec.structs.replace(self.stats)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         for table in (self._matched, self._load_start, self._loads, self._saved_upto):
@@ -115,7 +150,9 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         return False, None
 
 
-def make_scheduler_connector(config: KVTransferConfig | None, block_size: int) -> KVConnectorScheduler | None:
+def make_scheduler_connector(config: KVTransferConfig | None, block_size: int,
+                             device: str = "cpu") -> KVConnectorScheduler | None:
     if config is None:
         return None
-    return OffloadingConnectorScheduler(config, block_size)     # the one connector there is (KV_CONNECTORS)
+    # Both connectors are the disk tier; shared storage differs in config.shared (lookups and saves).
+    return OffloadingConnectorScheduler(config, block_size, device)

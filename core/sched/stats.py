@@ -39,6 +39,7 @@ def scheduler_stats(sched: CountedState) -> SchedulerStats:
         out.external_prefix_cache_queries = sched.connector.queries
         out.external_prefix_cache_hits = sched.connector.hits
         out.num_loading, out.num_loads_done = loading, sched.loads.num_done
+        out.kv_connector_stats = sched.connector.transfer_stats()
     return out
 
 

@@ -6,6 +6,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -98,6 +99,7 @@ class WriterResults:
     saved: list[tuple[bytes, int]] = field(default_factory=list)
     failed: list[bytes] = field(default_factory=list)
     disabled: bool = False
+    seconds: float = 0.0            # the saved blocks' writes took
 
 
 class BlockWriter:
@@ -123,6 +125,15 @@ class BlockWriter:
             self._pending += batch.nbytes
         self._queue.put(batch)
 
+    def write_now(self, batch: SaveBatch) -> None:
+        """Write on the caller's thread (shared storage: the step's blocks are on disk before its output
+        leaves the engine, so a decode instance asked next finds them)."""
+        if not self.disabled:
+            self._write(batch)
+            return
+        with self._lock:
+            self._results.failed.extend(key for _, key, _ in batch.targets)
+
     def take_results(self) -> WriterResults:
         with self._lock:
             results, self._results = self._results, WriterResults()
@@ -145,6 +156,7 @@ class BlockWriter:
                 with self._lock:
                     self._results.failed.append(key)
                 continue
+            t0 = time.perf_counter()
             try:
                 nbytes = write_block(path, self.fmt, key, depth, [h[:, j].contiguous() for h in host])
             except OSError as exc:
@@ -157,6 +169,7 @@ class BlockWriter:
                 continue
             with self._lock:
                 self._results.saved.append((key, nbytes))
+                self._results.seconds += time.perf_counter() - t0
 
     def close(self, timeout_s: float) -> None:
         """Let the blocks handed over so far reach the disk (a restart finds them), at most timeout_s."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 
 import torch
 
@@ -32,6 +33,8 @@ class DiskOffloadingWorker(KVConnectorWorker):
         self._save_ids: torch.Tensor | None = None          # this step's block ids to save, on the cache's device
         self._finished_loads: dict[str, int] = {}
         self._invalid: list[bytes] = []
+        self._load_bytes = 0
+        self._load_time_s = 0.0
         self._read_warned = False
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
@@ -53,8 +56,11 @@ class DiskOffloadingWorker(KVConnectorWorker):
         meta = self._metadata
         if meta is None or not meta.loads or self._fmt is None:
             return
+        t0 = time.perf_counter()
         for rid, blocks in meta.loads.items():
-            self._finished_loads[rid] = self._load_chain(blocks)
+            self._finished_loads[rid] = n = self._load_chain(blocks)
+            self._load_bytes += n * self._fmt.nbytes
+        self._load_time_s += time.perf_counter() - t0
 
     def _load_chain(self, blocks: list[KVBlockTransfer]) -> int:
         """Blocks loaded, in order, up to the first that fails (the rest of the chain is computed instead)."""
@@ -111,15 +117,21 @@ class DiskOffloadingWorker(KVConnectorWorker):
             event = torch.cuda.Event()
             event.record()
         targets = [(block_path(self.dir, b.key, b.depth), b.key, b.depth) for b in meta.saves]
-        self._writer.submit(SaveBatch(targets, self._gathered, event, len(targets) * self._fmt.nbytes))
+        batch = SaveBatch(targets, self._gathered, event, len(targets) * self._fmt.nbytes)
+        if self.config.shared:
+            self._writer.write_now(batch)
+        else:
+            self._writer.submit(batch)
         self._gathered, self._save_ids = [], None
 
     def get_finished(self, finished_req_ids: list[str]) -> KVConnectorOutput | None:
-        out = KVConnectorOutput(finished_recving=self._finished_loads, invalid_keys=self._invalid)
-        self._finished_loads, self._invalid = {}, []
+        out = KVConnectorOutput(finished_recving=self._finished_loads, invalid_keys=self._invalid,
+                                load_bytes=self._load_bytes, load_time_s=self._load_time_s)
+        self._finished_loads, self._invalid, self._load_bytes, self._load_time_s = {}, [], 0, 0.0
         if self._writer is not None:
             results = self._writer.take_results()
             out.saved, out.failed_saves, out.saves_disabled = results.saved, results.failed, results.disabled
+            out.store_time_s = results.seconds
         if not (out.finished_recving or out.invalid_keys or out.saved or out.failed_saves or out.saves_disabled):
             return None
         return out

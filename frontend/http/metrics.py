@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedserve.frontend.client.outputs import RequestOutput
-from pagedserve.ipc.messages import SchedulerStats
+from pagedserve.ipc.messages import KVTransferStats, SchedulerStats
 
 # vLLM's buckets, so that its dashboard's quantiles read the same.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -71,6 +71,7 @@ class Metrics:
         self._series: dict[int, SimpleNamespace] = {}
         self._last_totals: dict[tuple[int, str], int] = {}
         self._last_per_pos: dict[int, list[int]] = {}
+        self._kv_transfer: KVTransferMetrics | None = None     # made at the first stats of a KV connector
         for engine in range(num_engines):      # every engine's series exist (at zero) before any traffic
             self.at(engine)
 
@@ -108,6 +109,10 @@ class Metrics:
             last = last_per_pos[pos] if pos < len(last_per_pos) else 0
             self.spec_accepted_per_pos.labels(self.model, str(engine), str(pos)).inc(max(0, total - last))
         self._last_per_pos[engine] = list(stats.spec_accepted_per_pos)
+        if stats.kv_connector_stats is not None:
+            if self._kv_transfer is None:
+                self._kv_transfer = KVTransferMetrics(self.registry, self.model)
+            self._kv_transfer.observe(stats.kv_connector_stats, engine)
 
     def observe_step(self, stats: SchedulerStats, engine: int = 0) -> None:
         if stats.num_step_tokens > 0:
@@ -132,6 +137,53 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# The kv_transfer section: a KV connector's tier (docs/kv_tiers.md), under vLLM's OffloadingConnector names
+# where it has them (its transfer_type label, e.g. GPU_to_CPU: here CPU_to_DISK and DISK_to_CPU), and after its
+# CPU tier's block lookup counters for the disk tier's. Only servers with a connector export it.
+_KV_TRANSFER_COUNTERS = (
+    ("block_lookups", "vllm:kv_offload_disk_block_lookup", "Blocks looked up in the disk tier after the prefix "
+     "cache (a prompt's chain, up to its first miss)."),
+    ("block_hits", "vllm:kv_offload_disk_block_hit", "Disk tier lookups that found the block."),
+    ("block_misses", "vllm:kv_offload_disk_block_miss", "Disk tier lookups that did not find the block."),
+    ("invalid_blocks", "pagedserve:kv_offload_disk_block_invalid", "Blocks found at lookup whose file was "
+     "missing, damaged or foreign at load (deleted; their tokens were computed)."),
+    ("stores_skipped", "vllm:kv_offload_stores_skipped", "Blocks not stored: the writer was behind, or an I/O "
+     "error stopped saving."),
+    ("evictions", "vllm:kv_offload_block_eviction", "Blocks the tier deleted to stay within its size."),
+)
+# (stats field, direction): bytes and seconds per transfer direction.
+_KV_TRANSFERS = (("store", "{device}_to_DISK"), ("load", "DISK_to_{device}"))
+
+
+class KVTransferMetrics:
+    """The kv_transfer section's families; the core sends totals since start, counters advance by the change."""
+
+    def __init__(self, registry: CollectorRegistry, model: str) -> None:
+        self.model = model
+        labels = ["model_name", "engine"]
+        self.counters = {field: Counter(name, doc, labels, registry=registry)
+                         for field, name, doc in _KV_TRANSFER_COUNTERS}
+        self.bytes = Counter("vllm:kv_offload_total_bytes", "Bytes moved between the KV pool and the tier, by "
+                             "transfer_type.", [*labels, "transfer_type"], registry=registry)
+        self.seconds = Counter("vllm:kv_offload_total_time", "Seconds spent moving KV between the pool and the "
+                               "tier (reads and checks, or writes), by transfer_type.", [*labels, "transfer_type"],
+                               registry=registry)
+        self._last: dict[tuple[int, str], float] = {}
+
+    def _advance(self, counter: Counter, value: float, engine: int, key: str, *labels: str) -> None:
+        last = self._last.get((engine, key), 0)
+        counter.labels(self.model, str(engine), *labels).inc(max(0, value - last))
+        self._last[(engine, key)] = value
+
+    def observe(self, st: KVTransferStats, engine: int) -> None:
+        for field, counter in self.counters.items():
+            self._advance(counter, getattr(st, field), engine, field)
+        for kind, direction in _KV_TRANSFERS:
+            label = direction.format(device=st.device)
+            self._advance(self.bytes, getattr(st, f"{kind}_bytes"), engine, f"{kind}_bytes", label)
+            self._advance(self.seconds, getattr(st, f"{kind}_time_s"), engine, f"{kind}_time_s", label)
 
 
 def _observe_latencies(m: SimpleNamespace, t: dict[str, float], num_output_tokens: int) -> None:

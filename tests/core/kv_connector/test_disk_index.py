@@ -102,3 +102,35 @@ def test_offloading_flags_are_shorthand_for_the_connector(tmp_path):
         parse_kv_transfer(None, None, 2, None)
     with pytest.raises(ValueError, match="--kv-offloading-size"):
         parse_kv_transfer(None, "disk", None, str(tmp_path))
+
+
+def test_shared_storage_connector_takes_vllm_s_keys(tmp_path):
+    kv = parse_kv_transfer({"kv_connector": "SharedStorageConnector", "kv_role": "kv_consumer",
+                            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}, None, None, None)
+    assert (kv.kv_connector, kv.kv_role, kv.path, kv.size_bytes, kv.shared) == (
+        "SharedStorageConnector", "kv_consumer", str(tmp_path), None, True)
+    assert not kv.can_save and kv.can_load
+    sized = parse_kv_transfer({"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": {
+        "shared_storage_path": str(tmp_path), "size_gib": 1}}, None, None, None)
+    assert sized.size_bytes == 1 << 30 and sized.kv_role == "kv_both"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({}, r"kv_connector_extra_config\.shared_storage_path: the disk tier needs a folder"),
+    ({"shared_storage_path": "/nonexistent/kv"}, r"shared_storage_path: /nonexistent/kv does not exist"),
+    ({"path": "."}, r"unknown key\(s\) path \(allowed: shared_storage_path, size_gib\)"),
+    ({"shared_storage_path": ".", "size_gib": 0}, r"size_gib must be a size in GiB above 0"),
+])
+def test_shared_storage_connector_refuses_bad_settings(extra, message):
+    with pytest.raises(ValueError, match=message):
+        parse_kv_transfer({"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": extra},
+                          None, None, None)
+
+
+def test_shared_storage_without_a_size_never_evicts(tmp_path):
+    ns = str(tmp_path / "ns")
+    index = DiskIndex(ns, capacity_bytes=None)
+    for i in range(5):
+        index.add(bytes([i]) * 16, i, 1 << 20)
+    index.evict()
+    assert len(index) == 5
