@@ -25,6 +25,10 @@ HEAVY: dict[str, float] = {
     "tests/e2e/test_server.py": 40,
     # added with images (issue 47), estimated from their runs beside the suite
     "tests/frontend/multimodal/test_multimodal_offline.py": 70, "tests/e2e/test_multimodal_http.py": 45,
+    # added with KV tiers, the fleet and traces (issues 48, 49, 51), from their runs beside other work
+    "tests/executor/kv_connector/test_disk_tier_faults.py": 120, "tests/e2e/test_disagg_prefill.py": 110,
+    "tests/e2e/test_router.py": 170, "tests/e2e/test_router_lora.py": 100, "tests/e2e/test_router_discovery.py": 80,
+    "tests/frontend/tracing/test_tracing_http.py": 90,
 }
 
 
