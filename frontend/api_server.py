@@ -29,6 +29,7 @@ from pagedserve.frontend.lora.serving import LoRAModels, LoRAModule, add_lora_ro
 from pagedserve.frontend.http.metrics import Metrics
 from pagedserve.frontend.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           ModelCard, ModelList, TokenizeRequest)
+from pagedserve.frontend.anthropic.serving import add_anthropic_routes
 from pagedserve.frontend.responses.serving import add_responses_routes
 from pagedserve.frontend.server_args import ServerArgs
 from pagedserve.frontend.openai.serving import OpenAIServing
@@ -98,6 +99,7 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
     if loras is not None:
         add_lora_routes(app, loras, settings.allow_runtime_lora_updating)
     add_responses_routes(app, serving, settings)
+    add_anthropic_routes(app, serving)
     add_pooling_routes(app, engine, served_model_name, admission, serving.check_model)
     add_dev_routes(app, engine)
 

@@ -22,8 +22,8 @@ class ServerArgs:
     port: int = setting(8000, help="port the HTTP server listens on")
     api_key: str | None = setting(
         env="PAGEDSERVE_API_KEY",
-        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, /version and the "
-             "API description; with none, no route needs a key")
+        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health, /metrics, "
+             "/version and the API description; with none, no route needs a key")
     engine_address: str | None = setting(
         None, help="where other processes (AsyncEngineClient.connect) reach the engine core: ipc://PATH "
                    "(unset: a private path) or tcp://HOST:PORT (needs --engine-token; uses PORT and PORT+1)")
