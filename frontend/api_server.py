@@ -92,7 +92,8 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
     engine.step_hooks.append(metrics.observe_step)
     admission = Admission(engine, settings.max_concurrent_requests, metrics)
     serving = OpenAIServing(engine, served_model_name, admission,
-                            settings.tool_call_parser if settings.enable_auto_tool_choice else None, loras)
+                            settings.tool_call_parser if settings.enable_auto_tool_choice else None, loras,
+                            prompt_tokens_details=settings.enable_prompt_tokens_details)
     app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
     app.state.drain = drain = Drain(settings.shutdown_timeout)
     _add_guards_and_handlers(app, settings, drain)

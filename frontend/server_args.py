@@ -37,6 +37,9 @@ class ServerArgs:
     enable_auto_tool_choice: bool = setting(
         False, store_true=True, help="let tool_choice 'auto' requests call tools; the output is read with "
                                      "--tool-call-parser")
+    enable_prompt_tokens_details: bool = setting(
+        False, store_true=True, help="report usage.prompt_tokens_details.cached_tokens (the prompt's tokens "
+                                     "read from the prefix cache) in chat and completions responses")
     tool_call_parser: str | None = setting(
         None, choices=TOOL_PARSER_NAMES, help="how the model writes tool calls, for tool_choice 'auto': hermes "
                                               "(Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.x), mistral")
