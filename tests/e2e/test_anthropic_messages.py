@@ -93,6 +93,8 @@ def test_greedy_text_equals_chat(server, client, model):
     assert "choices" in chat, chat
     assert msg.content[0].text == chat["choices"][0]["message"]["content"]
     assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == chat["usage"]["prompt_tokens"]
+    # Without --enable-prompt-tokens-details, chat's usage is as it was (tests/e2e/test_prompt_tokens_details.py).
+    assert set(chat["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
     counted = client.messages.count_tokens(model=model, system="Be brief.", messages=QUESTION)
     assert counted.input_tokens == chat["usage"]["prompt_tokens"]
 
