@@ -8,7 +8,8 @@ sampling, tool forcing and output parsing, and the same admission, disconnect an
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -16,17 +17,20 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedserve.common.errors import EngineOverloadedError
 from pagedserve.frontend.anthropic.content import content_blocks, message_body, new_id, stop_reason, usage
-from pagedserve.frontend.anthropic.errors import AnthropicErrorsMiddleware, stream_error
+from pagedserve.frontend.anthropic.errors import AnthropicErrorsMiddleware, anthropic_error, stream_error
 from pagedserve.frontend.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagedserve.frontend.anthropic.stream import MessageEvents, sse_event
 from pagedserve.frontend.anthropic.translate import anthropic_field, chat_request
 from pagedserve.frontend.client.input_processor import PreparedRequest
 from pagedserve.frontend.client.outputs import RequestOutput
 from pagedserve.frontend.http.admission import CountedStreamingResponse
+from pagedserve.frontend.http.errors import classify
 from pagedserve.frontend.openai.chat_output import ChatOutputParser, chat_parser_factory
 from pagedserve.frontend.openai.protocol import ChatCompletionRequest
 from pagedserve.frontend.openai.protocol_structured import name_field
 from pagedserve.frontend.openai.serving import OpenAIServing, error_body, merge_streams, run_until_disconnect
+
+logger = logging.getLogger(__name__)
 
 
 class _Turn:
@@ -140,8 +144,23 @@ def add_anthropic_routes(app: FastAPI, chat: OpenAIServing) -> None:
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
-        return await serving.create(body, request)
+        return await _answer(serving.create(body, request))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> Response:
-        return JSONResponse(await serving.count_tokens(body))
+        return await _answer(serving.count_tokens(body))
+
+
+async def _answer(work: Awaitable[Any]) -> Response:
+    """The route's answer. An expected refusal (a 4xx, 429, 503) goes to the app's handlers, whose answer the
+    middleware reshapes; an unexpected error is answered here, since the app's catch-all handler runs outside
+    every middleware."""
+    try:
+        result = await work
+    except Exception as exc:
+        if classify(exc)[0] != 500:
+            raise
+        logger.error("internal error", exc_info=exc)
+        status, body = anthropic_error(500, "internal server error")
+        return JSONResponse(body, status_code=status)
+    return result if isinstance(result, Response) else JSONResponse(result)
