@@ -4,7 +4,7 @@ order), parity with chat completions, stop reasons, the prefix cache in usage, a
 counting, and every refusal in Anthropic's error shape with Anthropic's status.
 
 A random-weight model never calls tools by itself: calls are forced with tool_choice any or tool (the grammar
-writes them), as the chat tool tests do."""
+writes them), as the chat tool tests do. LangChain's ChatAnthropic runs against the same server."""
 from __future__ import annotations
 
 import json
@@ -252,7 +252,29 @@ def test_auth_headers_and_shapes(server, model):
     raw = httpx.post(server.url + "/v1/messages", content=b"{not json", timeout=30,
                      headers={**server.auth, "content-type": "application/json"})
     anthropic_error(raw, 400, "invalid_request_error", "")
+    huge = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "x" * (9 << 20)}]}
+    anthropic_error(post(server, "/v1/messages", **huge), 413, "request_too_large", "exceeds")
     openai_shaped = post(server, "/v1/chat/completions", messages=QUESTION, max_tokens=0)
     assert openai_shaped.status_code == 400 and openai_shaped.json()["error"]["param"] == "max_tokens"
     assert post(server, "/v1/chat/completions", headers={"x-api-key": server.api_key}, messages=QUESTION,
                 max_tokens=2).status_code == 200
+
+
+# ---------------------------------------------------------------- LangChain
+
+def test_langchain_chat_anthropic(server, client, model):
+    """LangChain's ChatAnthropic pointed at the server: invoke and stream give the SDK's greedy text, and a
+    forced tool comes back as its tool_calls."""
+    from langchain_anthropic import ChatAnthropic
+    llm = ChatAnthropic(base_url=server.url, api_key=server.api_key, model=model, max_tokens=8, temperature=0,
+                        max_retries=0)
+    want = client.messages.create(model=model, max_tokens=8, extra_body=GREEDY, messages=QUESTION).content[0].text
+    answer = llm.invoke(QUESTION[0]["content"])
+    assert answer.content == want and answer.usage_metadata["output_tokens"] <= 8
+    assert "".join(chunk.text for chunk in llm.stream(QUESTION[0]["content"])) == want
+    caller = ChatAnthropic(base_url=server.url, api_key=server.api_key, model=model, max_tokens=60, max_retries=0)
+    reply = caller.bind_tools([WEATHER], tool_choice="get_weather").invoke("Weather in Paris?")
+    [call] = reply.tool_calls
+    assert call["name"] == "get_weather" and call["id"].startswith("toolu_")
+    jsonschema.validate(call["args"], WEATHER_SCHEMA)
+    assert reply.response_metadata["stop_reason"] == "tool_use"
