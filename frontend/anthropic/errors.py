@@ -22,7 +22,7 @@ _DEFAULT = (500, "api_error")
 
 def anthropic_error(status: int, message: str) -> tuple[int, dict[str, Any]]:
     """(Anthropic's status, its error body) for a refusal with this HTTP status."""
-    code, kind = _BY_STATUS.get(status, (status, "api_error") if status < 500 else _DEFAULT)
+    code, kind = _BY_STATUS.get(status, (status, "invalid_request_error") if status < 500 else _DEFAULT)
     return code, {"type": "error", "error": {"type": kind, "message": message}}
 
 
