@@ -29,6 +29,7 @@ from pagedserve.frontend.lora.serving import LoRAModels, LoRAModule, add_lora_ro
 from pagedserve.frontend.http.metrics import Metrics
 from pagedserve.frontend.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           ModelCard, ModelList, TokenizeRequest)
+from pagedserve.frontend.anthropic.serving import add_anthropic_routes
 from pagedserve.frontend.responses.serving import add_responses_routes
 from pagedserve.frontend.server_args import ServerArgs
 from pagedserve.frontend.tracing.request_spans import RequestSpans
@@ -109,7 +110,8 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
     engine.step_hooks.append(metrics.observe_step)
     admission = Admission(engine, settings.max_concurrent_requests, metrics)
     serving = OpenAIServing(engine, served_model_name, admission,
-                            settings.tool_call_parser if settings.enable_auto_tool_choice else None, loras)
+                            settings.tool_call_parser if settings.enable_auto_tool_choice else None, loras,
+                            prompt_tokens_details=settings.enable_prompt_tokens_details)
     app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
     app.state.drain = drain = Drain(settings.shutdown_timeout)
     if spans is not None:         # innermost: it sees only requests the guards let through
@@ -118,6 +120,7 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
     if loras is not None:
         add_lora_routes(app, loras, settings.allow_runtime_lora_updating)
     add_responses_routes(app, serving, settings)
+    add_anthropic_routes(app, serving)
     add_pooling_routes(app, engine, served_model_name, admission, serving.check_model)
     add_dev_routes(app, engine)
 

@@ -24,8 +24,8 @@ class ServerArgs:
     port: int = setting(8000, help="port the HTTP server listens on")
     api_key: str | None = setting(
         env="PAGEDSERVE_API_KEY",
-        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, /version and the "
-             "API description; with none, no route needs a key")
+        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health, /metrics, "
+             "/version and the API description; with none, no route needs a key")
     engine_address: str | None = setting(
         None, help="where other processes (AsyncEngineClient.connect) reach the engine core: ipc://PATH "
                    "(unset: a private path) or tcp://HOST:PORT (needs --engine-token; uses PORT and PORT+1)")
@@ -39,6 +39,9 @@ class ServerArgs:
     enable_auto_tool_choice: bool = setting(
         False, store_true=True, help="let tool_choice 'auto' requests call tools; the output is read with "
                                      "--tool-call-parser")
+    enable_prompt_tokens_details: bool = setting(
+        False, store_true=True, help="report usage.prompt_tokens_details.cached_tokens (the prompt's tokens "
+                                     "read from the prefix cache) in chat and completions responses")
     tool_call_parser: str | None = setting(
         None, choices=TOOL_PARSER_NAMES, help="how the model writes tool calls, for tool_choice 'auto': hermes "
                                               "(Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.x), mistral")

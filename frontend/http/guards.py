@@ -52,19 +52,21 @@ class BodyLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Every path but `open_paths` needs `Authorization: Bearer KEY`: deny by default, so a route added
-    later is protected without anyone remembering to."""
+    """Every path but `open_paths` needs `Authorization: Bearer KEY` or, as Anthropic's clients send it,
+    `x-api-key: KEY`: deny by default, so a route added later is protected without anyone remembering to."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], api_key: str,
                  open_paths: frozenset[str]) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_key = api_key.encode()
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and route_path(scope) not in self.open_paths:
-            given = dict(scope.get("headers", ())).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            headers = dict(scope.get("headers", ()))
+            bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            if not (bearer or hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected_key)):
                 await send_error(send, 401, "invalid or missing API key", "authentication_error")
                 return
         await self.app(scope, receive, send)

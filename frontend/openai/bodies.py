@@ -28,9 +28,14 @@ def sse(payload: dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """cached_tokens: the prompts' tokens read from the prefix cache, reported (as vLLM's
+    --enable-prompt-tokens-details does) when not None."""
+    body: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 @dataclass
@@ -45,6 +50,7 @@ class ResponseBuilder:
     top_logprobs: int = 0                   # k: alternatives shown per position
     echo_first_tokens: list[str] | None = None   # echo with logprobs: each prompt's first token, as text
     show_prompt_logprobs: bool = False      # the request set vLLM's prompt_logprobs: return that field
+    cached_tokens_details: bool = False     # usage carries prompt_tokens_details.cached_tokens
     # chat with tools or a reasoning parser: makes each choice's ChatOutputParser (frontend/openai/chat_output.py)
     chat_parser: Callable[[], ChatOutputParser] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -59,7 +65,9 @@ class ResponseBuilder:
         choices.sort(key=lambda ch: ch["index"])
         prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
         completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
-        body = {**self._envelope(stream=False), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+        cached = sum(out.num_cached_tokens for out in finals) if self.cached_tokens_details else None
+        body = {**self._envelope(stream=False), "choices": choices,
+                "usage": usage(prompt_tokens, completion_tokens, cached)}
         if self.api == "chat" and self.show_prompt_logprobs and finals[0].prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs)   # vLLM: top level in chat
         return body
@@ -84,8 +92,9 @@ class ResponseBuilder:
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {**self._envelope(stream=True), "choices": choices}
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        return {**self._envelope(stream=True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+        cached = cached_tokens if self.cached_tokens_details else None
+        return {**self._envelope(stream=True), "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)}
 
     # ---------------------------------------------------------------- shared
 

@@ -39,10 +39,13 @@ GenerationRequest = Union[CompletionRequest, ChatCompletionRequest]
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngineClient, served_model_name: str, admission: Admission,
-                 tool_parser: str | None = None, loras: LoRAModels | None = None) -> None:
+                 tool_parser: str | None = None, loras: LoRAModels | None = None,
+                 prompt_tokens_details: bool = False) -> None:
         """tool_parser: --tool-call-parser when --enable-auto-tool-choice is on (tool_choice auto allowed);
-        loras: the adapters served by name (--enable-lora)."""
+        loras: the adapters served by name (--enable-lora); prompt_tokens_details:
+        --enable-prompt-tokens-details (usage reports the prompt's cached tokens)."""
         self.engine = engine
+        self.prompt_tokens_details = prompt_tokens_details
         self.tool_parser = tool_parser
         self.model_name = served_model_name
         self.admission = admission
@@ -71,7 +74,8 @@ class OpenAIServing:
         builder = ResponseBuilder("completion", rid, body.model if lora else self.model_name, body.n,
                                   body.logprobs is not None, echo, top_logprobs=body.logprobs or 0,
                                   echo_first_tokens=first_tokens,
-                                  show_prompt_logprobs=body.prompt_logprobs is not None)
+                                  show_prompt_logprobs=body.prompt_logprobs is not None,
+                                  cached_tokens_details=self.prompt_tokens_details)
         return await self._run(http, body, jobs, builder)
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
@@ -81,6 +85,7 @@ class OpenAIServing:
         builder = ResponseBuilder("chat", rid, body.model if lora else self.model_name, body.n, body.logprobs,
                                   top_logprobs=body.top_logprobs or 0,
                                   show_prompt_logprobs=body.prompt_logprobs is not None,
+                                  cached_tokens_details=self.prompt_tokens_details,
                                   chat_parser=chat_parser_factory(tool_mode, self.tool_parser,
                                                                   self.engine.info.reasoning_parser))
         if body.use_beam_search:
@@ -214,8 +219,10 @@ class OpenAIServing:
             yield sse(chunk)
         prompt_tokens = sum(len(j.prompt.prompt_token_ids) for j in jobs)
         completion_tokens = 0
+        cached: dict[int, int] = {}         # per prompt: its prefix-cache hit, known from its first output
         try:
             async for i, out in outputs or merge_streams([self.engine.stream(j) for j in jobs]):
+                cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     if (choice := builder.delta_choice(i, c, out)) is not None:
@@ -224,7 +231,7 @@ class OpenAIServing:
             yield sse(error_body(exc))
         else:
             if include_usage:
-                yield sse(builder.usage_chunk(prompt_tokens, completion_tokens))
+                yield sse(builder.usage_chunk(prompt_tokens, completion_tokens, sum(cached.values())))
         yield SSE_DONE
 
 

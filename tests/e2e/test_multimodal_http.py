@@ -222,3 +222,32 @@ def test_the_responses_api_takes_input_image(server, hf_text):
     out = server.client().responses.create(model=server.client().models.list().data[0].id, max_output_tokens=MAX_NEW,
                                            temperature=0, input=[{"role": "user", "content": content}])
     assert out.output_text == hf_text("what is it?", image)
+
+
+def test_the_anthropic_sdk_takes_base64_image_blocks(server, hf_text, api_server):
+    """Anthropic's image block (source.type base64) goes the same multimodal path: HF's answer, the image's
+    placeholders counted, streamed as whole; a bad block or a text-only model is an Anthropic-shaped 400."""
+    import anthropic
+    image = random_image(8, 40, 40)
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png_bytes(image)).decode()}}
+    messages = [{"role": "user", "content": [block, {"type": "text", "text": "what is it?"}]}]
+    client = anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0)
+    model = server.client().models.list().data[0].id
+    msg = client.messages.create(model=model, max_tokens=MAX_NEW, messages=messages, extra_body={"temperature": 0})
+    assert msg.content[0].text == hf_text("what is it?", image)
+    assert client.messages.count_tokens(model=model, messages=messages).input_tokens == \
+        msg.usage.input_tokens + msg.usage.cache_read_input_tokens > 16
+    with client.messages.stream(model=model, max_tokens=MAX_NEW, messages=messages,
+                                extra_body={"temperature": 0}) as stream:
+        assert stream.get_final_message().content[0].text == msg.content[0].text
+    bad = {**block, "source": {**block["source"], "data": "bm90IGFuIGltYWdl"}}       # "not an image"
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(model=model, max_tokens=MAX_NEW, messages=[{"role": "user", "content": [bad]}])
+    assert refused.value.body["type"] == "error" and refused.value.body["error"]["type"] == "invalid_request_error"
+    text_only = anthropic.Anthropic(base_url=api_server.url, api_key=api_server.api_key, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        text_only.messages.create(model=api_server.client().models.list().data[0].id, max_tokens=2,
+                                  messages=messages)
+    assert "text only" in refused.value.body["error"]["message"]
+    assert server.health() == 200

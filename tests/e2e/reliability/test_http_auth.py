@@ -16,28 +16,33 @@ def _routes(url: str) -> list[tuple[str, str]]:
     return [(method.upper(), path) for path, ops in spec["paths"].items() for method in ops]
 
 
-@pytest.mark.parametrize("auth", [None, "Bearer wrong-key", "Bearer", "reliability-key", "Basic cmVsaWFiaWxpdHk="])
-def test_every_route_needs_the_key(api_server, auth):
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": "Bearer"},
+                                     {"Authorization": "reliability-key"}, {"Authorization": "Basic cmVsaWFiaWxpdHk="},
+                                     {"x-api-key": "wrong-key"}, {"x-api-key": "Bearer test-key-123"}])
+def test_every_route_needs_the_key(api_server, headers):
     routes = [r for r in _routes(api_server.url) if r[1] not in OPEN_PATHS]
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize"} <= {p for _, p in routes}
-    headers = {"Authorization": auth} if auth is not None else {}
     for method, path in routes:
         resp = httpx.request(method, f"{api_server.url}{path}", headers=headers, json={"prompt": "x"}, timeout=30)
         assert resp.status_code == 401, f"{method} {path} answered {resp.status_code} without the key"
-        error = resp.json()["error"]
-        assert error["type"] == "authentication_error" and error["code"] == 401 and error["message"]
+        body = resp.json()
+        error = body["error"]
+        if path.startswith("/v1/messages"):       # Anthropic's error shape
+            assert body["type"] == "error" and error["type"] == "authentication_error" and error["message"]
+        else:
+            assert error["type"] == "authentication_error" and error["code"] == 401 and error["message"]
     # Paths that do not exist are refused too: the check runs before routing, on everything not open.
     assert httpx.post(f"{api_server.url}/v1/embeddings", headers=headers, json={}).status_code == 401
 
 
-# POST /drain with the key would drain the server these tests share: tests/e2e/test_router.py opens it.
-_SHARED_SERVER_ENDS = {("POST", "/drain")}
-
-
-def test_the_right_key_opens_every_route(api_server):
+@pytest.mark.parametrize("how", ["bearer", "x-api-key"])
+def test_the_right_key_opens_every_route(api_server, how):
+    """Authorization: Bearer KEY, or x-api-key: KEY as Anthropic's clients send it, on every route."""
+    headers = api_server.auth if how == "bearer" else {"x-api-key": api_server.api_key}
     for method, path in _routes(api_server.url):
-        if path not in OPEN_PATHS and (method, path) not in _SHARED_SERVER_ENDS:
-            resp = httpx.request(method, f"{api_server.url}{path}", headers=api_server.auth,
+        # POST /drain with the key drains the shared server (tests/e2e/test_router.py sends it).
+        if path not in OPEN_PATHS and path != "/drain":
+            resp = httpx.request(method, f"{api_server.url}{path}", headers=headers,
                                  json={"prompt": "x", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
                                  if method == "POST" else None, timeout=60)
             assert resp.status_code != 401, (method, path)
