@@ -33,8 +33,12 @@ class SteppedModel(Protocol):
 class LlamaCpuDecodeStep:
     """The whole decoder (embedding excepted) of a decode-only step in one C call."""
 
-    def __init__(self, model: SteppedModel, c_step: CpuDecodeStep) -> None:
+    def __init__(self, model: SteppedModel, c_step: CpuDecodeStep, every_step: bool = True) -> None:
         self.model, self.c_step = model, c_step
+        # Every step, whatever its size, in passes of c_step.max_rows tokens: a token then gets the same bits
+        # fresh, after a prefix-cache hit, in any chunk of its prompt and beside any batch, since the C step's
+        # rows never depend on one another (docs/determinism.md). False: steps past max_rows run the layers.
+        self.every_step = every_step
 
     @classmethod
     def build(cls, model: SteppedModel) -> LlamaCpuDecodeStep | None:
@@ -58,15 +62,25 @@ class LlamaCpuDecodeStep:
         token's arithmetic is the same in either (docs/speculative_decoding.md). lora_slots: int32 [T], each
         token's adapter slot (-1: the base model), None for a step without adapter tokens."""
         rows = input_ids.shape[0]
-        if not 1 <= rows <= self.c_step.max_rows or int(meta.slot_mapping.min()) < 0:
+        limit = self.c_step.max_rows if not self.every_step else rows
+        if not 1 <= rows <= limit or int(meta.slot_mapping.min()) < 0:
             return None
         if lora_slots is not None and not self.c_step.lora_slots:
             return None         # built without the layers' adapter slots: the layers apply them
         tables, lengths = row_tables_and_lengths(meta, rows)
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb.cos_sin(positions, torch.float32)
-        return self.c_step(h, cos.view(rows, -1), sin.view(rows, -1), meta.slot_mapping, tables, lengths,
-                           lora_slots)
+        cos, sin = cos.view(rows, -1), sin.view(rows, -1)
+        # Passes of max_rows tokens in order: a row attends to its own sequence's keys up to itself, all of which
+        # an earlier pass or its own has written, so the split changes no token's arithmetic.
+        step = self.c_step.max_rows
+        if rows <= step:
+            return self.c_step(h, cos, sin, meta.slot_mapping, tables, lengths, lora_slots)
+        for a in range(0, rows, step):
+            b = min(a + step, rows)
+            self.c_step(h[a:b], cos[a:b], sin[a:b], meta.slot_mapping[a:b], tables[a:b], lengths[a:b],
+                        None if lora_slots is None else lora_slots[a:b])
+        return h
 
 
 def row_tables_and_lengths(meta: AttentionMetadata, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
