@@ -288,11 +288,11 @@ def decode_native(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-           scale: float) -> torch.Tensor:
-    """Causal attention of query [T, Hq, D] over a float cache read in place: every token through the C
-    kernel where it applies (row_native), else the step's decodes through it and the rest through SDPA on the
-    step's shared plan."""
-    rows = row_native(query, k_cache, v_cache, meta, scale)
+           scale: float, per_token: bool = False) -> torch.Tensor:
+    """Causal attention of query [T, Hq, D] over a float cache read in place: the step's decodes through the
+    C kernel where it applies, the rest through SDPA on the step's shared plan; per_token: every token through
+    the C kernel where it applies (row_native)."""
+    rows = row_native(query, k_cache, v_cache, meta, scale) if per_token else None
     if rows is not None:
         return rows
     kv_rows = stacked_rows(k_cache, v_cache)
