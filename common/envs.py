@@ -57,10 +57,16 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_IMAGE_FETCH_TIMEOUT": _float("VLLM_IMAGE_FETCH_TIMEOUT", 5.0),
     # "torch" runs the PyTorch kernels on CUDA too (A/B checks against the Triton ones).
     "PAGEDSERVE_KERNELS": _choice("PAGEDSERVE_KERNELS", "triton", ("triton", "torch")),
-    # "0" keeps quantized CPU decode steps on the layer stack instead of the one-call C step (A/B runs).
-    "PAGEDSERVE_CPU_DECODE_STEP": lambda: os.environ.get("PAGEDSERVE_CPU_DECODE_STEP", "1") != "0",
+    # "1": the one-call C step takes every step of a quantized CPU Llama-family model, in passes of its row limit
+    # (docs/determinism.md); "short": only steps of up to that limit, the rest on the layer stack (the split before
+    # issue 50, for A/B runs); "0": the layer stack for every step.
+    "PAGEDSERVE_CPU_DECODE_STEP": _choice("PAGEDSERVE_CPU_DECODE_STEP", "1", ("1", "short", "0")),
     # "0" keeps many-row int4 GEMMs on the AVX512-VNNI tile where the CPU has AMX (same bits; A/B runs).
     "PAGEDSERVE_CPU_AMX": lambda: os.environ.get("PAGEDSERVE_CPU_AMX", "1") != "0",
+    # vLLM's switch for batch-invariant kernels: "1" makes every row's bits independent of the rows beside it on
+    # the CPU paths that cost for it (float linears in fixed row blocks, every token's attention alone through
+    # the C kernel); the quantized C step is invariant without it (docs/determinism.md).
+    "VLLM_BATCH_INVARIANT": lambda: os.environ.get("VLLM_BATCH_INVARIANT", "0").lower() in ("1", "true"),
     # Defaults of secrets that are also flags (--api-key, --engine-token): never shown in --help.
     "PAGEDSERVE_API_KEY": lambda: os.environ.get("PAGEDSERVE_API_KEY") or None,
     "PAGEDSERVE_ENGINE_TOKEN": lambda: os.environ.get("PAGEDSERVE_ENGINE_TOKEN") or None,

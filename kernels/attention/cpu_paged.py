@@ -92,6 +92,7 @@ def version(t: torch.Tensor) -> int:
 
 _step_plans = LastStep()
 _write_plans = LastStep()
+_token_plans = LastStep()
 
 
 def stacked_rows(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
@@ -208,6 +209,71 @@ _NATIVE_MAX_GROUP, _NATIVE_MAX_HEAD_DIM, _NATIVE_MAX_BLOCK = 16, 256, 128
 _NATIVE_MIN_ROWS_PER_THREAD = 2048
 
 
+def _native_takes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  tables: torch.Tensor, lens: torch.Tensor) -> bool:
+    """Whether the C kernel takes these queries over this cache (and the library is built)."""
+    _, num_kv_heads, block_size, head_dim = k_cache.shape
+    num_heads = query.shape[1]
+    return not (query.device.type != "cpu" or k_cache.dtype not in (torch.float32, torch.bfloat16)
+                or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+                or num_heads % num_kv_heads or num_heads // num_kv_heads > _NATIVE_MAX_GROUP
+                or head_dim > _NATIVE_MAX_HEAD_DIM or block_size > _NATIVE_MAX_BLOCK
+                or tables.dtype != torch.int32 or lens.dtype != torch.int32 or tables.stride(-1) != 1
+                or library() is None)
+
+
+def _native(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+            lens: torch.Tensor, cached_rows: int, scale: float) -> torch.Tensor:
+    """ps_paged_decode: query token t [Hq, D] over the first lens[t] keys of block table tables[t]."""
+    n, num_heads, head_dim = query.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    q = query.to(torch.float32).contiguous()
+    out = torch.empty(n, num_heads, head_dim, dtype=torch.float32)
+    bf16 = int(k_cache.dtype == torch.bfloat16)
+    check(library().ps_paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bf16, tables.data_ptr(),
+                                    tables.stride(0), lens.data_ptr(), out.data_ptr(), n, num_heads, num_kv_heads,
+                                    block_size, head_dim, scale,
+                                    threads_for(cached_rows * num_kv_heads, _NATIVE_MIN_ROWS_PER_THREAD)),
+          "paged decode")
+    return out.to(query.dtype)
+
+
+@dataclass(frozen=True)
+class TokenPlan:
+    """Each query token of a step as a decode of its own: its sequence's block table and its position + 1."""
+    tables: torch.Tensor             # [T, max_blocks] int32
+    lens: torch.Tensor               # [T] int32
+    cached_rows: int                 # sum of lens: the key rows read
+
+
+def _build_token_plan(meta: AttentionMetadata) -> TokenPlan:
+    starts = meta.query_start_loc_cpu
+    counts = torch.tensor([starts[i + 1] - starts[i] for i in range(meta.num_seqs)], dtype=torch.int64)
+    seq_of = torch.repeat_interleave(torch.arange(meta.num_seqs), counts)
+    ends = torch.tensor(starts[1:], dtype=torch.int64)[seq_of]
+    # Token t of sequence i sits (ends - 1 - t) tokens before that sequence's last and sees keys up to itself.
+    lens = (meta.seq_lens.to(torch.int64)[seq_of] - (ends - 1 - torch.arange(starts[-1]))).to(torch.int32)
+    tables = meta.block_tables.index_select(0, seq_of).contiguous()
+    return TokenPlan(tables, lens.contiguous(), int(lens.sum()))
+
+
+def row_native(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor | None:
+    """Every query token of the step attended alone by the C decode kernel, over the keys of its own position
+    in the cache, block by block in order with an online softmax: [T, Hq, D]. A token's bits then never depend
+    on the other tokens of its step: a prompt's row is the same fresh, after a prefix-cache hit, in any
+    chunk and beside any batch (docs/determinism.md); SDPA's flash kernel blocks the queries and keys by the
+    chunk's size and takes a mask or its own causal form by where the prompt was cut. None where the kernel
+    does not apply (tokens that see past themselves: meta.visible_until; shapes past its limits)."""
+    if meta.visible_until is not None or query.shape[0] == 0 or query.shape[0] != meta.query_start_loc_cpu[-1]:
+        return None
+    if not _native_takes(query, k_cache, v_cache, meta.block_tables, meta.seq_lens):
+        return None
+    versions = (id(meta.block_tables), version(meta.block_tables), id(meta.seq_lens), version(meta.seq_lens))
+    plan = _token_plans.get(meta, versions, (), _build_token_plan)
+    return _native(query, k_cache, v_cache, plan.tables, plan.lens, plan.cached_rows, scale)
+
+
 def decode_native(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float) -> torch.Tensor | None:
     """Attention of the step's decodes (its first meta.num_decodes tokens) through the C kernel, which reads
@@ -215,35 +281,20 @@ def decode_native(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     device or cache dtype, shapes past its limits, decodes of several tokens), and the PyTorch path below
     serves them."""
     n = meta.num_decodes
-    _, num_kv_heads, block_size, head_dim = k_cache.shape
-    num_heads = query.shape[1]
     tables, lens = meta.block_tables[:n], meta.seq_lens[:n]
-    if (n == 0 or meta.decode_query_len != 1 or query.device.type != "cpu" or k_cache.dtype not in (torch.float32, torch.bfloat16)
-            or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or num_heads % num_kv_heads or num_heads // num_kv_heads > _NATIVE_MAX_GROUP
-            or head_dim > _NATIVE_MAX_HEAD_DIM or block_size > _NATIVE_MAX_BLOCK
-            or tables.dtype != torch.int32 or lens.dtype != torch.int32 or tables.stride(-1) != 1):
+    if n == 0 or meta.decode_query_len != 1 or not _native_takes(query, k_cache, v_cache, tables, lens):
         return None
-    lib = library()
-    if lib is None:
-        return None
-    q = query[:n].to(torch.float32).contiguous()
-    lens = lens.contiguous()
-    out = torch.empty(n, num_heads, head_dim, dtype=torch.float32)
-    bf16 = int(k_cache.dtype == torch.bfloat16)
-    check(lib.ps_paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bf16, tables.data_ptr(),
-                              tables.stride(0), lens.data_ptr(), out.data_ptr(), n, num_heads, num_kv_heads,
-                              block_size, head_dim, scale,
-                              threads_for(sum(meta.seq_lens_cpu[:n]) * num_kv_heads,
-                                          _NATIVE_MIN_ROWS_PER_THREAD)),
-          "paged decode")
-    return out.to(query.dtype)
+    return _native(query[:n], k_cache, v_cache, tables, lens.contiguous(), sum(meta.seq_lens_cpu[:n]), scale)
 
 
 def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-           scale: float) -> torch.Tensor:
+           scale: float, per_token: bool = False) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over a float cache read in place: the step's decodes through the
-    C kernel where it applies, the rest through SDPA on the step's shared plan."""
+    C kernel where it applies, the rest through SDPA on the step's shared plan; per_token: every token through
+    the C kernel where it applies (row_native)."""
+    rows = row_native(query, k_cache, v_cache, meta, scale) if per_token else None
+    if rows is not None:
+        return rows
     kv_rows = stacked_rows(k_cache, v_cache)
     decoded = decode_native(query, k_cache, v_cache, meta, scale)
     plan = step_plan(meta, k_cache, kv_rows is not None, decodes=decoded is None)

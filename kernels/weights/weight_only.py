@@ -209,10 +209,17 @@ def int4_dense_min_rows(w: Int4Weight | None = None) -> int:
 
 
 def _gemv_path(x2: torch.Tensor, int4: bool = False) -> bool:
-    """A CPU call of a few rows that a vector GEMV of kernels/cpu/csrc/gemv_entry.c takes (float32, weight read once
-    for all rows; torch's int8 kernel reads it once per row and wants bfloat16 activations)."""
+    """A CPU call that a vector GEMV of kernels/cpu/csrc/gemv_entry.c takes (float32, weight read once for
+    GEMV_MAX_ROWS rows; torch's int8 kernel reads it once per row and wants bfloat16 activations). Where the
+    integer int4 GEMM is not built (AVX2, AVX-512 without VNNI) the int4 GEMV takes every row count, 8 rows a
+    pass: torch's kernel from 9 rows rounded the inputs to bfloat16, so a prompt's row got other bits in a
+    chunk of 9+ rows than after a prefix-cache hit of a few (docs/determinism.md), at about the GEMV's speed."""
     native = _native()
-    return x2.device.type == "cpu" and x2.shape[0] <= GEMV_MAX_ROWS and (native.int4_gemv if int4 else native.gemv)
+    if x2.device.type != "cpu":
+        return False
+    if int4:
+        return native.int4_gemv and (x2.shape[0] <= GEMV_MAX_ROWS or not native.int4_gemm)
+    return native.gemv and x2.shape[0] <= GEMV_MAX_ROWS
 
 
 def _int4_native(x2: torch.Tensor, w: Int4Weight, kernel: str, *layout: int) -> torch.Tensor:
@@ -311,7 +318,11 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None
     shape, dtype = x.shape, x.dtype
     chunks, _, chunk = w.q.shape
     x2 = x.reshape(-1, shape[-1])
-    if (x2.device.type == "cpu" and x2.shape[0] < dense_min_rows and _native().gemv and w.q.is_contiguous()
+    # Without native bfloat16 nothing widens, and torch's int8 kernel (bfloat16 inputs, the weight re-read for
+    # every row) ran 0.5-0.6x the GEMV's speed on the head at 16-64 rows: the GEMV takes every row count there,
+    # and a row's bits never depend on how many rows (sequences sampled) share the call (docs/determinism.md).
+    gemv_rows = x2.shape[0] < dense_min_rows or not cpu_has_native_bf16()
+    if (x2.device.type == "cpu" and gemv_rows and _native().gemv and w.q.is_contiguous()
             and w.scale.is_contiguous()):
         y = _int8_gemv(x2, w).to(dtype).reshape(*shape[:-1], w.out_features)
         return y if bias is None else y + bias

@@ -17,8 +17,10 @@ from typing import ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
+from pagedserve.common import envs
 from pagedserve.executor.model.quant.fp8 import Fp8Weight, fp8_linear
 from pagedserve.executor.model.quant.packing import Packed, PermutedInput
+from pagedserve.kernels.fixed_rows import fixed_rows_linear
 from pagedserve.kernels.ops import triton_usable
 from pagedserve.kernels.weights.weight_intn import IntNWeight, intn_linear
 from pagedserve.kernels.weights.weight_only import Int4Weight, Int8Weight, int4_linear, int8_linear
@@ -47,6 +49,15 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: LinearWeights, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
+
+
+class FixedRowsLinearMethod(LinearMethod):
+    """A dense CPU weight under VLLM_BATCH_INVARIANT=1: every row's bits independent of the rows beside it
+    (kernels/fixed_rows.py, docs/determinism.md)."""
+    name = "fixed_rows"
+
+    def apply(self, layer: LinearWeights, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return fixed_rows_linear(x, layer.weight, bias)
 
 
 class SkinnyGemmLinearMethod(LinearMethod):
@@ -123,6 +134,7 @@ class Fp8LinearMethod(LinearMethod):
 
 
 _UNQUANTIZED = UnquantizedLinearMethod()
+_FIXED_ROWS = FixedRowsLinearMethod()
 _BY_FORM: dict[type, LinearMethod] = {Int4Weight: Int4LinearMethod(), PermutedInput: ActOrderInt4LinearMethod(),
                                       IntNWeight: IntNLinearMethod(), Int8Weight: Int8LinearMethod(),
                                       RowSplitWeight: RowSplitLinearMethod(), Fp8Weight: Fp8LinearMethod()}
@@ -138,6 +150,8 @@ def dense_linear_method(device: torch.device | str) -> LinearMethod:
     """The method of a dense weight on device."""
     if torch.device(device).type == "cuda" and triton_usable():
         return _skinny_method()
+    if torch.device(device).type == "cpu" and envs.VLLM_BATCH_INVARIANT:
+        return _FIXED_ROWS
     return _UNQUANTIZED
 
 

@@ -13,18 +13,23 @@ typedef struct {
 
 static void *gemv_job(void *arg) {
     const GemvJob *j = (const GemvJob *)arg;
-    if (j->i4) ps_gemv_int4_blocks(j->i4, j->x, j->rows, j->y, j->a, j->b);
-    else ps_gemv_int8_rows(j->i8, j->x, j->rows, j->y, j->a, j->b);
+    if (j->i4) {
+        /* GEMV_MAX_ROWS rows at a time (the decode step's loop too): a row's sums never depend on how many
+           rows share its call, so a prompt's row gets the same bits in any chunk (docs/determinism.md) */
+        for (int64_t t = 0; t < j->rows; t += GEMV_MAX_ROWS)
+            ps_gemv_int4_blocks(j->i4, j->x + t * j->i4->k, j->rows - t < GEMV_MAX_ROWS ? j->rows - t : GEMV_MAX_ROWS,
+                                j->y + t * j->i4->n, j->a, j->b);
+    } else ps_gemv_int8_rows(j->i8, j->x, j->rows, j->y, j->a, j->b);
     return NULL;
 }
 
 static void gemv_range(void *job, int64_t a, int64_t b) { ((GemvJob *)job)->a = a; ((GemvJob *)job)->b = b; }
 
-/* int4 takes up to GEMV_MAX_ROWS rows (its sums live in registers); int8 any number, four rows at a time over
-   each block's codes: weight_only.INT8_DENSE_MIN_ROWS says up to where that beats widening for oneDNN. */
+/* Both take any number of rows: int4 GEMV_MAX_ROWS at a time over a thread's blocks (its sums live in registers),
+   int8 four rows at a time over each block's codes; weight_only.py says up to where each beats the other kernels. */
 static int run_gemv(const GemvInt4 *i4, const GemvInt8 *i8, const float *x, int64_t rows, float *y, int64_t units,
                     int threads) {
-    if (rows < 1 || (i4 && rows > GEMV_MAX_ROWS)) return 2;
+    if (rows < 1) return 2;
     GemvJob jobs[MAX_THREADS];
     for (int t = 0; t < MAX_THREADS; ++t) jobs[t] = (GemvJob){i4, i8, x, y, rows, 0, 0};
     return ps_run_split(threads, units, jobs, sizeof(GemvJob), gemv_job, gemv_range);
