@@ -188,9 +188,15 @@ class DataParallelClient:
             # Outputs for a peer the core's output socket has not seen yet would be lost: be seen first.
             await client.call_utility("ping", timeout_s=30.0)
             await self._replay_loras(client)
-        except BaseException as exc:
-            self._restarting.discard(index)
+        except Exception as exc:
+            # A start can fail for a passing cause (a port the dead core's children still hold): it counts as
+            # another death, tried again after a longer back-off until the restart budget is spent.
+            logger.error("data-parallel engine %d failed to restart: %s", index, exc)
             self._down[index] = f"restart failed: {exc}"
+            if not self._closed and self._may_restart(index):
+                self._tasks.append(asyncio.get_running_loop().create_task(self._restart_engine(index)))
+                return
+            self._restarting.discard(index)
             if self.dead is not None:
                 self._merged.put_nowait(EngineDeadError(self.dead))
             return
