@@ -7,7 +7,6 @@ sampling, tool forcing and output parsing, and the same admission, disconnect an
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Optional
@@ -15,7 +14,6 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedserve.common.errors import EngineOverloadedError
 from pagedserve.frontend.anthropic.content import content_blocks, message_body, new_id, stop_reason, usage
 from pagedserve.frontend.anthropic.errors import AnthropicErrorsMiddleware, anthropic_error, stream_error
 from pagedserve.frontend.anthropic.protocol import CountTokensRequest, MessagesRequest
@@ -23,12 +21,10 @@ from pagedserve.frontend.anthropic.stream import MessageEvents, sse_event
 from pagedserve.frontend.anthropic.translate import anthropic_field, chat_request
 from pagedserve.frontend.client.input_processor import PreparedRequest
 from pagedserve.frontend.client.outputs import RequestOutput
-from pagedserve.frontend.http.admission import CountedStreamingResponse
 from pagedserve.frontend.http.errors import classify
 from pagedserve.frontend.openai.chat_output import ChatOutputParser, chat_parser_factory
 from pagedserve.frontend.openai.protocol import ChatCompletionRequest
-from pagedserve.frontend.openai.protocol_structured import name_field
-from pagedserve.frontend.openai.serving import OpenAIServing, error_body, merge_streams, run_until_disconnect
+from pagedserve.frontend.openai.serving import OpenAIServing, error_body, merge_streams
 
 logger = logging.getLogger(__name__)
 
@@ -75,30 +71,8 @@ class AnthropicServing(OpenAIServing):
     # ---------------------------------------------------------------- run
 
     async def _run_turn(self, http: Request, turn: _Turn) -> Response:
-        self.engine.check_alive()
-        self.admission.check()
-        leave = self.admission.enter()
-        if turn.chat.stream:
-            try:
-                outputs = await self._first_output(turn.chat, [turn.job])
-            except ValueError as exc:
-                leave()
-                raise anthropic_field(exc) from None
-            except BaseException:
-                leave()
-                raise
-            return CountedStreamingResponse(self._events(turn, outputs), leave, media_type="text/event-stream")
-        try:
-            return JSONResponse(await run_until_disconnect(self._whole(turn), http.is_disconnected))
-        except asyncio.CancelledError:
-            return Response(status_code=499)
-        except EngineOverloadedError:        # the core refused it in a race with the check above
-            self.admission.count_refusal("queue")
-            raise
-        except ValueError as exc:
-            raise anthropic_field(name_field(exc, turn.chat.structured_outputs_source())) from None
-        finally:
-            leave()
+        return await self._serve_one(http, turn.chat, turn.job, turn.chat.stream,
+                                     lambda outputs: self._events(turn, outputs), lambda: self._whole(turn), anthropic_field)
 
     async def _whole(self, turn: _Turn) -> dict[str, Any]:
         final: Optional[RequestOutput] = None

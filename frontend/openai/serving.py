@@ -193,6 +193,37 @@ class OpenAIServing:
         except ValueError as exc:
             raise name_field(exc, body.structured_outputs_source()) from None
 
+    async def _serve_one(self, http: Request, chat: ChatCompletionRequest, job: PreparedRequest, stream: bool,
+                         events: Callable[[AsyncIterator[Any]], AsyncIterator[str]],
+                         whole: Callable[[], Awaitable[dict[str, Any]]],
+                         field_error: Callable[[ValueError], Exception]) -> Response:
+        """One request of a second API over chat (Responses, Anthropic Messages): admitted, then streamed as
+        `events` of its outputs or answered whole; a bad field is raised as that API's `field_error`."""
+        self.engine.check_alive()
+        self.admission.check()
+        leave = self.admission.enter()
+        if stream:
+            try:
+                outputs = await self._first_output(chat, [job])
+            except ValueError as exc:
+                leave()
+                raise field_error(exc) from None
+            except BaseException:
+                leave()
+                raise
+            return CountedStreamingResponse(events(outputs), leave, media_type="text/event-stream")
+        try:
+            return JSONResponse(await run_until_disconnect(whole(), http.is_disconnected))
+        except asyncio.CancelledError:
+            return Response(status_code=499)
+        except EngineOverloadedError:        # the core refused it in a race with the check above
+            self.admission.count_refusal("queue")
+            raise
+        except ValueError as exc:
+            raise field_error(name_field(exc, chat.structured_outputs_source())) from None
+        finally:
+            leave()
+
     async def _first_output(self, body: GenerationRequest,
                             jobs: list[PreparedRequest]) -> AsyncIterator[tuple[int, RequestOutput]] | None:
         """A stream under a grammar answers 200 only once the grammar compiled: a spec that does not is a

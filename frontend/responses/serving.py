@@ -7,28 +7,25 @@ and the store of finished responses (frontend/responses/store.py) that `previous
 """
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedserve.common.errors import EngineOverloadedError, RequestError
-from pagedserve.frontend.http.admission import CountedStreamingResponse
+from pagedserve.common.errors import RequestError
 from pagedserve.frontend.openai.chat_output import ChatOutputParser, chat_parser_factory
 from pagedserve.frontend.http.errors import error_payload
 from pagedserve.frontend.client.input_processor import PreparedRequest
 from pagedserve.frontend.client.outputs import CompletionOutput, RequestOutput
 from pagedserve.frontend.openai.protocol import ChatCompletionRequest
-from pagedserve.frontend.openai.protocol_structured import name_field
 from pagedserve.frontend.openai.bodies import chat_logprobs
 from pagedserve.frontend.responses.items import ResponseEnvelope, output_items, status_of, usage
 from pagedserve.frontend.responses.protocol import ResponsesRequest, responses_field
 from pagedserve.frontend.responses.store import ResponseNotFoundError, ResponsesStore, StoredResponse
 from pagedserve.frontend.responses.stream import ResponseEvents, sse_event
 from pagedserve.frontend.server_args import ServerArgs
-from pagedserve.frontend.openai.serving import OpenAIServing, error_body, merge_streams, run_until_disconnect
+from pagedserve.frontend.openai.serving import OpenAIServing, error_body, merge_streams
 
 
 class _Turn:
@@ -79,30 +76,8 @@ class ResponsesServing(OpenAIServing):
     # ---------------------------------------------------------------- run
 
     async def _run_turn(self, http: Request, turn: _Turn) -> Response:
-        self.engine.check_alive()
-        self.admission.check()
-        leave = self.admission.enter()
-        if turn.body.stream:
-            try:
-                outputs = await self._first_output(turn.chat, [turn.job])
-            except ValueError as exc:
-                leave()
-                raise responses_field(exc) from None
-            except BaseException:
-                leave()
-                raise
-            return CountedStreamingResponse(self._events(turn, outputs), leave, media_type="text/event-stream")
-        try:
-            return JSONResponse(await run_until_disconnect(self._whole(turn), http.is_disconnected))
-        except asyncio.CancelledError:
-            return Response(status_code=499)
-        except EngineOverloadedError:        # the core refused it in a race with the check above
-            self.admission.count_refusal("queue")
-            raise
-        except ValueError as exc:
-            raise responses_field(name_field(exc, turn.chat.structured_outputs_source())) from None
-        finally:
-            leave()
+        return await self._serve_one(http, turn.chat, turn.job, turn.body.stream,
+                                     lambda outputs: self._events(turn, outputs), lambda: self._whole(turn), responses_field)
 
     async def _whole(self, turn: _Turn) -> dict[str, Any]:
         final: Optional[RequestOutput] = None
