@@ -72,13 +72,11 @@ class AnthropicServing(OpenAIServing):
 
     async def _run_turn(self, http: Request, turn: _Turn) -> Response:
         return await self._serve_one(http, turn.chat, turn.job, turn.chat.stream,
-                                     lambda outputs: self._events(turn, outputs), lambda: self._whole(turn), anthropic_field)
+                                     lambda outputs: self._events(turn, outputs), lambda: self._whole(turn),
+                                     anthropic_field)
 
     async def _whole(self, turn: _Turn) -> dict[str, Any]:
-        final: Optional[RequestOutput] = None
-        async for out in self.engine.stream(turn.job):
-            if out.finished:
-                final = out
+        final = await self._final_output(turn.job)
         c = final.outputs[0]
         message = turn.parser.message(c.text)
         reason, sequence = stop_reason(c, bool(message.get("tool_calls")))

@@ -193,6 +193,14 @@ class OpenAIServing:
         except ValueError as exc:
             raise name_field(exc, body.structured_outputs_source()) from None
 
+    async def _final_output(self, job: PreparedRequest) -> RequestOutput:
+        """A request run to its end: its finished output."""
+        final: RequestOutput | None = None
+        async for out in self.engine.stream(job):
+            if out.finished:
+                final = out
+        return final
+
     async def _serve_one(self, http: Request, chat: ChatCompletionRequest, job: PreparedRequest, stream: bool,
                          events: Callable[[AsyncIterator[Any]], AsyncIterator[str]],
                          whole: Callable[[], Awaitable[dict[str, Any]]],

@@ -77,13 +77,11 @@ class ResponsesServing(OpenAIServing):
 
     async def _run_turn(self, http: Request, turn: _Turn) -> Response:
         return await self._serve_one(http, turn.chat, turn.job, turn.body.stream,
-                                     lambda outputs: self._events(turn, outputs), lambda: self._whole(turn), responses_field)
+                                     lambda outputs: self._events(turn, outputs), lambda: self._whole(turn),
+                                     responses_field)
 
     async def _whole(self, turn: _Turn) -> dict[str, Any]:
-        final: Optional[RequestOutput] = None
-        async for out in self.engine.stream(turn.job):
-            if out.finished:
-                final = out
+        final = await self._final_output(turn.job)
         c = final.outputs[0]
         items = output_items(turn.parser.message(c.text), turn.logprobs(c))
         reasoning = next((i["content"][0]["text"] for i in items if i["type"] == "reasoning"), "")
