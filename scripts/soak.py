@@ -10,8 +10,8 @@ strings, some clients that hang up mid-stream) with idle checkpoints. Invariants
   (every block back in the pool), and the server's processes (frontend + engine core + workers) keep
   their RSS and open file descriptors within a tolerance of the first checkpoint.
 
-The request mix is tests/helpers/traffic.py (tests/e2e/reliability/test_load.py sends it too), the server
-tests/helpers/server.py's Server.
+The request mix is tests/helpers/processes/traffic.py (tests/e2e/reliability/test_load.py sends it too), the server
+tests/helpers/processes/server.py's Server.
 
     python scripts/soak.py --minutes 12 --out benchmarks/soak_cpu.md
     python scripts/soak.py --url http://127.0.0.1:8000 --api-key KEY --minutes 60
@@ -33,10 +33,10 @@ import time
 import httpx
 import openai
 
-from pagedserve.tests.helpers.metrics import wait_idle
-from pagedserve.tests.helpers.server import Server, process_usage
-from pagedserve.tests.helpers.tiny_models import make_tiny_serving_model
-from pagedserve.tests.helpers.traffic import Result, random_spec, run_one
+from pagedserve.tests.helpers.processes.metrics import wait_idle
+from pagedserve.tests.helpers.processes.server import Server, process_usage
+from pagedserve.tests.helpers.models.tiny_models import make_tiny_serving_model
+from pagedserve.tests.helpers.processes.traffic import Result, random_spec, run_one
 
 
 # ---------------------------------------------------------------- the soak loop

@@ -56,7 +56,7 @@ def hf_smollm2(hf_smollm2_dir):
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
-    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    from pagedserve.tests.helpers.models.tiny_models import make_tiny_model
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")), arch="llama")
 
 
@@ -69,11 +69,11 @@ def hf_tiny_llama(tiny_llama_dir):
 @pytest.fixture(scope="session")
 def tiny_serving_model(tmp_path_factory) -> str:
     """Random Llama weights with the embedded tokenizer's full vocabulary, so text prompts and chat work."""
-    from pagedserve.tests.helpers.tiny_models import make_tiny_serving_model
+    from pagedserve.tests.helpers.models.tiny_models import make_tiny_serving_model
     return make_tiny_serving_model(str(tmp_path_factory.mktemp("tiny_serving")))
 
 
-# Module-scoped fixtures of engine-serve processes shared across modules (tests/helpers/server_pool.py): the
+# Module-scoped fixtures of engine-serve processes shared across modules (tests/helpers/processes/server_pool.py): the
 # modules using one run together, and the last of them stops it.
 SHARED_SERVERS = ("api_server", "chunked_prefill_server")
 _LAST_USERS = pytest.StashKey[dict[str, str]]()
@@ -86,7 +86,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(trylast=True)      # after -k / -m / --deselect chose the tests
 def pytest_collection_modifyitems(config, items):
-    from pagedserve.tests.helpers.server_pool import group_modules, last_users
+    from pagedserve.tests.helpers.processes.server_pool import group_modules, last_users
     group_modules(items, SHARED_SERVERS)
     config.stash[_LAST_USERS] = last_users(items, SHARED_SERVERS)
 
@@ -94,7 +94,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def server_pool():
     """engine-serve processes shared by configuration across modules; two at most stay up."""
-    from pagedserve.tests.helpers.server_pool import ServerPool
+    from pagedserve.tests.helpers.processes.server_pool import ServerPool
     pool = ServerPool(max_alive=2)
     yield pool
     pool.close()
@@ -111,7 +111,7 @@ def _shared_server(request, pool, *extra: str, **options):
 def api_server(request, server_pool, tiny_serving_model):
     """engine-serve with --api-key on the tiny serving model, one process for every module of HTTP-surface
     tests (auth, fuzzing, OpenAI fields, sampling constraints)."""
-    from pagedserve.tests.helpers.server import SMALL_KV
+    from pagedserve.tests.helpers.processes.server import SMALL_KV
     yield from _shared_server(request, server_pool, *SMALL_KV, "--max-model-len", "256", "--max-num-seqs", "16",
                               model=tiny_serving_model)
 
@@ -120,6 +120,6 @@ def api_server(request, server_pool, tiny_serving_model):
 def chunked_prefill_server(request, server_pool, tiny_serving_model):
     """engine-serve on the tiny serving model prefilling 8 tokens a step (prompts, and their prompt logprobs,
     in chunks), one process for the prompt-logprobs and lm-eval modules."""
-    from pagedserve.tests.helpers.server import SMALL_KV
+    from pagedserve.tests.helpers.processes.server import SMALL_KV
     yield from _shared_server(request, server_pool, *SMALL_KV, "--max-num-batched-tokens", "8", "--max-num-seqs", "8",
                               model=tiny_serving_model, max_model_len=128)

@@ -20,8 +20,8 @@ from pagedserve.common.config.wire import (config_from_builtins, config_to_built
 from pagedserve.common.model.model_files import rope_max_positions, rope_settings
 from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.parallel_state import TPGroup
-from pagedserve.tests.helpers.hub_cache import add_snapshot, offline_env
-from pagedserve.tests.helpers.tiny_models import make_tiny_model, prefill_logits, random_prompts
+from pagedserve.tests.helpers.models.hub_cache import add_snapshot, offline_env
+from pagedserve.tests.helpers.models.tiny_models import make_tiny_model, prefill_logits, random_prompts
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}

@@ -11,8 +11,8 @@ import shutil
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.tests.helpers.server import Server
-from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model
+from pagedserve.tests.helpers.processes.server import Server
+from pagedserve.tests.helpers.models.tiny_models import hf_greedy, make_tiny_model
 
 PROMPT = [5, 6, 7, 8]
 TEXT_PROMPT = "w5 w6 w7 w8"       # the synthetic tokenizer: one word per id

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from pagedserve.common.model.hub import looks_like_hub_id
-from pagedserve.tests.helpers.hub_cache import HF_ENV, add_snapshot, commit_hash, offline_env
-from pagedserve.tests.helpers.server import Server
-from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model
+from pagedserve.tests.helpers.models.hub_cache import HF_ENV, add_snapshot, commit_hash, offline_env
+from pagedserve.tests.helpers.processes.server import Server
+from pagedserve.tests.helpers.models.tiny_models import hf_greedy, make_tiny_model
 
 REPO = "org/tiny"
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42]]

@@ -9,7 +9,7 @@ import pytest
 from transformers import BertConfig, Qwen3Config
 
 from pagedserve.common.pooler_config import resolve_pooler
-from pagedserve.tests.helpers.pooling_models import write_sentence_transformers
+from pagedserve.tests.helpers.models.pooling_models import write_sentence_transformers
 
 
 def bert(**kw):

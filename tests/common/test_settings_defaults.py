@@ -105,7 +105,7 @@ def test_unset_settings_resolve_to_the_engine_args_defaults(tiny_llama_dir):
     ("scheduling_policy", "priority"), ("enable_chunked_prefill", False), ("async_scheduling", True),
     ("tensor_parallel_size", 2), ("reasoning_parser", "deepseek_r1"), ("structured_outputs_compile_timeout", 2.5),
     ("seed", 9), ("enforce_eager", True),
-    ("worker_extension_cls", "pagedserve.tests.helpers.rl_extension.Probe"), ("enable_sleep_mode", True),
+    ("worker_extension_cls", "pagedserve.tests.helpers.rl.rl_extension.Probe"), ("enable_sleep_mode", True),
     ("requests_while_sleeping", "wait"),
 ])
 def test_a_set_setting_reaches_its_config_field(tiny_llama_dir, name, value):

@@ -131,7 +131,7 @@ def test_http_param_is_the_field_not_the_first_word():
 
 def test_chat_max_tokens_unset_fills_what_the_truncated_prompt_leaves():
     """Truncation happens once, in the input processor; chat leaves max_tokens unset for it."""
-    from pagedserve.tests.helpers.tiny_models import synthetic_tokenizer
+    from pagedserve.tests.helpers.models.tiny_models import synthetic_tokenizer
     from pagedserve.ipc.messages import EngineInfo
     info = EngineInfo(served_model_name="m", model_path="/nowhere", tokenizer="/nowhere", max_model_len=16,
                       vocab_size=64, eos_token_ids=[2], max_waiting_requests=None, block_size=16, num_blocks=8)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.tests.helpers.cpu_kernels import c_step_runs
-from pagedserve.tests.helpers.tiny_models import random_prompts
+from pagedserve.tests.helpers.kernels.cpu_kernels import c_step_runs
+from pagedserve.tests.helpers.models.tiny_models import random_prompts
 
 CHUNKS = (32, 256, 2048)
 LENGTHS = [61, 40, 52, 64]          # full blocks of 16 and a tail each: a hit leaves a few tokens to prefill

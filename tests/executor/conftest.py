@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.tests.helpers.weight_update_cases import checkpoint_pair
+from pagedserve.tests.helpers.rl.weight_update_cases import checkpoint_pair
 
 
 @pytest.fixture(scope="session")

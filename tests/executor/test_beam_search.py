@@ -9,7 +9,7 @@ import torch
 from pagedserve import LLM, BeamSearchParams
 from pagedserve.common.errors import RequestError
 from pagedserve.frontend.beam_search.search import BeamSearchOutput, beam_search_score
-from pagedserve.tests.helpers.tiny_models import random_prompts
+from pagedserve.tests.helpers.models.tiny_models import random_prompts
 
 # (beam width, max tokens, length_penalty, early_stopping)
 TINY_CASES = [(2, 8, 1.0, False), (4, 16, 1.0, False), (4, 16, 0.5, True), (3, 10, 2.0, "never")]

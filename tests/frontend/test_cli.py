@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pagedserve.tests.helpers.tiny_models import random_prompts
+from pagedserve.tests.helpers.models.tiny_models import random_prompts
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.config.arg_utils import add_dataclass_args, dataclass_from, setting
 from pagedserve.common.config.engine_args import EngineArgs

@@ -1,8 +1,10 @@
-"""The test and ops harness, shared by tests/ and scripts/: import it as `pagedserve.tests.helpers.<module>`.
+"""The test and ops harness, shared by tests/ and scripts/: import it as `pagedserve.tests.helpers.<part>.<module>`.
 
-- tiny_models: random-weight HF models (and tokenizers) small enough for a 2-core CPU, and helpers that
-  run our model directly;
-- server: `engine-serve` as a real subprocess (Server), free ports, process RSS and fds;
-- metrics: the one reader of the server's Prometheus /metrics;
-- attention_cases: random paged-attention batches for the reference and kernel tests.
+- models/: tiny random-weight checkpoints (text, vision-language, pooling, GGUF, AWQ/GPTQ, LoRA adapters) and
+  the hub-cache layout they can be laid out in;
+- kernels/: kernel cases and their references (paged attention, int4/intN packs, whether the C step runs);
+- processes/: what the tests start and talk to: `engine-serve` (server, server_pool), the router and its
+  upstreams, a fake Kubernetes API server, a Ray cluster, gloo ranks, the /metrics reader and the soak mix;
+- rl/: a trainer process, a worker extension and the weight-update cases of the RL tests;
+- at the top: what one kind of test shares (HF parity, prompts, schemas, doc blocks, xdist order).
 """

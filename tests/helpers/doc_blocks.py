@@ -2,13 +2,13 @@
 
 A mark is an HTML comment on the last non-blank line before a block's opening fence:
 
-- `<!-- client-example: NAME -->`  README's client examples (tests/e2e/test_client_examples.py, request counts);
+- `<!-- client-example: NAME -->`  README's client examples (tests/e2e/docs_and_tools/test_client_examples.py, request counts);
 - `<!-- run: python -->`           Python run as written in a fresh interpreter (the embedded model);
 - `<!-- run: python-client -->`    Python run against a real engine-serve; only its address, engine address
                                    and engine token are rewritten (client_rewrites);
 - `<!-- run: bash -->`             bash run as written in the repository root;
 - `<!-- run: bash-client -->`      bash (curl) against a real engine-serve, its address rewritten;
-- `<!-- run: flags -->`            each command's flags checked by that program's own parser (tests/e2e/test_docs.py);
+- `<!-- run: flags -->`            each command's flags checked by that program's own parser (tests/e2e/docs_and_tools/test_docs.py);
 - `<!-- not-run: REASON -->`       not runnable here, and why (a GPU, two machines, the whole suite, ...).
 
 Blocks in `text` (diagrams, sample output) need no mark; every other block needs one, and a language.

@@ -1,6 +1,6 @@
 """Run one lm-eval model on the repository's tiny_mc task and write its per-item loglikelihoods as JSON.
 
-A script, run as a subprocess by tests/e2e/test_lm_eval.py: lm-eval and `datasets` read their offline and cache
+A script, run as a subprocess by tests/e2e/docs_and_tools/test_lm_eval.py: lm-eval and `datasets` read their offline and cache
 settings from the environment when they are imported, so each run gets a fresh interpreter with that
 environment. Usage: python -m pagedserve.tests.helpers.lm_eval_run MODEL MODEL_ARGS_JSON OUT_JSON
 (working directory: the repository root, where the task's data_files path is relative to).

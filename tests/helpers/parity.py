@@ -8,8 +8,8 @@ from pagedserve.common.config.engine_args import ModelConfig
 from pagedserve.common.model.model_files import load_hf_config, resolve_model
 from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.parallel_state import TPGroup
-from pagedserve.tests.helpers.tiny_models import hf_greedy, prefill_logits, random_prompts
-from pagedserve.tests.helpers.tp_ranks import gloo_rank
+from pagedserve.tests.helpers.models.tiny_models import hf_greedy, prefill_logits, random_prompts
+from pagedserve.tests.helpers.processes.tp_ranks import gloo_rank
 
 ENGINE_NEW_TOKENS = 24
 ENGINE_CHUNK = 32           # max_num_batched_tokens of the engine check: prompts prefill in chunks

@@ -1,33 +1,33 @@
 """How the suite splits over pytest-xdist workers (`--dist loadfile`, pyproject.toml): a test module is the
 unit a worker takes whole, so its module-scoped engines and models are built once per run. (A shared server
-of the pool, tests/helpers/server_pool.py, boots once per worker that runs one of its modules.)
+of the pool, tests/helpers/processes/server_pool.py, boots once per worker that runs one of its modules.)
 
 Heavy modules go first, so that no long module starts last while the other worker idles."""
 from __future__ import annotations
 
 import pytest
 
-from pagedserve.tests.helpers.server_pool import _module_of
+from pagedserve.tests.helpers.processes.server_pool import _module_of
 
 # The modules of 40 s or more: started first. Seconds, summed per module from one two-worker run's junit report
 # (`pytest --junitxml=...`, 2026-12-02, on a VM running W1 at 164 tok/s where the last session's ran 283).
 HEAVY: dict[str, float] = {
     "tests/executor/procs/test_multiproc.py": 163, "tests/executor/procs/test_ray_executor.py": 162,
-    "tests/executor/model/test_parity.py": 132, "tests/e2e/test_tool_calling.py": 127,
+    "tests/executor/model/test_parity.py": 132, "tests/e2e/openai_api/test_tool_calling.py": 127,
     "tests/e2e/reliability/test_faults.py": 122, "tests/executor/procs/test_pipeline_parallel.py": 117,
-    "tests/executor/procs/test_tp_scripts.py": 117, "tests/e2e/test_data_parallel.py": 112,
-    "tests/executor/worker/spec_decode/test_spec_decode.py": 109, "tests/e2e/test_docs.py": 96,
-    "tests/e2e/test_data_parallel_ray.py": 85, "tests/e2e/test_structured_outputs_http.py": 65,
-    "tests/e2e/test_bench_cli.py": 64, "tests/common/test_hub_models.py": 64,
-    "tests/kernels/test_cpu_decode_step.py": 60, "tests/e2e/test_lm_eval.py": 60,
+    "tests/executor/procs/test_tp_scripts.py": 117, "tests/e2e/fleet/test_data_parallel.py": 112,
+    "tests/executor/worker/spec_decode/test_spec_decode.py": 109, "tests/e2e/docs_and_tools/test_docs.py": 96,
+    "tests/e2e/fleet/test_data_parallel_ray.py": 85, "tests/e2e/openai_api/test_structured_outputs_http.py": 65,
+    "tests/e2e/docs_and_tools/test_bench_cli.py": 64, "tests/common/test_hub_models.py": 64,
+    "tests/kernels/cpu/test_cpu_decode_step.py": 60, "tests/e2e/docs_and_tools/test_lm_eval.py": 60,
     "tests/e2e/reliability/test_load.py": 52, "tests/e2e/reliability/test_http_fuzz.py": 45,
-    "tests/executor/worker/rl/test_weight_updates.py": 44, "tests/e2e/test_client_examples.py": 43,
-    "tests/e2e/test_server.py": 40,
+    "tests/executor/worker/rl/test_weight_updates.py": 44, "tests/e2e/docs_and_tools/test_client_examples.py": 43,
+    "tests/e2e/openai_api/test_server.py": 40,
     # added with images (issue 47), estimated from their runs beside the suite
-    "tests/frontend/multimodal/test_multimodal_offline.py": 70, "tests/e2e/test_multimodal_http.py": 45,
+    "tests/frontend/multimodal/test_multimodal_offline.py": 70, "tests/e2e/multimodal/test_multimodal_http.py": 45,
     # added with KV tiers, the fleet and traces (issues 48, 49, 51), from their runs beside other work
-    "tests/executor/kv_connector/test_disk_tier_faults.py": 120, "tests/e2e/test_disagg_prefill.py": 110,
-    "tests/e2e/test_router.py": 170, "tests/e2e/test_router_lora.py": 100, "tests/e2e/test_router_discovery.py": 80,
+    "tests/executor/kv_connector/test_disk_tier_faults.py": 120, "tests/e2e/fleet/test_disagg_prefill.py": 110,
+    "tests/e2e/fleet/test_router.py": 170, "tests/e2e/fleet/test_router_lora.py": 100, "tests/e2e/fleet/test_router_discovery.py": 80,
     "tests/frontend/tracing/test_tracing_http.py": 90,
 }
 

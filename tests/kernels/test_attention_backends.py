@@ -16,7 +16,7 @@ from pagedserve.kernels.attention.backends import (CpuAttentionBackend, CpuAtten
 from pagedserve.kernels.attention.interface import AttentionMetadataBuilder
 from pagedserve.kernels.attention.kv_quant import FP8_KV_DTYPE
 from pagedserve.kernels.ops import triton_usable
-from pagedserve.tests.helpers.attention_cases import dense_attention, gather
+from pagedserve.tests.helpers.kernels.attention_cases import dense_attention, gather
 
 
 def test_backend_follows_device_and_cache_dtype():
@@ -140,7 +140,7 @@ def test_a_verify_step_through_the_model_equals_its_prefill(tiny_llama_dir, dtyp
     equal a prefill of all n at once (the layers, the CPU backend, the cache written by the first step)."""
     from pagedserve.executor.model.model_loader import load_model
     from pagedserve.executor.model.parallel_state import TPGroup
-    from pagedserve.tests.helpers.tiny_models import bind_kv_cache, dense_prefill_metadata
+    from pagedserve.tests.helpers.models.tiny_models import bind_kv_cache, dense_prefill_metadata
     from pagedserve.tests.helpers.parity import model_config
     model = load_model(model_config(tiny_llama_dir, dtype="float32"), TPGroup())
     ids = torch.tensor([5, 77, 301, 42, 9, 120, 64, 33, 250, 17, 8, 99, 460, 3, 71, 200, 18, 44, 7])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedserve.kernels.attention import reference
-from pagedserve.tests.helpers.attention_cases import dense_attention, gather, make_batch
+from pagedserve.tests.helpers.kernels.attention_cases import dense_attention, gather, make_batch
 
 
 @pytest.mark.parametrize("block_size", [4, 16])

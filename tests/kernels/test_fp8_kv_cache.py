@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 from pagedserve.kernels.attention import reference  # noqa: E402
 from pagedserve.kernels.attention.kv_quant import FP8_KV_DTYPE, dequantize_kv, quantize_kv  # noqa: E402
-from pagedserve.tests.helpers.attention_cases import make_batch  # noqa: E402
+from pagedserve.tests.helpers.kernels.attention_cases import make_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3_REL = 2.0 ** -4            # half the spacing of 3 mantissa bits, relative
@@ -147,7 +147,7 @@ def test_triton_write_kv_cache_fp8_rounds_as_torch():
 def test_triton_attention_fp8_cache_equals_reference(num_splits, k_scale, v_scale):
     pytest.importorskip("triton")
     from pagedserve.kernels.attention import triton_paged as triton_attention
-    from pagedserve.tests.helpers.kernel_checks import to_device
+    from pagedserve.tests.helpers.kernels.kernel_checks import to_device
     seqs = SEQS if num_splits == 1 else [(n, 1) for n in (1, 17, 64, 100)]
     k32, v32, k8, v8, meta, gen = _fp8_batch(seqs, 16, 2, 32, 4, k_scale, v_scale)
     q = torch.randn(meta.query_start_loc_cpu[-1], 6, 32, generator=gen) / (30 * k_scale)
@@ -165,7 +165,7 @@ def test_triton_attention_fp8_cache_with_a_half_precision_query():
     under the interpreter, see test_kernels.py; the GPU test covers bf16.)"""
     pytest.importorskip("triton")
     from pagedserve.kernels.attention import triton_paged as triton_attention
-    from pagedserve.tests.helpers.kernel_checks import to_device
+    from pagedserve.tests.helpers.kernels.kernel_checks import to_device
     _, _, k8, v8, meta, gen = _fp8_batch(SEQS, 16, 2, 32, 6, 0.05, 0.1)
     q = (torch.randn(meta.query_start_loc_cpu[-1], 4, 32, generator=gen) / 1.5).half()
     ref = reference.paged_attention(q.float(), k8, v8, meta, 32 ** -0.5, k_scale=0.05, v_scale=0.1)
@@ -178,7 +178,7 @@ def test_triton_attention_fp8_cache_with_a_half_precision_query():
 def test_triton_attention_ignores_scales_for_a_float_cache():
     pytest.importorskip("triton")
     from pagedserve.kernels.attention import triton_paged as triton_attention
-    from pagedserve.tests.helpers.kernel_checks import to_device
+    from pagedserve.tests.helpers.kernels.kernel_checks import to_device
     k32, v32, _, _, meta, gen = _fp8_batch(SEQS, 16, 2, 32, 5, 1.0, 1.0)
     q = torch.randn(meta.query_start_loc_cpu[-1], 4, 32, generator=gen) / 30
     args = (q.to(DEVICE), k32.to(DEVICE), v32.to(DEVICE), to_device(meta), 32 ** -0.5)
@@ -287,7 +287,7 @@ def test_fp8_kv_cache_on_gpu_graphs_equal_eager(tmp_path):
     """Triton write and attention on an e4m3 cache inside CUDA graphs and eagerly: the same greedy tokens and
     logprobs, and close to a bf16 cache. Not run here (no GPU for this task)."""
     from pagedserve import LLM, SamplingParams
-    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    from pagedserve.tests.helpers.models.tiny_models import make_tiny_model
     path = make_tiny_model(str(tmp_path / "llama"), arch="llama", tokenizer="synthetic", hidden_size=256,
                            num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0)

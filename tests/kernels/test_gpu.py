@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def tiny_gpu_dirs(tmp_path_factory):
-    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    from pagedserve.tests.helpers.models.tiny_models import make_tiny_model
     root = tmp_path_factory.mktemp("gpu_models")
     # head_dim 64 and 128 (the kernels' real sizes), GQA 2 and 4, Qwen3's q/k norm.
     return {
@@ -34,7 +34,7 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("hq,hkv,d", [(16, 8, 128), (32, 8, 128), (12, 4, 64)])
 def test_paged_attention_real_sizes(dtype, tol, hq, hkv, d):
-    from pagedserve.tests.helpers.kernel_checks import rel_err, run_both
+    from pagedserve.tests.helpers.kernels.kernel_checks import rel_err, run_both
     decodes = [(n, 1) for n in (1, 700, 2048, 4000, 33, 517)]
     prefills = [(1024, 1024), (1500, 300), (80, 7)]
     out, ref = run_both(decodes + prefills, 16, hq, hkv, d, seed=hq + d, dtype=dtype)

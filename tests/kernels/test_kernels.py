@@ -17,8 +17,8 @@ from pagedserve.kernels.attention import triton_paged as triton_attention
 from pagedserve.kernels.attention import triton_cache
 from pagedserve.kernels.triton import fused as triton_fused
 from pagedserve.kernels.triton import gemm as triton_gemm  # noqa: E402
-from pagedserve.tests.helpers.attention_cases import make_batch  # noqa: E402
-from pagedserve.tests.helpers.kernel_checks import DEVICE, rel_err, run_both, to_device  # noqa: E402
+from pagedserve.tests.helpers.kernels.attention_cases import make_batch  # noqa: E402
+from pagedserve.tests.helpers.kernels.kernel_checks import DEVICE, rel_err, run_both, to_device  # noqa: E402
 
 MIXED = [(1 + (7 * i) % 45, 1) for i in range(5)] + [(20, 20), (50, 13), (9, 2), (33, 17)]
 

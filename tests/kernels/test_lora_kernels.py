@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 
 from pagedserve.executor.model.layers.lora import LoRAContext, LoRASlots, pack_pieces  # noqa: E402
 from pagedserve.kernels.triton.lora import lora_delta  # noqa: E402
-from pagedserve.tests.helpers.kernel_checks import DEVICE  # noqa: E402
+from pagedserve.tests.helpers.kernels.kernel_checks import DEVICE  # noqa: E402
 
 IN, OUT, MAX_RANK, SLOTS = 40, 24, 8, 3
 

@@ -13,7 +13,7 @@ triton = pytest.importorskip("triton")
 
 from pagedserve.kernels import torch_moe
 from pagedserve.kernels.triton import moe as triton_moe  # noqa: E402
-from pagedserve.tests.helpers.kernel_checks import DEVICE, rel_err  # noqa: E402
+from pagedserve.tests.helpers.kernels.kernel_checks import DEVICE, rel_err  # noqa: E402
 
 
 def moe_case(tokens: int, hidden: int, inter: int, experts: int, top_k: int, seed: int, skewed: bool = False):

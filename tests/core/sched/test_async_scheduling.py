@@ -229,7 +229,7 @@ def assert_logprobs_close(got: list[dict[int, float]], want: list[dict[int, floa
 
 @pytest.mark.parametrize("name", list(E2E_CONFIGS))
 def test_async_equals_sync_on_tiny_llama(tiny_llama_dir, name):
-    from pagedserve.tests.helpers.tiny_models import random_prompts
+    from pagedserve.tests.helpers.models.tiny_models import random_prompts
     prompts_ = random_prompts(11, E2E_LENGTHS, 512)
     _, sync, sync_outs = generate(tiny_llama_dir, prompts_, e2e_params(), **E2E_CONFIGS[name])
     # Stops on three rows, each at an id the row samples mid-way: found a step late under async scheduling;
@@ -272,7 +272,7 @@ def test_structured_outputs_under_async_scheduling(tiny_serving_model):
 
 def test_async_scheduling_in_the_core_process(tiny_llama_dir):
     """The engine-core process's busy loop drives async steps too (the server's path)."""
-    from pagedserve.tests.helpers.tiny_models import random_prompts
+    from pagedserve.tests.helpers.models.tiny_models import random_prompts
     prompts_ = random_prompts(12, [9, 40, 17], 512)
     params = [SamplingParams(temperature=0.0, max_tokens=10), SamplingParams(temperature=0.8, seed=3, max_tokens=7),
               SamplingParams(temperature=0.0, max_tokens=1)]
@@ -284,7 +284,7 @@ def test_async_scheduling_in_the_core_process(tiny_llama_dir):
 
 def test_async_scheduling_with_worker_processes(tiny_llama_dir):
     """The mp executor starts a step on its ranks and reads the output later (two stages)."""
-    from pagedserve.tests.helpers.tiny_models import random_prompts
+    from pagedserve.tests.helpers.models.tiny_models import random_prompts
     prompts_ = random_prompts(13, [9, 40, 17, 5], 512)
     params = [SamplingParams(temperature=0.0, max_tokens=9), SamplingParams(temperature=0.8, seed=4, max_tokens=12)] * 2
     _, sync, _ = generate(tiny_llama_dir, prompts_, params)

@@ -133,7 +133,7 @@ def test_reasoning_parser_constrains_only_the_answer(tmp_path):
     """With --reasoning-parser the grammar starts after the end-of-thinking marker: a prompt that closes the
     thinking (as qwen3's template does with thinking off) is constrained from the first token; one that
     does not is left free while the model "thinks"."""
-    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    from pagedserve.tests.helpers.models.tiny_models import make_tiny_model
     path = make_tiny_model(str(tmp_path / "tiny"), arch="llama", vocab_size=49152)
     with LLM(path, reasoning_parser="deepseek_r1", max_model_len=128, kv_cache_memory=0.05) as engine:
         tok = engine.get_tokenizer()
@@ -149,7 +149,7 @@ def test_reasoning_parser_constrains_only_the_answer(tmp_path):
 def test_grammar_cache_is_bounded(tmp_path, monkeypatch):
     """A client sending a fresh schema per request must not grow the core: least recently used grammars go."""
     import pagedserve.core.structured_output as so
-    from pagedserve.tests.helpers.tiny_models import make_tiny_serving_model
+    from pagedserve.tests.helpers.models.tiny_models import make_tiny_serving_model
     folder = make_tiny_serving_model(str(tmp_path))
     monkeypatch.setattr(so, "MAX_CACHED_GRAMMARS", 3)
     config = StructuredOutputsConfig(reasoning_parser=None,
@@ -176,7 +176,7 @@ def test_the_backend_load_is_not_the_grammars_compile_time(tmp_path):
     import time
 
     import pagedserve.core.structured_output as so
-    from pagedserve.tests.helpers.tiny_models import make_tiny_serving_model
+    from pagedserve.tests.helpers.models.tiny_models import make_tiny_serving_model
     folder = make_tiny_serving_model(str(tmp_path))
 
     def slow_tokenizer_dir() -> str:

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from pagedserve.tests.helpers.server import SMALL_KV, Server
+from pagedserve.tests.helpers.processes.server import SMALL_KV, Server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,7 +21,7 @@ LONG = {"prompt": "Count:", "max_tokens": 3800, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def long_serving_model(tmp_path_factory) -> str:
     """The tiny serving model with room for LONG: 4096 positions instead of 512."""
-    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    from pagedserve.tests.helpers.models.tiny_models import make_tiny_model
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny_long")), arch="llama", vocab_size=49152,
                            max_position_embeddings=4096)
 

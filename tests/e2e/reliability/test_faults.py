@@ -39,7 +39,7 @@ from pagedserve.frontend.client.async_client import AsyncEngineClient
 from pagedserve.frontend.client.core_client import EngineDeadError
 from pagedserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest, UtilityCall
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
-from pagedserve.tests.helpers.server import Server
+from pagedserve.tests.helpers.processes.server import Server
 
 HEARTBEAT_S = 3.0
 KILL_BOUND_S = 5.0

@@ -27,7 +27,7 @@ from pagedserve.executor.procs.backends import get_executor_class
 from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.ipc import messages as m
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
-from pagedserve.tests.helpers.server import Server
+from pagedserve.tests.helpers.processes.server import Server
 
 TP2 = ("--tensor-parallel-size", "2", "--kv-cache-memory", "0.02")
 GREEDY = {"prompt": [11, 12, 13, 14, 15], "max_tokens": 12, "temperature": 0, "ignore_eos": True}

@@ -40,7 +40,7 @@ def test_the_right_key_opens_every_route(api_server, how):
     """Authorization: Bearer KEY, or x-api-key: KEY as Anthropic's clients send it, on every route."""
     headers = api_server.auth if how == "bearer" else {"x-api-key": api_server.api_key}
     for method, path in _routes(api_server.url):
-        # POST /drain with the key drains the shared server (tests/e2e/test_router.py sends it).
+        # POST /drain with the key drains the shared server (tests/e2e/fleet/test_router.py sends it).
         if path not in OPEN_PATHS and path != "/drain":
             resp = httpx.request(method, f"{api_server.url}{path}", headers=headers,
                                  json={"prompt": "x", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}

@@ -74,7 +74,7 @@ _EXAMPLES = {"POST": 60, "GET": 5}
 
 
 # Operations the spec lists that are not fuzzed: POST /drain (served with --api-key) stops the server it is
-# sent to; tests/e2e/test_router.py sends it.
+# sent to; tests/e2e/fleet/test_router.py sends it.
 _NOT_FUZZED = {("POST", "/drain")}
 
 

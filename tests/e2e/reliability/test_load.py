@@ -1,7 +1,7 @@
 """200 concurrent streaming clients, three times: nothing hangs, nothing is lost, nothing leaks.
 
 A real `engine-serve` on a tiny random model; the official `openai` AsyncOpenAI client sends the soak
-script's mix (tests/helpers/traffic.py: completions and chat, random lengths, some n=2, some stop strings,
+script's mix (tests/helpers/processes/traffic.py: completions and chat, random lengths, some n=2, some stop strings,
 10% of the streams hang up after a few chunks). Three identical waves: every request ends with the right
 tokens (ignore_eos fixes the count) or an explicit error, none past the deadline; after each wave nothing
 runs or waits and the KV pool is empty; the server's processes do not grow their RSS and open fds from wave
@@ -16,8 +16,8 @@ import random
 
 import pytest
 
-from pagedserve.tests.helpers import traffic
-from pagedserve.tests.helpers.server import SMALL_KV, Server
+from pagedserve.tests.helpers.processes import traffic
+from pagedserve.tests.helpers.processes.server import SMALL_KV, Server
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -13,7 +13,7 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.config.engine_args import EngineArgs
 from pagedserve.ipc.messages import SchedulerStats
-from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model, random_prompts
+from pagedserve.tests.helpers.models.tiny_models import hf_greedy, make_tiny_model, random_prompts
 
 # 2, 2 and 4 full blocks of 16; with 6 tokens out, no block past the prompt's fills.
 PROMPTS = random_prompts(48, [40, 37, 70], 512)

@@ -17,8 +17,8 @@ import pytest
 
 from pagedserve.common.config.engine_args import EngineArgs
 from pagedserve.common.kv_transfer.layout import SUFFIX, TMP_SUFFIX
-from pagedserve.tests.helpers.server import SMALL_KV, Server
-from pagedserve.tests.helpers.tiny_models import random_prompts
+from pagedserve.tests.helpers.processes.server import SMALL_KV, Server
+from pagedserve.tests.helpers.models.tiny_models import random_prompts
 
 BS = 16
 NAME = "tiny"

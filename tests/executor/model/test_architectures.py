@@ -14,7 +14,7 @@ import pytest
 from pagedserve.executor.model.models import (get_model_class, pooling_architectures, resolve_architecture,
                                               supported_architectures)
 from pagedserve.frontend.cli import main
-from pagedserve.tests.helpers.tiny_models import make_tiny_model
+from pagedserve.tests.helpers.models.tiny_models import make_tiny_model
 
 
 def test_every_registered_architecture_resolves_to_its_class():

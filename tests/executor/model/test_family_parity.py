@@ -1,5 +1,5 @@
 """Every model family against HF transformers, one suite over the architecture registry
-(tests/helpers/architectures.py): for each tiny random checkpoint, the logits at every position, greedy tokens
+(tests/helpers/models/architectures.py): for each tiny random checkpoint, the logits at every position, greedy tokens
 through our model alone and through the engine (chunked prefill, then prefix-cache hits), and the logits on
 2 gloo ranks (TP=2) equal to one rank's."""
 from __future__ import annotations
@@ -15,11 +15,11 @@ import torch
 from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.models import supported_architectures
 from pagedserve.executor.model.parallel_state import TPGroup
-from pagedserve.tests.helpers.architectures import ARCH_CASES, build
+from pagedserve.tests.helpers.models.architectures import ARCH_CASES, build
 from pagedserve.tests.helpers.parity import (check_engine, hf_model, model_config, our_greedy, shared_prefix,
                                              tp_prefill_worker)
-from pagedserve.tests.helpers.tiny_models import hf_greedy, prefill_logits, random_prompts
-from pagedserve.tests.helpers.tp_ranks import run_ranks
+from pagedserve.tests.helpers.models.tiny_models import hf_greedy, prefill_logits, random_prompts
+from pagedserve.tests.helpers.processes.tp_ranks import run_ranks
 
 GREEDY_NEW_TOKENS = 16
 CASES = list(ARCH_CASES)

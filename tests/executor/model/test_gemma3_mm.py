@@ -16,9 +16,9 @@ from pagedserve.executor.model.models.vision.gemma3_mm import Gemma3ForCondition
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.kernels.attention.backends import TorchReferenceAttentionBackend
 from pagedserve.tests.helpers.parity import model_config
-from pagedserve.tests.helpers.tiny_gemma3 import IMAGE, make_tiny_gemma3
-from pagedserve.tests.helpers.tiny_models import bind_kv_cache, dense_prefill_metadata
-from pagedserve.tests.helpers.tiny_vlm import random_image
+from pagedserve.tests.helpers.models.tiny_gemma3 import IMAGE, make_tiny_gemma3
+from pagedserve.tests.helpers.models.tiny_models import bind_kv_cache, dense_prefill_metadata
+from pagedserve.tests.helpers.models.tiny_vlm import random_image
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.models.vision.idefics3 import Idefics3ForConditionalGeneration
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.tests.helpers.parity import model_config
-from pagedserve.tests.helpers.tiny_models import bind_kv_cache, dense_prefill_metadata
-from pagedserve.tests.helpers.tiny_vlm import make_tiny_idefics3, random_image
+from pagedserve.tests.helpers.models.tiny_models import bind_kv_cache, dense_prefill_metadata
+from pagedserve.tests.helpers.models.tiny_vlm import make_tiny_idefics3, random_image
 
 SEQ = 16        # image tokens per sub-image: (32 / 4)^2 patches / 2^2
 

@@ -15,8 +15,8 @@ from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.models.vision.llava import LlavaForConditionalGeneration
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.tests.helpers.parity import model_config
-from pagedserve.tests.helpers.tiny_models import bind_kv_cache, dense_prefill_metadata
-from pagedserve.tests.helpers.tiny_vlm import make_tiny_llava, random_image
+from pagedserve.tests.helpers.models.tiny_models import bind_kv_cache, dense_prefill_metadata
+from pagedserve.tests.helpers.models.tiny_vlm import make_tiny_llava, random_image
 
 
 @pytest.fixture(scope="module")

@@ -19,14 +19,14 @@ from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.executor.model.quant.loading import packed_tensors
 from pagedserve.frontend.offline.llm import LLM
-from pagedserve.tests.helpers.architectures import GEMMA2, MOE, PHI3
+from pagedserve.tests.helpers.models.architectures import GEMMA2, MOE, PHI3
 from pagedserve.tests.helpers.parity import hf_model, model_config
-from pagedserve.tests.helpers.pooling_models import make_causal_classifier, make_cross_encoder
-from pagedserve.tests.helpers.rl_extension import BAD_SHAPE, UNKNOWN, checkpoint_batch, weights_digest
-from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_eagle_head, make_tiny_model
-from pagedserve.tests.helpers.weight_update_cases import NEW_TOKENS, PROMPTS, greedy
+from pagedserve.tests.helpers.models.pooling_models import make_causal_classifier, make_cross_encoder
+from pagedserve.tests.helpers.rl.rl_extension import BAD_SHAPE, UNKNOWN, checkpoint_batch, weights_digest
+from pagedserve.tests.helpers.models.tiny_models import hf_greedy, make_tiny_eagle_head, make_tiny_model
+from pagedserve.tests.helpers.rl.weight_update_cases import NEW_TOKENS, PROMPTS, greedy
 
-EXTENSION = "pagedserve.tests.helpers.rl_extension.Probe"
+EXTENSION = "pagedserve.tests.helpers.rl.rl_extension.Probe"
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])

@@ -13,7 +13,7 @@ from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.models import get_model_class
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.tests.helpers.parity import model_config
-from pagedserve.tests.helpers.tiny_models import make_tiny_model, prefill_logits, random_prompts
+from pagedserve.tests.helpers.models.tiny_models import make_tiny_model, prefill_logits, random_prompts
 
 # ---------------------------------------------------------------- SmolLM2 (GGUF)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.kernels import torch_moe
-from pagedserve.tests.helpers.architectures import ARCH_CASES, build
+from pagedserve.tests.helpers.models.architectures import ARCH_CASES, build
 from pagedserve.tests.helpers.parity import model_config
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.tests.helpers.tiny_models import hf_greedy, random_prompts
+from pagedserve.tests.helpers.models.tiny_models import hf_greedy, random_prompts
 
 LENGTHS = [10, 300, 25, 47, 180, 80, 120, 230, 15]
 NEW_TOKENS = 32

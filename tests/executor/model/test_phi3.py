@@ -8,7 +8,7 @@ import torch
 
 from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.parallel_state import TPGroup
-from pagedserve.tests.helpers.architectures import ARCH_CASES, build
+from pagedserve.tests.helpers.models.architectures import ARCH_CASES, build
 from pagedserve.tests.helpers.parity import model_config
 
 

@@ -9,7 +9,7 @@ import torch
 from pagedserve import LLM
 from pagedserve.common.errors import RequestError
 from pagedserve.common.params.pooling_params import PoolingParams
-from pagedserve.tests.helpers.pooling_models import (make_causal_classifier, make_cross_encoder, make_decoder_embedder,
+from pagedserve.tests.helpers.models.pooling_models import (make_causal_classifier, make_cross_encoder, make_decoder_embedder,
                                                      make_encoder_embedder)
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "paris is the capital of france", "what",

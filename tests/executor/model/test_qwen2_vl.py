@@ -19,9 +19,9 @@ from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.frontend.multimodal.expansion_items import tensor_data
 from pagedserve.ipc.messages import MultiModalFeature
 from pagedserve.tests.helpers.parity import model_config
-from pagedserve.tests.helpers.tiny_models import bind_kv_cache, dense_prefill_metadata
-from pagedserve.tests.helpers.tiny_qwen2_vl import IMAGE, MAX_PIXELS, VIDEO_SIZE, hf_processor, make_tiny_qwen2_vl
-from pagedserve.tests.helpers.tiny_vlm import random_image
+from pagedserve.tests.helpers.models.tiny_models import bind_kv_cache, dense_prefill_metadata
+from pagedserve.tests.helpers.models.tiny_qwen2_vl import IMAGE, MAX_PIXELS, VIDEO_SIZE, hf_processor, make_tiny_qwen2_vl
+from pagedserve.tests.helpers.models.tiny_vlm import random_image
 
 SIZES = [(40, 30), (24, 56)]        # (w, h): grids 8 x 10 and 14 x 6 patches, 20 and 21 tokens
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.tests.helpers.parity import model_config
-from pagedserve.tests.helpers.tiny_models import make_tiny_model
+from pagedserve.tests.helpers.models.tiny_models import make_tiny_model
 
 
 def _widen(folder: str, name: str, dim: int, extra: int) -> None:

@@ -14,7 +14,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.common.config.engine_args import EngineArgs
 from pagedserve.frontend.client.core_client import CoreProcess, EngineDeadError, SyncMPClient
 from pagedserve.ipc.messages import EngineCoreRequest
-from pagedserve.tests.helpers.tiny_models import random_prompts
+from pagedserve.tests.helpers.models.tiny_models import random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 LENGTHS = [5, 40, 17, 90, 1, 63]
@@ -189,7 +189,7 @@ def test_torchrun_launcher_two_cpu_ranks(tiny_llama_dir, tp1_tokens):
     import subprocess
     import sys
 
-    from pagedserve.tests.helpers.server import free_port as free_tcp_port
+    from pagedserve.tests.helpers.processes.server import free_port as free_tcp_port
     prompts, expected = tp1_tokens
     root = pathlib.Path(__file__).resolve().parents[3]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -211,7 +211,7 @@ dist.init_process_group("gloo", timeout=timedelta(seconds=120))
 if dist.get_rank() == 0:
     from pagedserve import LLM, SamplingParams
     llm = LLM(sys.argv[1], dtype="float32", tensor_parallel_size=2, distributed_executor_backend="torchrun",
-              worker_extension_cls="pagedserve.tests.helpers.rl_extension.Probe")
+              worker_extension_cls="pagedserve.tests.helpers.rl.rl_extension.Probe")
     print("RPC " + json.dumps(llm.collective_rpc("describe_rank", kwargs={"tag": "torchrun"})), flush=True)
     for method in ("no_such_method", "weight_tensor"):
         try:
@@ -238,7 +238,7 @@ def test_torchrun_collective_rpc_takes_kwargs_and_survives_refusals(tiny_llama_d
     import subprocess
     import sys
 
-    from pagedserve.tests.helpers.server import free_port as free_tcp_port
+    from pagedserve.tests.helpers.processes.server import free_port as free_tcp_port
     script = tmp_path / "rpc.py"
     script.write_text(_TORCHRUN_RPC)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -281,7 +281,7 @@ def test_torchrun_stopped_rank_fails_the_launch(tiny_llama_dir):
     import subprocess
     import sys
 
-    from pagedserve.tests.helpers.server import free_port as free_tcp_port
+    from pagedserve.tests.helpers.processes.server import free_port as free_tcp_port
     timeout_s = 5.0
     root = pathlib.Path(__file__).resolve().parents[3]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -21,7 +21,7 @@ from pagedserve.core.engine_core import EngineCore
 from pagedserve.executor.procs.multiproc_executor import MultiProcExecutor
 from pagedserve.frontend.client.core_client import EngineDeadError
 from pagedserve.ipc.messages import EngineCoreRequest
-from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model, random_prompts
+from pagedserve.tests.helpers.models.tiny_models import hf_greedy, make_tiny_model, random_prompts
 
 PROMPTS = random_prompts(31, [9, 40, 17, 70, 5, 33], 512)
 MAX_NEW = 16

@@ -24,8 +24,8 @@ from pagedserve.common.config.engine_args import EngineArgs
 from pagedserve.common.ray_utils import RAY_NAMESPACE
 from pagedserve.executor.procs.ray_executor import RayDistributedExecutor
 from pagedserve.frontend.client.core_client import EngineDeadError
-from pagedserve.tests.helpers.ray_cluster import two_node_cluster
-from pagedserve.tests.helpers.tiny_models import hf_greedy, make_tiny_model, random_prompts
+from pagedserve.tests.helpers.processes.ray_cluster import two_node_cluster
+from pagedserve.tests.helpers.models.tiny_models import hf_greedy, make_tiny_model, random_prompts
 
 PROMPTS = random_prompts(41, [7, 33, 18, 51], 512)
 MAX_NEW = 12
@@ -79,7 +79,7 @@ def test_local_cluster_carries_pipeline_stages(model, hf_want, monkeypatch):
 
 def test_tp2_ranks_on_two_nodes_match_hf(two_nodes, model, hf_want, monkeypatch):
     llm = _llm_on(two_nodes, model, monkeypatch, tensor_parallel_size=2,
-                  worker_extension_cls="pagedserve.tests.helpers.rl_extension.Probe")
+                  worker_extension_cls="pagedserve.tests.helpers.rl.rl_extension.Probe")
     try:
         actors = _engine_actors()
         assert len(actors) == 2

@@ -40,7 +40,7 @@ def show(llm, tag="TOKENS"):
 @pytest.fixture(scope="module")
 def tp3_model(tmp_path_factory) -> str:
     """6 query / 3 KV heads and an intermediate size divisible by 3, so 3 ranks split it evenly."""
-    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    from pagedserve.tests.helpers.models.tiny_models import make_tiny_model
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny_tp3")), arch="llama", hidden_size=48,
                            num_attention_heads=6, num_key_value_heads=3, intermediate_size=96)
 

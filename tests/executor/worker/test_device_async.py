@@ -17,7 +17,7 @@ from pagedserve.executor.procs.uniproc_executor import UniProcExecutor
 from pagedserve.executor.worker.step_buffers import StepBuffers
 from pagedserve.executor.worker.step_output import PendingStep
 from pagedserve.ipc.messages import EngineCoreRequest, SchedulerOutput
-from pagedserve.tests.helpers.tiny_models import random_prompts
+from pagedserve.tests.helpers.models.tiny_models import random_prompts
 
 
 class LaunchInLine(UniProcExecutor):
@@ -57,7 +57,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
 def llama_dir(tmp_path_factory) -> str:
     """The tiny Llama with a synthetic tokenizer: these tests read token ids only, and a GPU machine may not
     have the embedded model whose tokenizer the shared fixture uses."""
-    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    from pagedserve.tests.helpers.models.tiny_models import make_tiny_model
     return make_tiny_model(str(tmp_path_factory.mktemp("llama_async")), arch="llama", tokenizer="synthetic")
 
 

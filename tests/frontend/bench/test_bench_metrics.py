@@ -14,7 +14,7 @@ from pagedserve.frontend.bench.request_func import RequestOutput, SSEParser
 from pagedserve.frontend.bench.results import append_result, read_results
 from pagedserve.frontend.bench.serve import arrival_times
 from pagedserve.frontend.bench.throughput import constrained
-from pagedserve.tests.helpers.tiny_models import embedded_tokenizer
+from pagedserve.tests.helpers.models.tiny_models import embedded_tokenizer
 
 
 def timed(ttft: float, gaps: list[float], text: str = "", tokens: int | None = None, start: float = 0.0):

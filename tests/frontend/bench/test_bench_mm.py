@@ -10,7 +10,7 @@ import pytest
 from pagedserve.frontend import pagedserve_cli
 from pagedserve.frontend.bench import mm, models
 from pagedserve.frontend.bench.results import read_results
-from pagedserve.tests.helpers.tiny_vlm import make_tiny_llava
+from pagedserve.tests.helpers.models.tiny_vlm import make_tiny_llava
 
 SMALL = ("--image-size", "32", "--dtype", "float32", "--threads", "1", "--repeats", "1",
          "--engine-option", "kv_cache_memory=0.05", "--engine-option", "max_model_len=512")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from pagedserve.tests.helpers.tiny_models import synthetic_tokenizer
+from pagedserve.tests.helpers.models.tiny_models import synthetic_tokenizer
 
 from pagedserve.common.config.engine_args import EngineArgs
 from pagedserve.common.params.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ from pagedserve.common.params.sampling_params import RequestOutputKind, Sampling
 from pagedserve.frontend.client.output_processor import OutputProcessor
 from pagedserve.frontend.client.outputs import Logprob, RequestOutput
 from pagedserve.ipc.messages import EngineCoreOutput, LogprobsEntry
-from pagedserve.tests.helpers.tiny_models import embedded_tokenizer, synthetic_tokenizer
+from pagedserve.tests.helpers.models.tiny_models import embedded_tokenizer, synthetic_tokenizer
 
 PROMPT = [10, 11]
 DELTA, CUMULATIVE, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY

@@ -11,7 +11,7 @@ import pytest
 from pagedserve.frontend.client.tokenizer import load_tokenizer
 from pagedserve.frontend.multimodal.processor import MultiModalProcessor
 from pagedserve.ipc.messages import EngineInfo, MultiModalFeature
-from pagedserve.tests.helpers.tiny_vlm import IMAGE_TOKEN, make_tiny_idefics3, make_tiny_llava, random_image
+from pagedserve.tests.helpers.models.tiny_vlm import IMAGE_TOKEN, make_tiny_idefics3, make_tiny_llava, random_image
 
 SIZES = [(48, 40), (64, 20), (10, 90), (200, 30), (33, 33)]     # 2x2, 1x2, 2x1, 1x2, 2x2 grids
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.tests.helpers.tiny_gemma3 import IMAGE, make_tiny_gemma3
-from pagedserve.tests.helpers.tiny_vlm import random_image
+from pagedserve.tests.helpers.models.tiny_gemma3 import IMAGE, make_tiny_gemma3
+from pagedserve.tests.helpers.models.tiny_vlm import random_image
 
 TEXTS = [f"USER: {IMAGE}describe it", f"{IMAGE}", f"a\n{IMAGE}\nb {IMAGE}{IMAGE} end", f"x {IMAGE}\n\n\nlast"]
 

@@ -16,8 +16,8 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.errors import RequestError
-from pagedserve.tests.helpers import tiny_gemma3, tiny_qwen2_vl
-from pagedserve.tests.helpers.tiny_vlm import IMAGE_TOKEN, make_tiny_idefics3, make_tiny_llava, random_image
+from pagedserve.tests.helpers.models import tiny_gemma3, tiny_qwen2_vl
+from pagedserve.tests.helpers.models.tiny_vlm import IMAGE_TOKEN, make_tiny_idefics3, make_tiny_llava, random_image
 
 MAX_NEW = 8
 

@@ -13,8 +13,8 @@ from pagedserve.frontend.client.tokenizer import load_tokenizer
 from pagedserve.frontend.multimodal.processor import MultiModalProcessor
 from pagedserve.frontend.multimodal.video import SampledVideo
 from pagedserve.ipc.messages import EngineInfo, TensorData
-from pagedserve.tests.helpers.tiny_qwen2_vl import IMAGE, VIDEO, hf_processor, make_tiny_qwen2_vl
-from pagedserve.tests.helpers.tiny_vlm import random_image
+from pagedserve.tests.helpers.models.tiny_qwen2_vl import IMAGE, VIDEO, hf_processor, make_tiny_qwen2_vl
+from pagedserve.tests.helpers.models.tiny_vlm import random_image
 
 SIZES = [(40, 30), (24, 56), (9, 200), (300, 300), (17, 17)]
 

@@ -13,8 +13,8 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.common.errors import RequestError
 from pagedserve.frontend.multimodal.media import MediaLimits
 from pagedserve.frontend.multimodal.video import load_video
-from pagedserve.tests.helpers.tiny_qwen2_vl import IMAGE, VIDEO, make_tiny_qwen2_vl
-from pagedserve.tests.helpers.tiny_vlm import mp4_bytes, random_frames, random_image
+from pagedserve.tests.helpers.models.tiny_qwen2_vl import IMAGE, VIDEO, make_tiny_qwen2_vl
+from pagedserve.tests.helpers.models.tiny_vlm import mp4_bytes, random_frames, random_image
 
 MAX_NEW = 6
 NUM_FRAMES = 4
@@ -142,7 +142,7 @@ def test_a_broken_video_url_is_refused_by_name():
 
 @pytest.fixture(scope="module")
 def qwen25_dir(tmp_path_factory) -> str:
-    from pagedserve.tests.helpers.tiny_qwen2_vl import make_tiny_qwen2_5_vl
+    from pagedserve.tests.helpers.models.tiny_qwen2_vl import make_tiny_qwen2_5_vl
     return make_tiny_qwen2_5_vl(str(tmp_path_factory.mktemp("qwen25_video")))
 
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from pagedserve.tests.frontend.tracing.otlp_receiver import OtlpReceiver, attributes
-from pagedserve.tests.helpers.server import Server, free_port
+from pagedserve.tests.helpers.processes.server import Server, free_port
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,5 +1,5 @@
 """AWQ / GPTQ checkpoint tensors decoded to GroupQuantWeight, checked against an independent packer
-(tests/helpers/quant_packers.py), and the weight stream that gathers each linear's parts."""
+(tests/helpers/models/quant_packers.py), and the weight stream that gathers each linear's parts."""
 from __future__ import annotations
 
 import random
@@ -11,7 +11,7 @@ from pagedserve.common.quantization import QuantSpec
 from pagedserve.executor.model.quant.awq_gptq import (awq_to_group_quant, combine_quantized_tensors,
                                                       gptq_to_group_quant)
 from pagedserve.executor.model.quant.group_quant import GroupQuantWeight
-from pagedserve.tests.helpers.quant_packers import pack_awq, pack_gptq
+from pagedserve.tests.helpers.models.quant_packers import pack_awq, pack_gptq
 
 
 def _weight(out: int, cols: int, seed: int) -> torch.Tensor:
@@ -241,8 +241,8 @@ def test_checkpoint_folder_round_trip(tmp_path, method):
 
     from pagedserve.common.quantization import checkpoint_quant_spec
     from pagedserve.executor.model.model_loader import hf_weights
-    from pagedserve.tests.helpers.quant_checkpoints import write_quantized_checkpoint
-    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    from pagedserve.tests.helpers.models.quant_checkpoints import write_quantized_checkpoint
+    from pagedserve.tests.helpers.models.tiny_models import make_tiny_model
     float_dir = make_tiny_model(str(tmp_path / "float"), tokenizer="synthetic")
     quant_dir, dequant_dir = str(tmp_path / method), str(tmp_path / "dequant")
     write_quantized_checkpoint(float_dir, quant_dir, dequant_dir, method, group_size=32)
@@ -282,8 +282,8 @@ def test_quantized_checkpoint_runs_like_its_dequantized_twin(tmp_path, method, d
     from pagedserve.executor.model.quant.loading import begin_packed, finish_packed
     from pagedserve.executor.model.quant.packing import PermutedInput
     from pagedserve.kernels.weights.weight_only import Int4Weight
-    from pagedserve.tests.helpers.quant_checkpoints import write_quantized_checkpoint
-    from pagedserve.tests.helpers.tiny_models import make_tiny_model, prefill_logits
+    from pagedserve.tests.helpers.models.quant_checkpoints import write_quantized_checkpoint
+    from pagedserve.tests.helpers.models.tiny_models import make_tiny_model, prefill_logits
     float_dir = make_tiny_model(str(tmp_path / "float"), tokenizer="synthetic", hidden_size=128,
                                 intermediate_size=256)
     quant_dir, dequant_dir = str(tmp_path / method), str(tmp_path / "dequant")

@@ -16,7 +16,7 @@ from pagedserve.common.model.gguf_metadata import gguf_reader
 from pagedserve.executor.model.model_loader import reverse_permute
 from pagedserve.executor.model.quant.gguf_blocks import (GGUF_QUANT_TYPES, decode_gguf_tensor,
                                                          reverse_permute_rows)
-from pagedserve.tests.helpers.gguf_blocks import random_k_blocks as _random_k_blocks
+from pagedserve.tests.helpers.models.gguf_blocks import random_k_blocks as _random_k_blocks
 
 _EXPECTED = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q5_0": (5, 32), "Q5_1": (5, 32), "Q8_0": (8, 32), "Q4_K": (4, 32), "Q5_K": (5, 32), "Q6_K": (6, 16)}
 

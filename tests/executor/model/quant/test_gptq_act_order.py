@@ -1,5 +1,5 @@
 """GPTQ act-order (desc_act) weights in our linear layers: decoded from real GPTQ tensors (the packer in
-tests/helpers/quant_packers.py, a random column order per input), packed for the int4 kernel behind an
+tests/helpers/models/quant_packers.py, a random column order per input), packed for the int4 kernel behind an
 input gather, against dequantize-then-matmul in float32; and tensor parallelism, simulated rank by rank
 (each rank's partial product, summed as the all-reduce would).
 
@@ -20,8 +20,8 @@ from pagedserve.executor.model.quant.group_quant import GroupQuantWeight
 from pagedserve.executor.model.layers.linear_method import apply_linear
 from pagedserve.executor.model.quant.packing import PermutedInput
 from pagedserve.kernels.weights.weight_only import Int4Weight, Int8Weight
-from pagedserve.tests.helpers.quant_packers import pack_gptq
-from pagedserve.tests.helpers.tp_ranks import gloo_rank, run_ranks
+from pagedserve.tests.helpers.models.quant_packers import pack_gptq
+from pagedserve.tests.helpers.processes.tp_ranks import gloo_rank, run_ranks
 
 CPU = torch.device("cpu")
 IN, G = 256, 32
@@ -148,7 +148,7 @@ def _act_order_config(path: str):
 def _tp_worker(rank: int, world: int, init_method: str, path: str, prompt: list[int], out: str) -> None:
     from pagedserve.executor.model.model_loader import load_model
     from pagedserve.executor.model.quant.packing import PermutedInput
-    from pagedserve.tests.helpers.tiny_models import prefill_logits
+    from pagedserve.tests.helpers.models.tiny_models import prefill_logits
     torch.set_num_threads(1)          # two ranks on two cores
     with gloo_rank(rank, world, init_method):
         model = load_model(_act_order_config(path), TPGroup(rank, world))
@@ -168,8 +168,8 @@ def test_act_order_checkpoint_runs_on_two_ranks(tmp_path):
     before the all-reduce.)"""
     from transformers import AutoModelForCausalLM
 
-    from pagedserve.tests.helpers.quant_checkpoints import write_quantized_checkpoint
-    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    from pagedserve.tests.helpers.models.quant_checkpoints import write_quantized_checkpoint
+    from pagedserve.tests.helpers.models.tiny_models import make_tiny_model
     float_dir = make_tiny_model(str(tmp_path / "float"), tokenizer="synthetic", hidden_size=128,
                                 intermediate_size=256)
     quant_dir, dequant_dir = str(tmp_path / "gptq"), str(tmp_path / "dequant")

@@ -10,9 +10,9 @@ import torch
 from pagedserve import LLM
 from pagedserve.kernels.weights import weight_only
 from pagedserve.kernels.weights.weight_only import Int4Weight
-from pagedserve.tests.helpers.gguf_models import write_tiny_gguf
-from pagedserve.tests.helpers.tiny_models import make_tiny_model
-from pagedserve.tests.helpers.weight_update_cases import PROMPTS, greedy
+from pagedserve.tests.helpers.models.gguf_models import write_tiny_gguf
+from pagedserve.tests.helpers.models.tiny_models import make_tiny_model
+from pagedserve.tests.helpers.rl.weight_update_cases import PROMPTS, greedy
 
 
 def test_a_tied_q4_0_table_serves_lookups_and_the_head_as_int4(tmp_path) -> None:

@@ -71,8 +71,8 @@ def test_gguf_layers_take_their_own_formats_method(smollm2_path):
 @torch.inference_mode()
 def test_awq_gptq_layers_take_the_int4_method(tmp_path, method, desc_act):
     from transformers import AutoConfig
-    from pagedserve.tests.helpers.quant_checkpoints import write_quantized_checkpoint
-    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    from pagedserve.tests.helpers.models.quant_checkpoints import write_quantized_checkpoint
+    from pagedserve.tests.helpers.models.tiny_models import make_tiny_model
     float_dir = make_tiny_model(str(tmp_path / "float"), tokenizer="synthetic", hidden_size=128,
                                 intermediate_size=256)
     quant_dir = str(tmp_path / method)

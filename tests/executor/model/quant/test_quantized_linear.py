@@ -6,7 +6,7 @@ Tolerances, and why:
   kernel accumulates in float32. So each product term is off by at most ~2 * 2**-8 of itself, and
   |y - ref| <= 1e-2 * (|x| @ |W|^T) bounds the sum (|x| @ |W|^T is the sum of the terms' magnitudes).
 - 5-, 6- and 8-bit formats are requantized to int8 per output channel (the 5/6-bit pack needs multiples of
-  64 rows, which 48 is not: tests/kernels/test_cpu_gemm_intn.py has it): each weight moves by at most half a
+  64 rows, which 48 is not: tests/kernels/cpu/test_cpu_gemm_intn.py has it): each weight moves by at most half a
   step, max|w_row| / 254, so the bound gains (max|w_row| / 254) * sum|x| on top of the bfloat16 term.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pagedserve.executor.model.quant.packing import pack_embedding, pack_linear
 from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.weights import weight_only
 from pagedserve.kernels.weights.weight_only import Int4Weight, Int8Weight
-from pagedserve.tests.helpers.gguf_blocks import random_gguf_weight
-from pagedserve.tests.helpers.quant_packers import pack_awq, pack_gptq
+from pagedserve.tests.helpers.models.gguf_blocks import random_gguf_weight
+from pagedserve.tests.helpers.models.quant_packers import pack_awq, pack_gptq
 
 CPU = torch.device("cpu")
 ROWS, COLS = 48, 512

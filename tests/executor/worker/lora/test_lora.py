@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedserve import LLM, LoRARequest, SamplingParams
-from pagedserve.tests.helpers.lora_adapters import ALL_LINEAR, ATTENTION, make_lora, peft_greedy
-from pagedserve.tests.helpers.tiny_models import make_tiny_model, random_prompts
+from pagedserve.tests.helpers.models.lora_adapters import ALL_LINEAR, ATTENTION, make_lora, peft_greedy
+from pagedserve.tests.helpers.models.tiny_models import make_tiny_model, random_prompts
 
 PROMPTS = random_prompts(7, [9, 37, 18, 26], 512)
 MAX_NEW = 12

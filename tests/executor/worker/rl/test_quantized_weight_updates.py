@@ -12,11 +12,11 @@ from safetensors.torch import load_file
 
 from pagedserve.executor.model.quant.gguf_blocks import GGUFBlocks, gguf_nbytes
 from pagedserve.frontend.offline.llm import LLM
-from pagedserve.tests.helpers.cpu_kernels import c_step_runs
-from pagedserve.tests.helpers.gguf_models import gguf_update, write_tiny_gguf
-from pagedserve.tests.helpers.quant_checkpoints import write_quantized_checkpoint
-from pagedserve.tests.helpers.weight_push import Trainer
-from pagedserve.tests.helpers.weight_update_cases import PROMPTS, greedy
+from pagedserve.tests.helpers.kernels.cpu_kernels import c_step_runs
+from pagedserve.tests.helpers.models.gguf_models import gguf_update, write_tiny_gguf
+from pagedserve.tests.helpers.models.quant_checkpoints import write_quantized_checkpoint
+from pagedserve.tests.helpers.rl.weight_push import Trainer
+from pagedserve.tests.helpers.rl.weight_update_cases import PROMPTS, greedy
 
 
 def fresh(path: str, **kwargs) -> list[list[int]]:

@@ -14,7 +14,7 @@ from pagedserve.core.engine_core import EngineCore
 from pagedserve.executor.procs.backends import get_executor_class
 from pagedserve.frontend.offline.llm import LLM
 from pagedserve.ipc.messages import EngineCoreRequest
-from pagedserve.tests.helpers.tiny_models import make_tiny_model, random_prompts
+from pagedserve.tests.helpers.models.tiny_models import make_tiny_model, random_prompts
 
 VOCAB = 16384
 PROMPTS = random_prompts(3, [256] * 4, vocab=VOCAB)

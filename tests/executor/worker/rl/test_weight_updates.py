@@ -11,13 +11,13 @@ from safetensors.torch import load_file, save_file
 
 from pagedserve.frontend.offline.llm import LLM
 from pagedserve.tests.helpers.parity import hf_model
-from pagedserve.tests.helpers.rl_trainer import trainer_main
-from pagedserve.tests.helpers.server import free_port
-from pagedserve.tests.helpers.tiny_models import hf_greedy
-from pagedserve.tests.helpers.weight_update_cases import NEW_TOKENS, PROMPTS, greedy
+from pagedserve.tests.helpers.rl.rl_trainer import trainer_main
+from pagedserve.tests.helpers.processes.server import free_port
+from pagedserve.tests.helpers.models.tiny_models import hf_greedy
+from pagedserve.tests.helpers.rl.weight_update_cases import NEW_TOKENS, PROMPTS, greedy
 
 ROUNDS = 3
-EXTENSION = "pagedserve.tests.helpers.rl_extension.Probe"
+EXTENSION = "pagedserve.tests.helpers.rl.rl_extension.Probe"
 
 
 def rl_rounds(llm: LLM, path: str, tp: int) -> list[list[int]]:

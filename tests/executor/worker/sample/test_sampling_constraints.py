@@ -10,7 +10,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.ipc.messages import EngineCoreRequest
-from pagedserve.tests.helpers.server import Server
+from pagedserve.tests.helpers.processes.server import Server
 
 PROMPT = "The capital of France is"
 VOCAB = 49152

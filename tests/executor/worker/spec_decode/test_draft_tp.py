@@ -41,7 +41,7 @@ def test_a_draft_tp_other_than_1_or_the_models_is_refused(tp, draft_tp):
 
 
 def test_a_draft_whose_heads_do_not_split_is_refused(tiny_llama_dir, tmp_path):
-    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    from pagedserve.tests.helpers.models.tiny_models import make_tiny_model
     one_head = make_tiny_model(str(tmp_path / "one_head"), arch="llama", num_attention_heads=1, num_key_value_heads=1)
     spec = {"method": "draft_model", "model": one_head, "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match=r"speculative_config\.draft_tensor_parallel_size: the draft cannot shard"):

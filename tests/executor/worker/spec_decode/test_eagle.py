@@ -21,7 +21,7 @@ from pagedserve.core.engine_core import EngineCore
 from pagedserve.executor.procs.uniproc_executor import UniProcExecutor
 from pagedserve.ipc.messages import EngineCoreRequest
 from pagedserve.tests.helpers.spec_costs import FixedStepCosts
-from pagedserve.tests.helpers.tiny_models import make_tiny_eagle_head, make_tiny_model, random_prompts
+from pagedserve.tests.helpers.models.tiny_models import make_tiny_eagle_head, make_tiny_model, random_prompts
 
 K = 3
 

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.tests.helpers.cpu_kernels import c_step_runs
+from pagedserve.tests.helpers.kernels.cpu_kernels import c_step_runs
 from pagedserve.tests.helpers.spec_costs import FixedStepCosts
 
 PASSAGE = ("def merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
@@ -176,7 +176,7 @@ def test_tensor_parallel_and_async_scheduling_keep_the_greedy_tokens(tiny_llama_
 @pytest.fixture(scope="module")
 def tiny_draft_dir(tmp_path_factory) -> str:
     """A one-layer random Llama with the tiny model's vocabulary: it guesses badly, so most drafts are rejected."""
-    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    from pagedserve.tests.helpers.models.tiny_models import make_tiny_model
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny_draft")), arch="llama", seed=1, num_hidden_layers=1)
 
 
@@ -214,7 +214,7 @@ def test_draft_model_sampled_runs_repeat_with_a_seed(tiny_llama_dir, tiny_draft_
 
 def test_draft_model_shares_the_cache_memory_and_bad_drafts_are_refused(tiny_llama_dir, tiny_draft_dir, tmp_path):
     from pagedserve.common.config.engine_args import EngineArgs
-    from pagedserve.tests.helpers.tiny_models import make_tiny_model
+    from pagedserve.tests.helpers.models.tiny_models import make_tiny_model
     with LLM(tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=0.01) as llm:
         alone = llm.engine.num_blocks
     spec = {"method": "draft_model", "model": tiny_draft_dir, "num_speculative_tokens": 2}

@@ -1,0 +1,1 @@
+"""Kernel test cases and the references they are checked against."""

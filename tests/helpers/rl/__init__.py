@@ -1,0 +1,1 @@
+"""The RL tests' trainer process, worker extension and weight-update cases."""
