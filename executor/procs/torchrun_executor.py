@@ -12,6 +12,7 @@ the others waiting in a collective; every collective here is bounded by `worker_
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.common.config.engine_args import EngineConfig
+from pagedserve.common import envs
 from pagedserve.common.config.wire import decode_engine_config, encode_engine_config
 from pagedserve.executor.procs.executor import Executor
 from pagedserve.executor.procs.worker_proc import answer_call
@@ -30,10 +32,24 @@ from pagedserve.ipc.messages import (ExecuteModel, ModelRunnerOutput, SchedulerO
 logger = logging.getLogger(__name__)
 
 
+def _arrive_together(name: str) -> None:
+    """Wait, up to the startup timeout, until every rank reaches this point. A collective waits only
+    worker_heartbeat_timeout (and a new group's rendezvous the launch's store timeout, the same bound), while
+    the ranks reach the control channel and finish loading the model at times that differ by more than that
+    on a loaded machine: that gap alone failed the launch."""
+    timeout = timedelta(seconds=envs.PAGEDSERVE_STARTUP_TIMEOUT)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    prefix = f"pagedserve/{name}"
+    store.set(f"{prefix}/{dist.get_rank()}", "1")
+    store.wait([f"{prefix}/{r}" for r in range(dist.get_world_size())], timeout)
+
+
 class ControlChannel:
     """Rank 0 -> all ranks message broadcast, and an all-gather of small results, on a gloo group."""
 
     def __init__(self, timeout_s: float) -> None:
+        _arrive_together("control-channel")
         # gloo even when tensors use NCCL: control bytes live on the host.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.encoder = msgspec.msgpack.Encoder()
@@ -83,6 +99,7 @@ class TorchrunExecutor(Executor):
         self.worker = worker_class(config)(config, rank=0)
         self.worker.init_device()
         self.worker.load_model()
+        _arrive_together("model-loaded")          # the first call below waits only the heartbeat timeout
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -113,6 +130,7 @@ def serve_torchrun_worker(timeout_s: float) -> None:
     worker = worker_class(config)(config, rank=rank)
     worker.init_device()
     worker.load_model()
+    _arrive_together("model-loaded")
     while True:
         msg = channel.broadcast(None)
         if isinstance(msg, WorkerShutdown):
