@@ -18,6 +18,7 @@ import importlib
 import sys
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 # bench subcommand -> (module under pagedserve.frontend.bench, its help line). A module has add_cli_args(parser)
 # and main(args), and may have check_args(args): flags that are wrong together or out of range raise ValueError
@@ -41,7 +42,7 @@ def _bench_module(name: str) -> ModuleType:
     return importlib.import_module(f"pagedserve.frontend.bench.{name}")
 
 
-def _usage_checker(module: ModuleType, parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], None]:
+def _usage_checker(module: Any, parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], None]:
     def check(args: argparse.Namespace) -> None:
         try:
             module.check_args(args)
@@ -63,16 +64,14 @@ def make_parser() -> argparse.ArgumentParser:
                                description="Complete prompts on a running server.")
     openai_clients.add_complete_args(complete)
     complete.set_defaults(run=openai_clients.complete)
-    from pagedserve.frontend.router import main as router_main
-    router = subs.add_parser("router", help="route OpenAI requests over many replicas",
-                             description=router_main.__doc__)
-    router_main.add_cli_args(router)
-    router.set_defaults(run=router_main.main, check=_usage_checker(router_main, router))
     from pagedserve.frontend.disagg import main as proxy_main
-    proxy = subs.add_parser("proxy", help="disaggregated prefill/decode: prefill on one instance, decode on "
-                                          "another", description=proxy_main.__doc__)
-    proxy_main.add_cli_args(proxy)
-    proxy.set_defaults(run=proxy_main.main, check=_usage_checker(proxy_main, proxy))
+    from pagedserve.frontend.router import main as router_main
+    for name, module, text in (
+            ("router", router_main, "route OpenAI requests over many replicas"),
+            ("proxy", proxy_main, "disaggregated prefill/decode: prefill on one instance, decode on another")):
+        sub = subs.add_parser(name, help=text, description=module.__doc__)
+        module.COMMAND.add_cli_args(sub)
+        sub.set_defaults(run=module.COMMAND.main, check=_usage_checker(module.COMMAND, sub))
     bench = subs.add_parser("bench", help="benchmarks", description="Benchmarks, shaped like vllm bench.")
     bench_subs = bench.add_subparsers(dest="bench", required=True)
     for name, (module_name, text) in BENCHES.items():

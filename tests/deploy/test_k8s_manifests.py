@@ -24,7 +24,7 @@ from dockerfile_parse import DockerfileParser
 from pagedserve.common.config.arg_utils import dataclass_from
 from pagedserve.frontend.cli import parse_args
 from pagedserve.frontend.router.args import RouterArgs
-from pagedserve.frontend.router.main import add_cli_args
+from pagedserve.frontend.router.main import COMMAND as ROUTER_COMMAND
 from pagedserve.frontend.router.metrics import RouterMetrics
 
 HERE = os.path.dirname(__file__)
@@ -130,7 +130,7 @@ def test_the_router_discovers_exactly_the_replica_pods(overlay):
     container = _container(router)
     assert container["args"][0] == "router"
     parser = argparse.ArgumentParser()
-    add_cli_args(parser)
+    ROUTER_COMMAND.add_cli_args(parser)
     # Kubernetes expands $(POD_NAMESPACE) from the env the container declares.
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
     assert env == {"POD_NAMESPACE": "metadata.namespace"}
