@@ -75,7 +75,7 @@ def tiny_serving_model(tmp_path_factory) -> str:
 
 # Module-scoped fixtures of engine-serve processes shared across modules (tests/helpers/processes/server_pool.py): the
 # modules using one run together, and the last of them stops it.
-SHARED_SERVERS = ("api_server", "chunked_prefill_server")
+SHARED_SERVERS = ("api_server", "chunked_prefill_server", "tool_server")
 _LAST_USERS = pytest.StashKey[dict[str, str]]()
 
 
@@ -114,6 +114,15 @@ def api_server(request, server_pool, tiny_serving_model):
     from pagedserve.tests.helpers.processes.server import SMALL_KV
     yield from _shared_server(request, server_pool, *SMALL_KV, "--max-model-len", "256", "--max-num-seqs", "16",
                               model=tiny_serving_model)
+
+
+@pytest.fixture(scope="module")
+def tool_server(request, server_pool, tiny_serving_model):
+    """engine-serve on the tiny serving model with the Hermes tool template, auto tool choice and its parser:
+    one process for the APIs over chat that call tools (the Responses API, the Anthropic Messages API)."""
+    from pagedserve.tests.helpers.processes.server import SMALL_KV, TOOL_FLAGS
+    yield from _shared_server(request, server_pool, *SMALL_KV, *TOOL_FLAGS, model=tiny_serving_model,
+                              max_model_len=512)
 
 
 @pytest.fixture(scope="module")

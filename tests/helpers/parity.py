@@ -31,6 +31,26 @@ def hf_model(path: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
+def our_model(path: str, max_model_len: int = 1024) -> torch.nn.Module:
+    """Our model of a checkpoint folder, loaded whole (TP 1) through the real loader."""
+    return load_model(model_config(path, max_model_len=max_model_len), TPGroup())
+
+
+def hf_class_model(path: str, class_name: str) -> torch.nn.Module:
+    """HF's float32 model of a folder through the named transformers class (the vision-language ones have no
+    AutoModelForCausalLM entry that builds their towers)."""
+    import transformers
+    return getattr(transformers, class_name).from_pretrained(path, dtype=torch.float32).eval()
+
+
+def saved_tensors(folder: str) -> dict[str, torch.Tensor]:
+    """The tensors of a folder's model.safetensors, by the names the checkpoint stores."""
+    import os
+
+    from safetensors.torch import load_file
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
 @torch.inference_mode()
 def our_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos: tuple[int, ...]) -> list[int]:
     """Greedy continuation re-running a full prefill per step; stops at EOS like HF generate."""

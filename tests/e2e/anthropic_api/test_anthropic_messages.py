@@ -8,7 +8,6 @@ writes them), as the chat tool tests do. LangChain's ChatAnthropic runs against 
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import anthropic
@@ -16,9 +15,8 @@ import httpx
 import jsonschema
 import pytest
 
-from pagedserve.tests.helpers.processes.server import SMALL_KV, Server
+from pagedserve.tests.helpers.processes.server import Server
 
-TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "..", "data", "hermes_tools.jinja")
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Rome"]}},
                   "required": ["city"], "additionalProperties": False}
 WEATHER = {"name": "get_weather", "description": "Weather for a city", "input_schema": WEATHER_SCHEMA}
@@ -32,11 +30,8 @@ SYSTEM = "You are a weather assistant. " * 12
 
 
 @pytest.fixture(scope="module")
-def server(tiny_serving_model):
-    srv = Server(*SMALL_KV, "--chat-template", TEMPLATE, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                 model=tiny_serving_model, max_model_len=512)
-    yield srv
-    srv.stop_and_check_clean()
+def server(tool_server) -> Server:
+    return tool_server
 
 
 @pytest.fixture(scope="module")

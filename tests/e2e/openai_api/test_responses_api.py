@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from typing import Any, Literal
 
@@ -20,7 +19,6 @@ import pytest
 from pagedserve.tests.helpers.openai_types import validate_event, validate_response
 from pagedserve.tests.helpers.processes.server import SMALL_KV, Server
 
-TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "..", "data", "hermes_tools.jinja")
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Rome"]}},
                   "required": ["city"], "additionalProperties": False}
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city",
@@ -33,11 +31,8 @@ QUESTION = "Is it sunny in Paris?"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_serving_model):
-    srv = Server(*SMALL_KV, "--chat-template", TEMPLATE, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                 model=tiny_serving_model, max_model_len=512)
-    yield srv
-    srv.stop_and_check_clean()
+def server(tool_server) -> Server:
+    return tool_server
 
 
 def post(server: Server, path: str, **body: Any) -> httpx.Response:

@@ -7,7 +7,6 @@ real call the engine wrote."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Any, Literal
 
@@ -15,10 +14,9 @@ import httpx
 import jsonschema
 import pytest
 
-from pagedserve.tests.helpers.processes.server import Server
+from pagedserve.tests.helpers.processes.server import HERMES_TEMPLATE, TOOL_FLAGS, Server
 from pagedserve.tests.helpers.models.tiny_models import make_tiny_serving_model
 
-TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "..", "data", "hermes_tools.jinja")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Rome"]},
@@ -41,8 +39,7 @@ def model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(model):
-    srv = Server("--chat-template", TEMPLATE, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                 model=model, max_model_len=512)
+    srv = Server(*TOOL_FLAGS, model=model, max_model_len=512)
     yield srv
     srv.stop_and_check_clean()
 
@@ -251,7 +248,7 @@ def test_bad_tool_requests_are_400(server, fields, param):
 
 @pytest.fixture(scope="module")
 def thinking_server(model):
-    srv = Server("--chat-template", TEMPLATE, "--reasoning-parser", "qwen3", model=model, max_model_len=512)
+    srv = Server("--chat-template", HERMES_TEMPLATE, "--reasoning-parser", "qwen3", model=model, max_model_len=512)
     yield srv
     srv.stop_and_check_clean()
 
@@ -287,7 +284,7 @@ def test_auto_tools_need_the_server_flags(thinking_server):
                 r'\{"name": "get_weather", "arguments": \{"city": "Rome", "unit": "celsius"\}\}\]', "On it. "),
 ])
 def test_other_auto_parsers(model, parser, regex, content):
-    srv = Server("--chat-template", TEMPLATE, "--enable-auto-tool-choice", "--tool-call-parser", parser,
+    srv = Server("--chat-template", HERMES_TEMPLATE, "--enable-auto-tool-choice", "--tool-call-parser", parser,
                  model=model, max_model_len=512)
     try:
         fields = dict(tools=TOOLS, structured_outputs={"regex": regex}, seed=11)

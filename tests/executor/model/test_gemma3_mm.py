@@ -4,18 +4,16 @@ both ways (AttentionMetadata.visible_until) on sliding and global layers alike; 
 logits are HF's causal-only ones, which differ."""
 from __future__ import annotations
 
-import os
 import shutil
 from typing import Any
 
 import pytest
 import torch
 
-from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.models.vision.gemma3_mm import Gemma3ForConditionalGeneration
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.kernels.attention.backends import TorchReferenceAttentionBackend
-from pagedserve.tests.helpers.parity import model_config
+from pagedserve.tests.helpers.parity import hf_class_model, our_model, saved_tensors
 from pagedserve.tests.helpers.models.tiny_gemma3 import IMAGE, make_tiny_gemma3
 from pagedserve.tests.helpers.models.tiny_models import bind_kv_cache, dense_prefill_metadata
 from pagedserve.tests.helpers.models.tiny_vlm import random_image
@@ -28,13 +26,12 @@ def folder(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def ours(folder) -> Gemma3ForConditionalGeneration:
-    return load_model(model_config(folder, max_model_len=1024), TPGroup())
+    return our_model(folder)
 
 
 @pytest.fixture(scope="module")
 def hf(folder) -> torch.nn.Module:
-    from transformers import Gemma3ForConditionalGeneration as HFGemma3
-    return HFGemma3.from_pretrained(folder, dtype=torch.float32).eval()
+    return hf_class_model(folder, "Gemma3ForConditionalGeneration")
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +40,6 @@ def inputs(folder) -> dict[str, torch.Tensor]:
     images = [random_image(seed, 40 + 8 * seed, 50) for seed in range(2)]
     text = f"USER: {IMAGE} then {IMAGE}{IMAGE} and some text after\nASSISTANT:"
     return AutoProcessor.from_pretrained(folder)(text=text, images=images + [images[0]], return_tensors="pt")
-
-
-def _saved(folder: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    return load_file(os.path.join(folder, "model.safetensors"))
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -84,7 +76,7 @@ def _logits(model: Gemma3ForConditionalGeneration, inputs: dict[str, torch.Tenso
 
 def test_loader_loads_every_expected_weight_with_the_head_tied(ours, folder, hf):
     assert ours.image_token_id == hf.config.image_token_id
-    saved = _saved(folder)
+    saved = saved_tensors(folder)
     assert "multi_modal_projector.mm_input_projection_weight" in saved and not any("lm_head" in n for n in saved)
     fresh = Gemma3ForConditionalGeneration(hf.config, TPGroup())
     loaded = fresh.load_weights(saved.items())
@@ -96,14 +88,14 @@ def test_every_checkpoint_layout_loads_the_same_weights(ours, folder, hf, tmp_pa
     from safetensors.torch import save_file
     classic = tmp_path / "classic"          # the hub's: SigLIP nested under vision_model
     shutil.copytree(folder, classic)
-    save_file({n.replace("vision_tower.", "vision_tower.vision_model.", 1): t for n, t in _saved(folder).items()},
+    save_file({n.replace("vision_tower.", "vision_tower.vision_model.", 1): t for n, t in saved_tensors(folder).items()},
               str(classic / "model.safetensors"))
     in_memory = Gemma3ForConditionalGeneration(hf.config, TPGroup())      # transformers 5's module names
     state = hf.state_dict()
     assert "model.language_model.layers.0.self_attn.q_proj.weight" in state
     assert in_memory.expected_weights() - in_memory.load_weights(state.items()) == set()
     want = _state(ours)
-    for model in (load_model(model_config(str(classic), max_model_len=1024), TPGroup()), in_memory):
+    for model in (our_model(str(classic)), in_memory):
         got = _state(model)
         assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
 

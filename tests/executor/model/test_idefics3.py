@@ -3,17 +3,15 @@ checkpoint: the loader, each sub-image's features (encoded alone, batched, and w
 logits at every position of prompts with one and two split images, and the bare Idefics3Model's names."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 import torch
 
 from pagedserve.common.multimodal.families import family_of, image_token_id, max_tokens_per_item
-from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.models.vision.idefics3 import Idefics3ForConditionalGeneration
 from pagedserve.executor.model.parallel_state import TPGroup
-from pagedserve.tests.helpers.parity import model_config
+from pagedserve.tests.helpers.parity import hf_class_model, our_model, saved_tensors
 from pagedserve.tests.helpers.models.tiny_models import bind_kv_cache, dense_prefill_metadata
 from pagedserve.tests.helpers.models.tiny_vlm import make_tiny_idefics3, random_image
 
@@ -27,24 +25,18 @@ def idefics_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def ours(idefics_dir) -> Idefics3ForConditionalGeneration:
-    return load_model(model_config(idefics_dir, max_model_len=1024), TPGroup())
+    return our_model(idefics_dir)
 
 
 @pytest.fixture(scope="module")
 def hf(idefics_dir) -> torch.nn.Module:
-    from transformers import Idefics3ForConditionalGeneration as HFIdefics3
-    return HFIdefics3.from_pretrained(idefics_dir, dtype=torch.float32).eval()
+    return hf_class_model(idefics_dir, "Idefics3ForConditionalGeneration")
 
 
 @pytest.fixture(scope="module")
 def processor(idefics_dir: str) -> Any:
     from transformers import AutoProcessor
     return AutoProcessor.from_pretrained(idefics_dir)
-
-
-def _saved_tensors(folder: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    return load_file(os.path.join(folder, "model.safetensors"))
 
 
 def _inputs(processor: Any, n_images: int) -> dict[str, torch.Tensor]:
@@ -89,7 +81,7 @@ def test_family_facts_match_the_processor(ours, hf, processor):
 def test_loader_loads_every_expected_weight(ours, idefics_dir, hf):
     assert type(ours).__name__ == "Idefics3ForConditionalGeneration"
     fresh = Idefics3ForConditionalGeneration(hf.config, TPGroup())
-    saved = _saved_tensors(idefics_dir)
+    saved = saved_tensors(idefics_dir)
     loaded = fresh.load_weights(saved.items())
     assert fresh.expected_weights() == loaded == set(saved)
     assert all(torch.equal(p, _state(ours)[n]) for n, p in _state(fresh).items())

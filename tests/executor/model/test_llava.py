@@ -3,7 +3,6 @@ features, the logits at every position of prompts with one and two images (featu
 placeholders as the runner merges them), the three checkpoint layouts, and the feature-layer options."""
 from __future__ import annotations
 
-import os
 import shutil
 from types import SimpleNamespace
 from typing import Any
@@ -11,10 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.models.vision.llava import LlavaForConditionalGeneration
 from pagedserve.executor.model.parallel_state import TPGroup
-from pagedserve.tests.helpers.parity import model_config
+from pagedserve.tests.helpers.parity import hf_class_model, our_model, saved_tensors
 from pagedserve.tests.helpers.models.tiny_models import bind_kv_cache, dense_prefill_metadata
 from pagedserve.tests.helpers.models.tiny_vlm import make_tiny_llava, random_image
 
@@ -26,24 +24,18 @@ def llava_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def ours(llava_dir) -> LlavaForConditionalGeneration:
-    return load_model(model_config(llava_dir, max_model_len=1024), TPGroup())
+    return our_model(llava_dir)
 
 
 @pytest.fixture(scope="module")
 def hf(llava_dir) -> torch.nn.Module:
-    from transformers import LlavaForConditionalGeneration as HFLlava
-    return HFLlava.from_pretrained(llava_dir, dtype=torch.float32).eval()
+    return hf_class_model(llava_dir, "LlavaForConditionalGeneration")
 
 
 @pytest.fixture(scope="module")
 def processor(llava_dir: str) -> Any:
     from transformers import AutoProcessor
     return AutoProcessor.from_pretrained(llava_dir)
-
-
-def _saved_tensors(folder: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    return load_file(os.path.join(folder, "model.safetensors"))
 
 
 def _classic(name: str) -> str:
@@ -80,7 +72,7 @@ def test_loader_loads_every_expected_weight(ours, llava_dir, hf):
     assert ours.image_token_id == hf.config.image_token_id
     assert ours.vision_tower.num_layers == 1        # feature layer -2 of 2: the last layer is never built
     fresh = LlavaForConditionalGeneration(hf.config, TPGroup())
-    loaded = fresh.load_weights(_saved_tensors(llava_dir).items())
+    loaded = fresh.load_weights(saved_tensors(llava_dir).items())
     assert fresh.expected_weights() - loaded == set()
     assert loaded <= fresh.expected_weights()
     assert all(torch.equal(p, _state(ours)[n]) for n, p in _state(fresh).items())
@@ -109,14 +101,14 @@ def test_logits_with_images_match_hf(ours, hf, processor, n_images):
 
 
 def test_every_checkpoint_layout_loads_the_same_weights(ours, llava_dir, hf, tmp_path):
-    saved = _saved_tensors(llava_dir)
+    saved = saved_tensors(llava_dir)
     classic = tmp_path / "classic"
     shutil.copytree(llava_dir, classic)
     from safetensors.torch import save_file
     save_file({_classic(n): t for n, t in saved.items()}, str(classic / "model.safetensors"))
-    assert any(n.startswith("vision_tower.vision_model.") for n in _saved_tensors(str(classic)))
+    assert any(n.startswith("vision_tower.vision_model.") for n in saved_tensors(str(classic)))
     want = _state(ours)
-    for_classic = load_model(model_config(str(classic), max_model_len=1024), TPGroup())
+    for_classic = our_model(str(classic))
     in_memory = LlavaForConditionalGeneration(hf.config, TPGroup())     # transformers 5's own module names
     state = hf.state_dict()
     assert "model.language_model.layers.0.self_attn.q_proj.weight" in state and "lm_head.weight" in state

@@ -12,13 +12,12 @@ import pytest
 import torch
 
 from pagedserve.common.multimodal.families import ProcessorSettings, family_of, image_token_id, max_tokens_per_item
-from pagedserve.executor.model.model_loader import load_model
 from pagedserve.executor.model.models.vision.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from pagedserve.executor.model.models.vision.qwen2_vl import Qwen2VLForConditionalGeneration
 from pagedserve.executor.model.parallel_state import TPGroup
 from pagedserve.frontend.multimodal.expansion_items import tensor_data
 from pagedserve.ipc.messages import MultiModalFeature
-from pagedserve.tests.helpers.parity import model_config
+from pagedserve.tests.helpers.parity import hf_class_model, our_model
 from pagedserve.tests.helpers.models.tiny_models import bind_kv_cache, dense_prefill_metadata
 from pagedserve.tests.helpers.models.tiny_qwen2_vl import IMAGE, MAX_PIXELS, VIDEO_SIZE, hf_processor, make_tiny_qwen2_vl
 from pagedserve.tests.helpers.models.tiny_vlm import random_image
@@ -43,15 +42,14 @@ def qwen_dir(version, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def ours(qwen_dir, version) -> Qwen2VLForConditionalGeneration:
-    model = load_model(model_config(qwen_dir, max_model_len=1024), TPGroup())
+    model = our_model(qwen_dir)
     assert type(model) is VERSIONS[version][0]
     return model
 
 
 @pytest.fixture(scope="module")
 def hf(qwen_dir, version) -> torch.nn.Module:
-    import transformers
-    return getattr(transformers, VERSIONS[version][1]).from_pretrained(qwen_dir, dtype=torch.float32).eval()
+    return hf_class_model(qwen_dir, VERSIONS[version][1])
 
 
 @pytest.fixture(scope="module")

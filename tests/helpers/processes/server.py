@@ -20,6 +20,9 @@ from pagedserve.tests.helpers.processes import metrics as _metrics
 
 API_KEY = "test-key-123"
 TOKEN = "engine-token-abc"
+# A Hermes (Qwen2.5-like) chat template that renders tools: the tool-calling servers' --chat-template.
+HERMES_TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "..", "data", "hermes_tools.jinja")
+TOOL_FLAGS = ("--chat-template", HERMES_TEMPLATE, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 SMALL_KV = ("--kv-cache-memory", "0.25")      # GiB: servers that live through a module need not hold 2
 
 
