@@ -7,7 +7,7 @@ arrival and ends at its last token), and `drop` when it ended unfinished (aborte
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.frontend.client.input_processor import PreparedRequest
@@ -43,11 +43,12 @@ class _Started:
 
 
 class RequestSpans:
-    def __init__(self, endpoint: str, model_name: str, detailed: bool = False) -> None:
-        """detailed: the engine core's scheduling moments become the span's events."""
+    def __init__(self, endpoint: str, model_name: str, detailed: Optional[str] = None) -> None:
+        """detailed: collect_detailed_traces (settings.DETAILED_TRACES); any value makes the engine core's
+        scheduling moments the span's events."""
         self.tracer, self.provider = otel.make_tracer(endpoint)
         self.model_name = model_name
-        self.detailed = detailed
+        self.detailed = detailed is not None
         self._started: dict[str, _Started] = {}
 
     def begin(self, prepared: PreparedRequest) -> None:
