@@ -1,6 +1,6 @@
 """The offline LLM traces as the server does (issue 51): `LLM(otlp_traces_endpoint=...)`, vLLM's argument, sends one
-`llm_request` span per request of `generate` and `chat`, with the server's attributes, to a real OTLP/HTTP
-receiver. `shutdown` sends what is
+`llm_request` span per request of `generate` and `chat`, with the server's attributes, to real OTLP receivers,
+over OTLP/HTTP and over gRPC (vLLM's and the SDK's default protocol: no variable set). `shutdown` sends what is
 still queued: the spans are there when it returns, long before the batch processor's own schedule."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.frontend.offline.llm import LLM
-from pagedserve.tests.frontend.tracing.otlp_receiver import OtlpReceiver, attributes
+from pagedserve.tests.frontend.tracing.otlp_receiver import OtlpGrpcReceiver, OtlpReceiver, attributes
 from pagedserve.tests.helpers.server import free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -67,6 +67,27 @@ def test_generate_and_chat_send_a_span_per_request_over_http(tiny_serving_model,
         assert [e.name for e in span.events][:2] == ["QUEUED", "SCHEDULED"]
         assert all(span.start_time_unix_nano <= e.time_unix_nano <= span.end_time_unix_nano for e in span.events)
     assert attributes(spans[chat.request_id])["gen_ai.usage.completion_tokens"] == 2
+
+
+def test_grpc_is_the_default_protocol(tiny_serving_model, monkeypatch, slow_batches):
+    """No OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: the SDK's OTLP/gRPC exporter, which reads the other OTEL_ variables
+    itself (the headers reach the receiver as gRPC metadata)."""
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x-tenant=t51")
+    port = free_port()
+    receiver = OtlpGrpcReceiver(port)
+    try:
+        with LLM(tiny_serving_model, **ENGINE, otlp_traces_endpoint=f"http://127.0.0.1:{port}") as llm:
+            outs = llm.generate(["over grpc", "twice"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        spans = by_id(receiver.wait_for(lambda s: True, count=2, timeout_s=0))
+    finally:
+        receiver.close()
+    assert set(spans) == {o.request_id for o in outs}
+    for out in outs:
+        a = attributes(spans[out.request_id])
+        assert a["gen_ai.usage.completion_tokens"] == 4 and a["gen_ai.usage.prompt_tokens"] == len(out.prompt_token_ids)
+        assert spans[out.request_id].events == []          # no collect_detailed_traces: no events
+    assert receiver.metadata.get("x-tenant") == "t51"
 
 
 def test_tracing_arguments_are_checked_before_the_engine_starts():
