@@ -98,7 +98,9 @@ class ServerArgs:
     collect_detailed_traces: str | None = setting(
         None, choices=DETAILED_TRACES,
         help="with --otlp-traces-endpoint: add the engine core's scheduling moments of each request (QUEUED, "
-             "SCHEDULED, PREEMPTED) to its span as events; vLLM's values, which all add the same events here")
+             "SCHEDULED, PREEMPTED) to its span as events, and the model's times summed over its steps: model "
+             "the forward's (gen_ai.latency.time_in_model_forward), worker the executor's "
+             "(gen_ai.latency.time_in_model_execute), all both")
     log_level: str = setting("info", choices=LOG_LEVELS, help="log messages of this level and above")
     root_path: str | None = setting(
         None, help="the path prefix a reverse proxy serves this server under (e.g. /llm): routes answer with "

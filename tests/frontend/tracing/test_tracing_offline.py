@@ -22,6 +22,7 @@ ATTRIBUTES = {"gen_ai.usage.prompt_tokens", "gen_ai.usage.completion_tokens", "g
               "gen_ai.response.model", "gen_ai.latency.time_in_queue", "gen_ai.latency.time_to_first_token",
               "gen_ai.latency.e2e", "gen_ai.latency.time_in_model_prefill", "gen_ai.latency.time_in_model_decode",
               "gen_ai.latency.time_in_model_inference"}
+MODEL_TIMES = {"gen_ai.latency.time_in_model_forward", "gen_ai.latency.time_in_model_execute"}
 
 
 @pytest.fixture
@@ -46,6 +47,7 @@ def test_generate_and_chat_send_a_span_per_request_over_http(tiny_serving_model,
             [chat] = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2, ignore_eos=True),
                               use_tqdm=False)
             model = llm.info.served_model_name
+            assert not llm.engine.model_times         # every traced request finished: none is left tracked
             assert receiver.spans == []            # nothing left yet: the batch processor waits
         spans = by_id(receiver.wait_for(lambda s: True, count=4, timeout_s=0))
     finally:
@@ -55,7 +57,12 @@ def test_generate_and_chat_send_a_span_per_request_over_http(tiny_serving_model,
         span = spans[out.request_id]
         a = attributes(span)
         assert span.name == "llm_request" and span.kind == SPAN_KIND_SERVER and span.parent_span_id == b""
-        assert set(a) == ATTRIBUTES
+        assert set(a) == ATTRIBUTES | MODEL_TIMES            # "all": the model's times as well
+        # Sums over the steps the request was in: the forward is part of the executor's step, and both part of
+        # the time from its first scheduling to its last token.
+        forward, execute = a["gen_ai.latency.time_in_model_forward"], a["gen_ai.latency.time_in_model_execute"]
+        assert 0 < forward <= execute <= a["gen_ai.latency.time_in_model_inference"] + 1e-3
+        assert (out.metrics["model_forward_time"], out.metrics["model_execute_time"]) == (forward, execute)
         assert a["gen_ai.usage.prompt_tokens"] == len(out.prompt_token_ids)
         assert a["gen_ai.usage.completion_tokens"] == len(out.outputs[0].token_ids) == p.max_tokens
         assert (a["gen_ai.request.max_tokens"], a["gen_ai.request.temperature"]) == (p.max_tokens, 0.5)
@@ -87,7 +94,25 @@ def test_grpc_is_the_default_protocol(tiny_serving_model, monkeypatch, slow_batc
         a = attributes(spans[out.request_id])
         assert a["gen_ai.usage.completion_tokens"] == 4 and a["gen_ai.usage.prompt_tokens"] == len(out.prompt_token_ids)
         assert spans[out.request_id].events == []          # no collect_detailed_traces: no events
+        assert not MODEL_TIMES & set(a) and "model_execute_time" not in out.metrics     # nor model times
     assert receiver.metadata.get("x-tenant") == "t51"
+
+
+def test_worker_adds_the_execute_time_only(tiny_serving_model, monkeypatch, slow_batches):
+    """vLLM's values: "worker" times the executor's steps, "model" the forward; both add the events."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    port = free_port()
+    receiver = OtlpReceiver(port)
+    try:
+        with LLM(tiny_serving_model, **ENGINE, otlp_traces_endpoint=f"http://127.0.0.1:{port}/v1/traces",
+                 collect_detailed_traces="worker") as llm:
+            llm.generate("worker", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        [span] = receiver.wait_for(lambda s: True, timeout_s=0)
+    finally:
+        receiver.close()
+    a = attributes(span)
+    assert a["gen_ai.latency.time_in_model_execute"] > 0 and "gen_ai.latency.time_in_model_forward" not in a
+    assert [e.name for e in span.events][:2] == ["QUEUED", "SCHEDULED"]
 
 
 def test_tracing_arguments_are_checked_before_the_engine_starts():
