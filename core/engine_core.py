@@ -24,6 +24,7 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.rl.control import RLControl
 from pagedserve.core.sched.scheduler import Scheduler
 from pagedserve.core.structured_output.setup import check_structured_outputs, make_structured_output_manager
+from pagedserve.core.tracing.model_times import ModelTimes
 from pagedserve.ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo,
                                      ModelRunnerOutput, SchedulerOutput)
 
@@ -77,7 +78,8 @@ class EngineCore:
         self._launched_at = 0.0                                                  # when it was launched
         # Pipeline parallelism: up to one batch per stage in flight, oldest first (vLLM's batch queue).
         self.batch_queue_size = config.scheduler.batch_queue_size
-        self._batch_queue: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
+        self._batch_queue: deque[tuple[SchedulerOutput, PendingOutput, float]] = deque()    # ..., launched at
+        self.model_times = ModelTimes()       # --collect-detailed-traces: the traced requests' step times
         self._info: EngineInfo | None = None
         # collective_rpc, weight reloads, sleep (core/rl/control.py)
         self.rl = RLControl(self.executor, config.rl, self._weights_changed, self.settle)
@@ -134,6 +136,8 @@ class EngineCore:
         if structured is not None:
             request.structured = self.structured_outputs.submit(structured)
         self.scheduler.add_request(request)
+        if req.trace_model_times:
+            self.model_times.track(req.request_id)
 
     def _lora_digest(self, lora_int_id: int) -> bytes | None:
         """The adapter's digest, held for the request (released when it ends); None for the base model."""
@@ -145,7 +149,10 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        return [EngineCoreOutput(request_id=r.request_id, new_token_ids=[], finish_reason="abort") for r in done]
+        outputs = [EngineCoreOutput(request_id=r.request_id, new_token_ids=[], finish_reason="abort") for r in done]
+        if self.model_times:
+            self.model_times.attach(outputs)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         """Outputs to give: a step's, or those of the requests sleep() ended (none is stepped while asleep)."""
@@ -174,12 +181,12 @@ class EngineCore:
             return self._step_batch_queue()
         if self.async_scheduling:
             return self._step_async()
-        sched = self.scheduler.schedule()
+        sched = self._schedule()
         outputs = self._take_grammar_errors()
         if _has_work(sched):
             start = time.perf_counter()
             result = self.executor.execute_model(sched)
-            self._time_step(sched, start)
+            self._time_step(sched, start, result)
             outputs += self.scheduler.update_from_output(sched, result)
         elif not outputs:
             self.scheduler.grammar_waiters.wait()   # only compiles pending: do not spin
@@ -192,7 +199,7 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         if self._in_flight is not None and self.scheduler.needs_each_output_before_scheduling():
             outputs += self._take_in_flight()
-        sched = self.scheduler.schedule()
+        sched = self._schedule()
         outputs += self._take_grammar_errors()
         self._launched_at = time.perf_counter()
         started = (sched, self.executor.execute_model_async(sched)) if _has_work(sched) else None
@@ -211,15 +218,18 @@ class EngineCore:
         started = False
         num_tokens = 0
         if len(self._batch_queue) < self.batch_queue_size:
-            sched = self.scheduler.schedule()
+            sched = self._schedule()
             outputs += self._take_grammar_errors()
             num_tokens = sched.total_num_scheduled_tokens
             if _has_work(sched):
-                self._batch_queue.append((sched, self.executor.execute_model_async(sched)))
+                self._batch_queue.append((sched, self.executor.execute_model_async(sched), time.perf_counter()))
                 started = True
         if self._batch_queue and (not started or len(self._batch_queue) >= self.batch_queue_size):
-            sched, future = self._batch_queue.popleft()
-            outputs += self.scheduler.update_from_output(sched, future.result())
+            sched, future, launched_at = self._batch_queue.popleft()
+            result = future.result()
+            if self.model_times:
+                self.model_times.add_step(sched, time.perf_counter() - launched_at, result.forward_time)
+            outputs += self.scheduler.update_from_output(sched, result)
         elif not started and not outputs:
             self.scheduler.grammar_waiters.wait()   # only compiles pending: do not spin
         return self._outputs(outputs, num_tokens)
@@ -234,17 +244,27 @@ class EngineCore:
         sched, future = self._in_flight
         self._in_flight = None
         result = future.result()
-        self._time_step(sched, self._launched_at)
+        self._time_step(sched, self._launched_at, result)
         return self.scheduler.update_from_output(sched, result)
 
-    def _time_step(self, sched: SchedulerOutput, start: float) -> None:
+    def _schedule(self) -> SchedulerOutput:
+        sched = self.scheduler.schedule()
+        if self.model_times:
+            sched.time_forward = self.model_times.wanted(sched)
+        return sched
+
+    def _time_step(self, sched: SchedulerOutput, start: float, result: ModelRunnerOutput) -> None:
         """Tell the speculative step cost model how long a step of this many tokens took (with drafts, async
         scheduling takes each step's output before it launches the next: the time from launch to output is
-        the step's)."""
+        the step's), and the traced requests of the step its times."""
         if self.scheduler.spec is not None and sched.total_num_scheduled_tokens:
             self.scheduler.spec.cost.observe(sched.total_num_scheduled_tokens, time.perf_counter() - start)
+        if self.model_times:
+            self.model_times.add_step(sched, time.perf_counter() - start, result.forward_time)
 
     def _outputs(self, outputs: list[EngineCoreOutput], num_step_tokens: int) -> EngineCoreOutputs:
+        if self.model_times:
+            self.model_times.attach(outputs)
         stats = self.scheduler.make_stats()
         if self.loras is not None:
             names = self.loras.running_adapters({r.lora_int_id for r in self.scheduler.running} - {0})

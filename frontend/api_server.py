@@ -90,8 +90,7 @@ def _request_spans(engine: AsyncEngineClient, settings: ServerArgs, served_model
     """--otlp-traces-endpoint: a span per request; without it no hook is installed and nothing imported."""
     if not settings.otlp_traces_endpoint:
         return None
-    spans = RequestSpans(settings.otlp_traces_endpoint, served_model_name,
-                         detailed=settings.collect_detailed_traces is not None)
+    spans = RequestSpans(settings.otlp_traces_endpoint, served_model_name, settings.collect_detailed_traces)
     engine.started_hooks.append(spans.begin)
     engine.finished_hooks.append(spans.finish)
     engine.unfinished_hooks.append(spans.drop)

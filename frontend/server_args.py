@@ -4,15 +4,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pagedserve.common import envs
 from pagedserve.common.config.arg_utils import check_choices, setting
 from pagedserve.frontend.dp.router import ROUTING_POLICIES
 from pagedserve.frontend.parsers.tool_parsers import TOOL_PARSERS
+from pagedserve.frontend.tracing.settings import DETAILED_TRACES, check_tracing
 
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
 TOOL_PARSER_NAMES = tuple(TOOL_PARSERS)
 
-DETAILED_TRACES = ("all", "model", "worker")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -99,7 +98,9 @@ class ServerArgs:
     collect_detailed_traces: str | None = setting(
         None, choices=DETAILED_TRACES,
         help="with --otlp-traces-endpoint: add the engine core's scheduling moments of each request (QUEUED, "
-             "SCHEDULED, PREEMPTED) to its span as events; vLLM's values, which all add the same events here")
+             "SCHEDULED, PREEMPTED) to its span as events, and the model's times summed over its steps: model "
+             "the forward's (gen_ai.latency.time_in_model_forward), worker the executor's "
+             "(gen_ai.latency.time_in_model_execute), all both")
     log_level: str = setting("info", choices=LOG_LEVELS, help="log messages of this level and above")
     root_path: str | None = setting(
         None, help="the path prefix a reverse proxy serves this server under (e.g. /llm): routes answer with "
@@ -136,10 +137,7 @@ class ServerArgs:
                             ("--max-concurrent-requests", self.max_concurrent_requests)):
             if value is not None and value <= 0:
                 raise ValueError(f"{flag} must be a positive integer, got {value}")
-        if self.collect_detailed_traces and not self.otlp_traces_endpoint:
-            raise ValueError("--collect-detailed-traces needs --otlp-traces-endpoint (the spans it adds to)")
-        if self.otlp_traces_endpoint:
-            envs.OTEL_EXPORTER_OTLP_TRACES_PROTOCOL        # ValueError, naming the variable, for a bad one
+        check_tracing(self.otlp_traces_endpoint, self.collect_detailed_traces)
         if self.responses_store_max_entries < 0:
             raise ValueError(f"--responses-store-max-entries must be >= 0, got {self.responses_store_max_entries}")
         if not self.shutdown_timeout >= 0:

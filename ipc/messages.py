@@ -56,6 +56,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag
     # its sampling_params are then only max_tokens=0 and the output kind.
     pooling_params: Optional[PoolingParams] = None
     mm_features: Optional[list[MultiModalFeature]] = None    # images of the prompt, in prompt order
+    # --collect-detailed-traces: sum the model's step times over the steps this request is in (core/tracing/).
+    trace_model_times: bool = False
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
@@ -103,6 +105,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error_field: Optional[str] = None       # with error: the request field at fault (RequestError.field)
     pooling_output: Optional[bytes] = None  # a pooling request's answer: float32 values, little-endian, raw
     events: Optional[list[EngineCoreEvent]] = None      # those since its last output (traces)
+    # On the finished output of a request with trace_model_times: seconds, summed over the steps it was in, of
+    # the answering rank's model forward and of the executor's whole step (forward, ranks' sync, sampling).
+    model_forward_time: Optional[float] = None
+    model_execute_time: Optional[float] = None
 
     @property
     def finished(self) -> bool:
@@ -308,6 +314,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     encoder_inputs: list[EncoderInput] = []
     free_encoder_mm_hashes: list[str] = []
     kv_connector_metadata: Optional[KVConnectorMetadata] = None     # --kv-transfer-config: loads and saves
+    # A scheduled request traces model times: the ranks time the forward (on a GPU, synchronizing around it).
+    time_forward: bool = False
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
@@ -324,6 +332,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     # Pooling rows whose prompt completed this step: their pooled vector (float32 bytes), None elsewhere.
     pooler_output: Optional[list[Optional[bytes]]] = None
     kv_connector_output: Optional[KVConnectorOutput] = None        # --kv-transfer-config: loads and saves done
+    forward_time: Optional[float] = None     # with SchedulerOutput.time_forward: seconds of this rank's forward
 
 
 class PromptLogprobsChunk(msgspec.Struct, array_like=True):

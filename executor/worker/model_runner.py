@@ -5,6 +5,7 @@ import logging
 import math
 import mmap
 import threading
+import time
 from typing import Protocol
 
 import torch
@@ -240,7 +241,24 @@ class ModelRunner:
             self.encoder.run(sched)
         if sched.total_num_scheduled_tokens == 0:
             return PendingStep.ready(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+        if not sched.time_forward:
+            return self._after_forward(sched, *self._forward(sched))
+        # A traced request is in the step (--collect-detailed-traces): its forward, timed to the device's end.
+        self._sync()
+        start = time.perf_counter()
         batch, hidden = self._forward(sched)
+        self._sync()
+        forward_s = time.perf_counter() - start
+        step = self._after_forward(sched, batch, hidden)
+        step.forward_time = forward_s
+        return step
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _after_forward(self, sched: SchedulerOutput, batch: PreparedBatch, hidden: torch.Tensor) -> PendingStep:
+        """The step past its forward: pooling, the next stage's send, or the logits and sampling."""
         if self.config.pooler is not None:     # every request of a pooling model pools; none samples
             return PendingStep.ready(pooling_output(self.model, self.config.pooler, batch, hidden, self.states))
         if not self.pp.is_last:

@@ -63,6 +63,7 @@ class PendingStep:
         self._pinned: torch.Tensor | None = None      # the pool buffer host_ids is a view of
         self._output: ModelRunnerOutput | None = None
         self.kv_connector_output: KVConnectorOutput | None = None     # the KV connector's report, if any
+        self.forward_time: float | None = None      # SchedulerOutput.time_forward: seconds of the forward
 
     @classmethod
     def ready(cls, output: ModelRunnerOutput) -> "PendingStep":
@@ -106,6 +107,8 @@ class PendingStep:
                     self._output = self._build()
         if self.kv_connector_output is not None:
             self._output.kv_connector_output = self.kv_connector_output
+        if self.forward_time is not None:
+            self._output.forward_time = self.forward_time
         return self._output
 
     def _build(self) -> ModelRunnerOutput:

@@ -41,6 +41,8 @@ class _Parent:
     first_token_time: float | None = None
     queue_time: float | None = None           # measured by the engine core, sent with the first token
     events: list[EngineCoreEvent] = field(default_factory=list)     # its samples' scheduling moments
+    # Traced model times (EngineCoreOutput.model_*_time), the most over its samples: they run in the same steps.
+    model_times: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     error_kind: str | None = None
     error_field: str | None = None
@@ -102,6 +104,10 @@ class OutputProcessor:
                 parent.queue_time = out.queue_time
             if out.events:
                 parent.events.extend(out.events)
+            if out.model_execute_time is not None:
+                for name, value in (("model_forward_time", out.model_forward_time),
+                                    ("model_execute_time", out.model_execute_time)):
+                    parent.model_times[name] = max(parent.model_times.get(name, 0.0), value or 0.0)
             if out.pooling_output is not None:
                 parent.pooling_output = out.pooling_output
             if out.new_token_ids:
@@ -159,6 +165,8 @@ class OutputProcessor:
             metrics["first_token_time"] = parent.first_token_time
         if parent.queue_time is not None:
             metrics["queue_time"] = parent.queue_time
+        if finished:
+            metrics.update(parent.model_times)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
                              parent.num_cached_tokens, metrics, parent.error, parent.error_kind,
                              self._prompt_logprobs(parent, delta), parent.error_field, parent.pooling_output,

@@ -42,7 +42,8 @@ class StrictModel(BaseModel):
         """A misspelt field fails with the name it was probably meant to be (`max_token` -> max_tokens)."""
         if not isinstance(data, dict):
             return data                   # pydantic reports the wrong type itself
-        known = set(cls.model_fields)
+        # A field spelt by its alias (Anthropic's output_config.format.schema is the field schema_) is known.
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
         for key in data:
             if isinstance(key, str) and key not in known:
                 close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)

@@ -23,10 +23,12 @@ from pagedserve.frontend.client.output_processor import OutputProcessor
 from pagedserve.frontend.client.outputs import RequestOutput
 from pagedserve.frontend.client.processors import Processors
 from pagedserve.frontend.client.prompt_lists import as_prompt_list, per_prompt
+from pagedserve.frontend.tracing.settings import check_tracing
 from pagedserve.ipc.messages import EngineCoreRequest
 
 if TYPE_CHECKING:
     from pagedserve.frontend.client.core_client import EngineCoreClient
+    from pagedserve.frontend.tracing.request_spans import RequestSpans
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +37,15 @@ class LLM:
     """Offline engine. `multiprocess_core=True` runs the engine core in its own process (as the
     server does); otherwise it runs here. tensor_parallel_size > 1 always uses worker processes."""
 
-    def __init__(self, model: str | None = None, *, multiprocess_core: bool = False, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, *, multiprocess_core: bool = False,
+                 otlp_traces_endpoint: str | None = None, collect_detailed_traces: str | None = None,
+                 **kwargs: Any) -> None:
+        """otlp_traces_endpoint, collect_detailed_traces: vLLM's, as engine-serve's flags of those names
+        (docs/tracing.md): one span per request to that OTLP endpoint."""
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise ValueError(f"LLM got unknown argument(s): {', '.join(sorted(unknown))}")
+        check_tracing(otlp_traces_endpoint, collect_detailed_traces, spell=str)
         self.engine_args = EngineArgs(model=model, **kwargs)
         if self.engine_args.data_parallel_size != 1:
             raise ValueError("data_parallel_size: LLM runs one engine core; engine-serve --data-parallel-size N "
@@ -58,6 +65,10 @@ class LLM:
         self.rl = RLClient(self.client, self.engine_args.requests_while_sleeping)
         self._ids = itertools.count()
         self._loras: dict[int, LoRARequest] = {}      # adapters this LLM registered with the core, by id
+        self._spans: RequestSpans | None = None       # off: nothing imported, a None check per request
+        if otlp_traces_endpoint:
+            from pagedserve.frontend.tracing.request_spans import RequestSpans
+            self._spans = RequestSpans(otlp_traces_endpoint, self.info.served_model_name, collect_detailed_traces)
 
     @property
     def tokenizer(self) -> Any:
@@ -154,6 +165,8 @@ class LLM:
         """Run requests prepared (and so validated) all before any is queued; their final outputs, in order."""
         for prepared in batch:   # validated all before queueing any
             self.processors.track(prepared)
+            if self._spans is not None:
+                self._spans.begin(prepared)
         backlog = deque(request for prepared in batch for request in prepared.requests)
         return self._run_engine([prepared.request_id for prepared in batch], backlog, use_tqdm)
 
@@ -238,6 +251,8 @@ class LLM:
                         raise RequestError(output.error_field, f"request {output.request_id} failed: {output.error}")
                     if output.finished:
                         results[output.request_id] = output
+                        if self._spans is not None:
+                            self._spans.finish(output, int(output.metrics.get("num_generation_tokens", 0)))
                         out_tokens += sum(len(c.token_ids) for c in output.outputs)
                         bar.update(1)
                         bar.set_postfix_str(f"{out_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
@@ -251,6 +266,9 @@ class LLM:
             pending = self.output_processor.unfinished_ids()
             self.output_processor.abort_request(pending)
             self.client.abort_requests(pending)
+            if self._spans is not None:
+                for rid in order:
+                    self._spans.drop(rid)       # no span for a request that did not finish
             raise
         finally:
             bar.close()
@@ -282,6 +300,8 @@ class LLM:
         if not getattr(self, "_closed", False):
             self._closed = True
             self.client.close()
+            if self._spans is not None:
+                self._spans.shutdown()          # the spans still queued leave now
 
     def __enter__(self) -> "LLM":
         return self

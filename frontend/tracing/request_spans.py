@@ -7,7 +7,7 @@ arrival and ends at its last token), and `drop` when it ended unfinished (aborte
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.frontend.client.input_processor import PreparedRequest
@@ -34,6 +34,13 @@ class SpanAttributes:
     TIME_IN_MODEL_PREFILL = "gen_ai.latency.time_in_model_prefill"
     TIME_IN_MODEL_DECODE = "gen_ai.latency.time_in_model_decode"
     TIME_IN_MODEL_INFERENCE = "gen_ai.latency.time_in_model_inference"
+    TIME_IN_MODEL_FORWARD = "gen_ai.latency.time_in_model_forward"
+    TIME_IN_MODEL_EXECUTE = "gen_ai.latency.time_in_model_execute"
+
+
+# RequestOutput.metrics key, the attribute it becomes, and the collect_detailed_traces values that add it.
+_MODEL_TIMES = (("model_forward_time", SpanAttributes.TIME_IN_MODEL_FORWARD, ("model", "all")),
+                ("model_execute_time", SpanAttributes.TIME_IN_MODEL_EXECUTE, ("worker", "all")))
 
 
 @dataclass(frozen=True)
@@ -43,15 +50,23 @@ class _Started:
 
 
 class RequestSpans:
-    def __init__(self, endpoint: str, model_name: str, detailed: bool = False) -> None:
-        """detailed: the engine core's scheduling moments become the span's events."""
+    def __init__(self, endpoint: str, model_name: str, detailed: Optional[str] = None) -> None:
+        """detailed: collect_detailed_traces (settings.DETAILED_TRACES); any value makes the engine core's
+        scheduling moments the span's events."""
         self.tracer, self.provider = otel.make_tracer(endpoint)
         self.model_name = model_name
-        self.detailed = detailed
+        self.detailed = detailed is not None
+        # vLLM's meaning of the values: "model" adds the forward's time, "worker" the executor's, "all" both.
+        self.model_times = {name: attribute for name, attribute, values in _MODEL_TIMES if detailed in values}
         self._started: dict[str, _Started] = {}
 
     def begin(self, prepared: PreparedRequest) -> None:
+        """Called before the request's engine requests are sent: with model or worker times to report, they
+        ask the engine core to time the steps they are in."""
         self._started[prepared.request_id] = _Started(dict(current_trace_headers()), prepared.params)
+        if self.model_times:
+            for request in prepared.requests:
+                request.trace_model_times = True
 
     def drop(self, request_id: str) -> None:
         self._started.pop(request_id, None)
@@ -63,6 +78,7 @@ class RequestSpans:
         t = out.metrics
         arrival, last = t["arrival_time"], t.get("last_token_time", t["arrival_time"])
         attributes = {**_latencies(t), **_request_params(started.params),
+                      **{attribute: t[name] for name, attribute in self.model_times.items() if name in t},
                       SpanAttributes.USAGE_PROMPT_TOKENS: len(out.prompt_token_ids),
                       SpanAttributes.USAGE_COMPLETION_TOKENS: num_output_tokens,
                       SpanAttributes.REQUEST_ID: out.request_id,

@@ -79,6 +79,9 @@ def test_a_span_per_request_joins_the_callers_trace(traced_server, receiver):
                  "time_in_model_decode", "time_in_model_inference"):
         assert a[f"gen_ai.latency.{name}"] >= 0, name
     assert a["gen_ai.latency.time_to_first_token"] <= a["gen_ai.latency.e2e"]
+    # --collect-detailed-traces all: the model's times, summed over the request's steps in the engine core.
+    forward, execute = a["gen_ai.latency.time_in_model_forward"], a["gen_ai.latency.time_in_model_execute"]
+    assert 0 < forward <= execute <= a["gen_ai.latency.time_in_model_inference"] + 1e-3
     # The span runs from the request's arrival to its last token.
     duration = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
     assert duration == pytest.approx(a["gen_ai.latency.e2e"], abs=1e-3)
