@@ -21,6 +21,7 @@ import zmq
 
 from pagedserve.common.config.engine_args import CLIENT_EXPIRY_S, CORE_HEARTBEAT_INTERVAL_S, EngineArgs, EngineConfig
 from pagedserve.core.engine_core import EngineCore, ExecutorLike
+from pagedserve.core.multimodal.received_items import ReceivedItems
 from pagedserve.common.process_utils import describe_exception, setup_child_process
 from pagedserve.common.throttled_log import ThrottledLog
 from pagedserve.ipc.messages import (AbortRequests, EngineCoreInput, EngineCoreOutput, EngineCoreOutputs,
@@ -92,6 +93,8 @@ class EngineCoreProc:
         self._next_prune = 0.0
         self._stop = threading.Event()
         self._bad_input_log = ThrottledLog(logger)
+        mm = core.config.multimodal
+        self._items = ReceivedItems(mm.processor_cache_gb if mm is not None else 0.0)
         # Bind before the handshake goes out, so clients can connect as soon as they hear "ready".
         self.input_socket = make_socket(ctx, addresses.input, zmq.ROUTER, bind=True,
                                         max_msg_bytes=MAX_INPUT_FRAME_BYTES)
@@ -157,7 +160,7 @@ class EngineCoreProc:
     def _add_request(self, client: bytes, req: EngineCoreRequest) -> None:
         """The socket's requests are validated here, once (decoding them did not): a refusal names the field."""
         try:
-            self.core.add_request(req)
+            self.core.add_request(self._items.take(client, req, self.clients))
         except ValueError as exc:
             self.outputs.put((client, EngineCoreOutputs(outputs=[refused_output(req.request_id, exc)])))
             return

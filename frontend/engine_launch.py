@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 from pagedserve.common.config.engine_args import EngineArgs
 from pagedserve.core.engine_core_proc import CoreAddresses
-from pagedserve.frontend.client.core_client import AsyncMPClient, CoreHandle, CoreProcess
+from pagedserve.frontend.client.core_client import AsyncMPClient, CoreHandle
+from pagedserve.frontend.client.core_process import CoreProcess
 from pagedserve.frontend.dp.client import DataParallelClient
 from pagedserve.frontend.dp.remote import advertised_host, announce, free_port_pair, wait_for_engines
 from pagedserve.frontend.dp.router import PrefixRouter

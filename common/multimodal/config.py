@@ -24,7 +24,7 @@ DEFAULT_MM_PROCESSOR_CACHE_GB = 4.0
 class MultiModalConfig:
     limit_per_prompt: dict[str, int]         # modality -> most items one prompt may hold
     processor_kwargs: dict[str, Any] = field(compare=False)      # --mm-processor-kwargs, to the HF processor
-    processor_cache_gb: float                # --mm-processor-cache-gb: the frontend's processed-item cache
+    processor_cache_gb: float                # --mm-processor-cache-gb: processed items kept, frontend and core alike
     allowed_local_media_path: str | None     # file:// media only under it; None: no file:// URLs
     max_tokens_per_item: int                 # placeholder tokens of the largest item the processor makes
     item_rules: dict[str, ItemRule] = field(compare=False)     # per modality, each item's tensors and shapes

@@ -23,7 +23,8 @@ from pagedserve.common.errors import (ENGINE_DIED, OVERLOADED, SLEEPING, EngineO
                                       RequestError)
 from pagedserve.common.request_checks import check_request_id
 from pagedserve.common.params.sampling_params import SamplingParams
-from pagedserve.frontend.client.core_client import AsyncMPClient, CoreProcess, EngineDeadError, split_engine_address
+from pagedserve.frontend.client.core_client import AsyncMPClient, EngineDeadError
+from pagedserve.frontend.client.core_process import CoreProcess, split_engine_address
 from pagedserve.frontend.client.input_processor import PreparedRequest, ProcessedPrompt, PromptType
 from pagedserve.frontend.client.outputs import RequestOutput
 from pagedserve.frontend.client.processors import Processors
@@ -40,6 +41,8 @@ class AsyncEngineClient:
         max_media_bytes: one image's or video's most bytes, however it comes (the server's --max-body-bytes)."""
         self.info = info
         self.client = client
+        if info.mm_limits:
+            client.use_mm_cache(info.mm_processor_cache_gb)
         self.processors = Processors.from_info(info, chat_template, max_media_bytes)
         # Tokenizing a multi-MiB prompt takes seconds; on the event loop it would stall every stream.
         # One thread: calls stay serialized, as they were on the loop.

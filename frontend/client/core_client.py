@@ -1,11 +1,10 @@
-"""Clients of an engine core process: start and supervise it, send requests, receive outputs."""
+"""Clients of an engine core process (core_process.py starts it): send requests, receive outputs, watch its
+liveness."""
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import os
-import secrets
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,16 +15,12 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pagedserve.common import envs
 from pagedserve.common.config.engine_args import CLIENT_KEEPALIVE_S, CORE_HEARTBEAT_INTERVAL_S, EngineArgs
-from pagedserve.common.process_utils import ModuleProcess, stop_at_exit
-from pagedserve.core.engine_core_main import MODULE as CORE_MAIN, CoreLaunch, class_reference
 from pagedserve.core.engine_core_proc import CoreAddresses
-from pagedserve.executor.procs.backends import get_executor_class
-from pagedserve.ipc.messages import (AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineHandshake,
-                                     EngineReady, EngineStartupFailed, UtilityCall, UtilityResult)
+from pagedserve.ipc.messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, UtilityCall, UtilityResult
+from pagedserve.ipc.mm_mirror import MISSING_ITEM, ItemMirror
 from pagedserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
-from pagedserve.ipc.sockets import IpcPaths, cleanup_ipc_path, make_socket
+from pagedserve.ipc.sockets import make_socket
 
 logger = logging.getLogger(__name__)
 
@@ -42,89 +37,6 @@ class EngineDeadError(RuntimeError):
 
 class UtilityError(ValueError):
     """The engine core refused a utility call (a bad argument, an adapter it cannot serve): its message."""
-
-
-def split_engine_address(address: str) -> tuple[str, str]:
-    """One user-facing engine address -> the core's (input, output) socket addresses."""
-    if address.startswith("tcp://"):
-        host, _, port = address[len("tcp://"):].rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65535:
-            raise ValueError(f"engine address {address!r} must look like tcp://HOST:PORT")
-        return address, f"tcp://{host}:{int(port) + 1}"
-    if address.startswith("ipc://"):
-        return address, address + "-out"
-    raise ValueError(f"engine address {address!r} must start with ipc:// or tcp://")
-
-
-class CoreProcess:
-    """Starts the engine core in a child process and waits for its handshake.
-
-    A failed start surfaces as an exception carrying the child's own message, as soon as the child
-    reports it or dies, not after a timeout.
-    """
-
-    def __init__(self, engine_args: EngineArgs, log_level: int = logging.INFO, address: str | None = None,
-                 token: str | None = None) -> None:
-        self.paths = IpcPaths("core")
-        inp, out = split_engine_address(address) if address else (self.paths.new("in"), self.paths.new("out"))
-        self.addresses = CoreAddresses(input=inp, output=out, handshake=self.paths.new("hs"))
-        self.token = token or secrets.token_hex(16)
-        ctx = zmq.Context.instance()
-        handshake = make_socket(ctx, self.addresses.handshake, zmq.PULL, bind=True)
-        # The launcher picks the executor and injects it; the class travels by reference (module + name).
-        launch = CoreLaunch(engine_args=msgspec.to_builtins(engine_args),
-                            executor=class_reference(get_executor_class(engine_args.executor_backend())),
-                            input=inp, output=out, handshake=self.addresses.handshake, token=self.token,
-                            parent_pid=os.getpid(), log_level=log_level, ipc_root=self.paths.root)
-        self._closed = False
-        self.proc = ModuleProcess(CORE_MAIN, msgspec.json.encode(launch), name="pagedserve-engine-core")
-        self._cancel_exit_hook = stop_at_exit(self, lambda proc: proc.shutdown())
-        try:
-            self.info = self._wait_ready(handshake).info
-        except BaseException:
-            self.shutdown()
-            raise
-        finally:
-            handshake.close(linger=0)
-
-    def _wait_ready(self, sock: zmq.Socket) -> EngineReady:
-        decoder = MsgpackDecoder(EngineHandshake)
-        timeout_s = envs.PAGEDSERVE_STARTUP_TIMEOUT
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if sock.poll(_POLL_MS):
-                msg = decoder.decode(sock.recv_multipart())
-                if isinstance(msg, EngineStartupFailed):
-                    raise RuntimeError(f"engine core failed to start: {msg.error}")
-                return msg
-            if not self.proc.is_alive():
-                raise RuntimeError(f"engine core process exited during startup (exit code {self.proc.exitcode})")
-        raise TimeoutError(f"engine core did not become ready within {timeout_s:.0f} s")
-
-    def is_alive(self) -> bool:
-        return self.proc.is_alive()
-
-    def death(self) -> str:
-        """Why a core that is no longer alive ended."""
-        return f"engine core process died (exit code {self.proc.exitcode})"
-
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the core (it stops its workers first); idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._cancel_exit_hook()
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(timeout_s)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(5)
-        # A core that was killed could not unbind: its sockets' files go here, its workers' with paths.
-        cleanup_ipc_path(self.addresses.input)
-        cleanup_ipc_path(self.addresses.output)
-        self.proc.close()
-        self.paths.close()
 
 
 class CoreHandle(Protocol):
@@ -170,6 +82,19 @@ class _ClientBase:
         self._call_ids = itertools.count()
         # Utility calls awaiting their answer: call id -> a future (concurrent or asyncio: the same face).
         self._calls: dict[int, Any] = {}
+        self.mm_cache_gb = 0.0
+        self.mm_mirror: ItemMirror | None = None     # what the core holds of the items sent (use_mm_cache)
+
+    def use_mm_cache(self, gib: float) -> None:
+        """Send an item's processed tensors only when the core does not hold them (the core's
+        --mm-processor-cache-gb, which this budget must equal)."""
+        self.mm_cache_gb = gib
+        self.mm_mirror = ItemMirror.of_gb(gib, keep_data=False)
+
+    def _outgoing(self, request: EngineCoreRequest) -> EngineCoreRequest:
+        if self.mm_mirror is None or not request.mm_features:
+            return request
+        return msgspec.structs.replace(request, mm_features=self.mm_mirror.strip(request.mm_features))
 
     def _frames(self, msg: Any) -> list:
         self._sent_at = time.monotonic()
@@ -231,6 +156,8 @@ class _ClientBase:
         outputs = self.decoder.decode(frames)
         if outputs.engine_dead:
             self.dead = outputs.engine_dead
+        if self.mm_mirror is not None and any(MISSING_ITEM in (o.error or "") for o in outputs.outputs):
+            self.mm_mirror.clear()              # the core lost our items and started over: so do we
         for result in outputs.utility_results:
             answer = self._calls.get(result.call_id)
             if answer is not None and not answer.done():
@@ -264,7 +191,7 @@ class SyncMPClient(_ClientBase):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()
-        self.input.send_multipart(self._frames(request), copy=False)
+        self.input.send_multipart(self._frames(self._outgoing(request)), copy=False)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead is None:
@@ -332,7 +259,8 @@ class AsyncMPClient(_ClientBase):
 
     async def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()
-        await self.input.send_multipart(self._frames(request), copy=False)
+        # Shielded: the mirror counts the items as sent, so the send must finish even if the caller is cancelled.
+        await asyncio.shield(self.input.send_multipart(self._frames(self._outgoing(request)), copy=False))
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead is None:

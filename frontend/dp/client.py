@@ -61,6 +61,11 @@ class DataParallelClient:
         # the frontend still routes requests to them by name.
         self._loras: dict[int, tuple[Any, ...]] = {}
 
+    def use_mm_cache(self, gib: float) -> None:
+        """Each engine's core keeps its own copy of the items sent to it (frontend/client/core_client.py)."""
+        for client in self.clients:
+            client.use_mm_cache(gib)
+
     @property
     def num_engines(self) -> int:
         return len(self.clients)
@@ -185,6 +190,7 @@ class DataParallelClient:
         try:
             proc = await asyncio.to_thread(self._restart[index])
             client = AsyncMPClient(proc.addresses, proc.token, proc, heartbeat_timeout_s=old.heartbeat_timeout_s)
+            client.use_mm_cache(old.mm_cache_gb)        # the new core holds nothing yet: a fresh mirror
             # Outputs for a peer the core's output socket has not seen yet would be lost: be seen first.
             await client.call_utility("ping", timeout_s=30.0)
             await self._replay_loras(client)

@@ -52,11 +52,14 @@ class LLM:
                              "serves N behind one API")
         self.client: EngineCoreClient
         if multiprocess_core:
-            from pagedserve.frontend.client.core_client import CoreProcess, SyncMPClient
+            from pagedserve.frontend.client.core_client import SyncMPClient
+            from pagedserve.frontend.client.core_process import CoreProcess
             proc = CoreProcess(self.engine_args, logging.getLogger().getEffectiveLevel())
             self.client = SyncMPClient(proc.addresses, proc.token, proc,
                                        heartbeat_timeout_s=self.engine_args.engine_heartbeat_timeout)
             self.info = proc.info
+            if self.info.mm_limits:
+                self.client.use_mm_cache(self.info.mm_processor_cache_gb)
         else:
             from pagedserve.frontend.client.inproc_client import InprocClient
             self.client = InprocClient(self.engine_args)

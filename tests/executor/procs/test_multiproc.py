@@ -12,7 +12,8 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.config.engine_args import EngineArgs
-from pagedserve.frontend.client.core_client import CoreProcess, EngineDeadError, SyncMPClient
+from pagedserve.frontend.client.core_client import EngineDeadError, SyncMPClient
+from pagedserve.frontend.client.core_process import CoreProcess
 from pagedserve.ipc.messages import EngineCoreRequest
 from pagedserve.tests.helpers.models.tiny_models import random_prompts
 
