@@ -10,7 +10,7 @@ exactly, its answer:
 Models: the embedded SmolLM2 (its Q4_1 GGUF; chat texts through its template and random ids) and a tiny random
 Llama written as Q4_0, Q8_0 and Q4_K_M GGUF files (Q4_K, Q6_K for ffn_down and the head, as llama.cpp's
 Q4_K_M mix; random ids), all on the CPU's C step, the default engine. The issue asks for 64 prompts of 20-1,500
-tokens and 64 new tokens; to stay near a minute on the 2-core VM this runs 10 prompts of 20-300 tokens and 16 new
+tokens and 64 new tokens; to keep it to minutes on the 2-core VM this runs 8 prompts of 20-250 tokens and 16 new
 tokens on the embedded model (8 of 20-200 on the tiny ones), and no W1 traffic beside them (docs/determinism.md).
 The old split (PAGEDSERVE_CPU_DECODE_STEP=short) fails the same comparison on the embedded model: the last test.
 """
@@ -32,7 +32,6 @@ SAMPLING = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5, ig
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 CHATS = ["Écris une phrase en français avec des accents, puis répète: 東京, 北京, ☕ 🚀.",
          "List three prime numbers and explain why each is prime.",
-         "What is the capital of Australia? Answer in one sentence.",
          "Write a haiku about paged attention."]
 # GGUF type mixes of the ladder's formats (the token embedding takes the default type).
 FORMATS = {"Q4_0": ({}, "Q4_0"), "Q8_0": ({}, "Q8_0"),
@@ -86,13 +85,13 @@ def differences(got: dict[str, list[Answer]]) -> list[str]:
 
 
 def chat_and_random(model: str, seed: int) -> list[list[int]]:
-    """CHATS through the model's chat template, five random-id prompts, one that repeats itself."""
+    """CHATS through the model's chat template, four random-id prompts, one that repeats itself."""
     tok = load_tokenizer(tokenizer_folder(resolve_model(model)))
     texts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
              for c in CHATS]
     chats = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     rng = random.Random(seed)
-    ids = random_prompts(seed, [rng.randrange(20, 300) for _ in range(5)], 49152)
+    ids = random_prompts(seed, [rng.randrange(20, 250) for _ in range(4)], 49152)
     repeating = (ids[0][:12] * 8)[:90]          # ngram drafts find their match in it
     return [list(c) for c in chats] + ids + [repeating]
 
@@ -123,11 +122,13 @@ def test_tiny_gguf_formats(tmp_path, fmt):
 
 @pytest.mark.slow
 def test_the_old_split_differs(smollm2_path, embedded_prompts, monkeypatch):
-    """The comparison above can fail: with PAGEDSERVE_CPU_DECODE_STEP=short (steps past the C step's row limit
-    on the PyTorch layers, the split before issue 50) some prompt's answer in a batch or another chunking differs
-    from its answer alone."""
+    """The comparison above can fail: with PAGEDSERVE_CPU_DECODE_STEP=short (steps past the C step's row limit,
+    8 rows on AVX2, on the PyTorch layers: the split before issue 50) the issue's chat message, sent again, is a
+    prefix hit that leaves 7 tokens to prefill, a short step, where its fresh 71-token prefill was a long one; and
+    decodes of all the prompts at once are steps past the limit where one alone was not."""
     monkeypatch.setenv("PAGEDSERVE_CPU_DECODE_STEP", "short")
-    prompts = embedded_prompts[:6]
-    with LLM(smollm2_path, max_model_len=512, enable_prefix_caching=False) as llm:
-        got = {"alone": [answers(llm, [p])[0] for p in prompts], "all at once": answers(llm, prompts)}
+    with LLM(smollm2_path, max_model_len=512) as llm:
+        got = {"alone": [answers(llm, [p])[0] for p in embedded_prompts[:1]]}
+        got["alone again, a prefix hit"] = answers(llm, embedded_prompts[:1])
+        got["all at once"] = answers(llm, embedded_prompts)[:1]
     assert differences(got) != []
