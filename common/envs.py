@@ -63,9 +63,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDSERVE_CPU_DECODE_STEP": _choice("PAGEDSERVE_CPU_DECODE_STEP", "1", ("1", "short", "0")),
     # "0" keeps many-row int4 GEMMs on the AVX512-VNNI tile where the CPU has AMX (same bits; A/B runs).
     "PAGEDSERVE_CPU_AMX": lambda: os.environ.get("PAGEDSERVE_CPU_AMX", "1") != "0",
-    # vLLM's switch for batch-invariant kernels: "1" makes every row's bits independent of the rows beside it on
-    # the CPU paths that cost for it (float linears in fixed row blocks, every token's attention alone through
-    # the C kernel); the quantized C step is invariant without it (docs/determinism.md).
+    # vLLM's switch for batch-invariant kernels, the default of --batch-invariant (EngineArgs.batch_invariant, which
+    # is what the workers read): "1" makes every row's bits independent of the rows beside it on the CPU paths that
+    # cost for it (float linears in fixed row blocks, every token's attention alone through the C kernel); the
+    # quantized C step is invariant without it (docs/determinism.md).
     "VLLM_BATCH_INVARIANT": lambda: os.environ.get("VLLM_BATCH_INVARIANT", "0").lower() in ("1", "true"),
     # Defaults of secrets that are also flags (--api-key, --engine-token): never shown in --help.
     "PAGEDSERVE_API_KEY": lambda: os.environ.get("PAGEDSERVE_API_KEY") or None,

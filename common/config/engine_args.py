@@ -142,6 +142,12 @@ class EngineArgs:
              "local one; pip install 'pagedserve[ray]'), torchrun: ranks started by torchrun (unset: uni for one "
              "rank, else mp)")
     enforce_eager: bool = setting(False, store_true=True, help="CUDA: no CUDA graphs for decode steps")
+    # vLLM spells the switch as an environment variable only; the flag is pagedserve's (issue 50), one setting.
+    batch_invariant: bool = setting(
+        env="VLLM_BATCH_INVARIANT",
+        help="a row's bits independent of the rows beside it on the CPU paths that cost for it: float linears "
+             "in fixed blocks of 16 rows and every token's attention alone through the C kernel "
+             "(docs/determinism.md); the quantized C step is invariant either way")
     async_scheduling: bool = setting(
         False, help="schedule the next step while the current one runs (vLLM's --async-scheduling): the "
                     "host's scheduling overlaps the model; a stop found late costs one dropped token")
@@ -294,6 +300,7 @@ class EngineArgs:
             source=source, hf_config=hf_config, dtype=dtype, device=device,
             max_model_len=self._max_model_len(hf_config), seed=self.seed,
             served_model_name=self.served_model_name or source.name, enforce_eager=self.enforce_eager,
+            batch_invariant=self.batch_invariant,
             tokenizer=self._resolve_tokenizer(source), default_sampling=gen.sampling,
             generation_eos_token_ids=gen.eos_token_ids, quantization=quantization,
             mm_config=full_config if hf_config is not full_config else None)

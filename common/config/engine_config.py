@@ -23,6 +23,8 @@ class ModelConfig:
     seed: int
     served_model_name: str
     enforce_eager: bool             # CUDA: no decode graphs
+    # CPU: float linears in fixed row blocks, every token's attention alone (--batch-invariant, docs/determinism.md)
+    batch_invariant: bool
     tokenizer: str | None           # a local tokenizer folder other than the model's own
     # From generation_config.json (--generation-config): defaults for unset request fields, extra EOS ids.
     default_sampling: dict = field(compare=False)

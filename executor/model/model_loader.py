@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.common.config.engine_args import ModelConfig
 from pagedserve.common.model.gguf_metadata import gguf_reader
+from pagedserve.executor.model.layers.linear_method import use_batch_invariant_methods
 from pagedserve.executor.model.layers.rotary import engine_max_model_len
 from pagedserve.executor.model.models import get_model_class
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
@@ -85,6 +86,8 @@ def load_model(model_config: ModelConfig, tp: TPGroup, pp: PPGroup = PPGroup(),
     apply_kv_scales(model.attention_layers(), kv_scales)
     if method in PACKED_METHODS:
         finish_packed(model, method, torch.device(model_config.device), dtype)
+    if model_config.batch_invariant:        # the weights' final forms are known only now
+        logger.info("batch invariant: %d dense CPU linears in fixed row blocks", use_batch_invariant_methods(model))
     nbytes, count = weight_bytes(model), num_weights(model)
     logger.info("loaded %s (%s, %s, %s) on rank %d in %.1f s: weights %.1f MiB, %.2f bits per weight",
                 model_config.source.name, cls.__name__, model_config.dtype, method or "unquantized", tp.rank,

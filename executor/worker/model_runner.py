@@ -76,7 +76,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         # One attention backend for every layer (one device, one cache dtype): its impls are bound with the
         # caches, its builder makes each step's metadata.
-        self.attn_backend = get_attn_backend(device, self.kv_dtype)
+        self.attn_backend = get_attn_backend(device, self.kv_dtype, config.model.batch_invariant)
         logger.info("attention backend: %s", self.attn_backend.name)
         sched = config.scheduler
         self.buffers = StepBuffers(max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs,

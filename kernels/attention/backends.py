@@ -2,6 +2,7 @@
 
 - CPU: a float cache read in place (kernels/attention/cpu_paged.py), decodes through the C kernel where it builds;
   the layers that path does not take (sliding window, soft-capping) attend through the reference.
+- CPU_BATCH_INVARIANT: CPU, with every token's attention alone through the C kernel (--batch-invariant).
 - TRITON: CUDA, one Triton launch for the whole mixed batch (kernels/attention/triton_paged.py); a step whose
   tokens see past themselves (AttentionMetadata.visible_until: a Gemma 3 image's prefill) attends through the
   reference.
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.common import envs
 from pagedserve.kernels.attention import reference as attention_reference
 from pagedserve.kernels.attention import cpu_paged as cpu_attention
 from pagedserve.kernels.attention.interface import AttentionBackend, AttentionImpl, ScaledLayer
@@ -21,15 +21,16 @@ from pagedserve.kernels.ops import triton_usable
 
 
 class CpuAttentionImpl(AttentionImpl):
+    # Every token alone through the C kernel (cpu_paged.row_native): 1.4-2.1x SDPA's time on 512-2048-token
+    # prompts, so only where asked (CpuBatchInvariantAttentionImpl; docs/determinism.md).
+    per_token = False
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if self.kv_cache_dtype.itemsize == 1:
             raise ValueError("the CPU attention backend takes float KV caches; an fp8 cache takes TORCH_REFERENCE")
         # The in-place path has no window or cap; such layers write in place and attend the plain way.
         self.in_place = self.sliding_window is None and self.logit_softcap is None
-        # Every token alone through the C kernel (cpu_paged.row_native): 1.4-2.1x SDPA's time on 512-2048-token
-        # prompts, so only where asked (docs/determinism.md).
-        self.per_token = envs.VLLM_BATCH_INVARIANT
 
     def forward(self, layer: ScaledLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -47,6 +48,19 @@ class CpuAttentionBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return CpuAttentionImpl
+
+
+class CpuBatchInvariantAttentionImpl(CpuAttentionImpl):
+    """A token's attention the same bits whatever the chunk or batch it comes in: each token alone."""
+    per_token = True
+
+
+class CpuBatchInvariantAttentionBackend(AttentionBackend):
+    name = "CPU_BATCH_INVARIANT"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return CpuBatchInvariantAttentionImpl
 
 
 class TritonAttentionImpl(AttentionImpl):
@@ -93,11 +107,13 @@ class TorchReferenceAttentionBackend(AttentionBackend):
         return ReferenceAttentionImpl
 
 
-def get_attn_backend(device: torch.device | str, kv_cache_dtype: torch.dtype) -> type[AttentionBackend]:
-    """The backend for caches of kv_cache_dtype on device: asked once per layer binding and once by the runner."""
+def get_attn_backend(device: torch.device | str, kv_cache_dtype: torch.dtype,
+                     batch_invariant: bool = False) -> type[AttentionBackend]:
+    """The backend for caches of kv_cache_dtype on device: asked once per layer binding and once by the runner.
+    batch_invariant (ModelConfig.batch_invariant): on CPU, the per-token one; CUDA has no invariant kernels yet."""
     device = torch.device(device)
     if device.type == "cuda":
         return TritonAttentionBackend if triton_usable() else TorchReferenceAttentionBackend
     if kv_cache_dtype.itemsize == 1:
         return TorchReferenceAttentionBackend
-    return CpuAttentionBackend
+    return CpuBatchInvariantAttentionBackend if batch_invariant else CpuAttentionBackend

@@ -20,7 +20,8 @@ def model_config(path: str, dtype: str = "float32", max_model_len: int | None = 
     hf_config = load_hf_config(source)
     return ModelConfig(source=source, hf_config=hf_config, dtype=dtype, device="cpu",
                        max_model_len=max_model_len or hf_config.max_position_embeddings, seed=0,
-                       served_model_name=source.name, enforce_eager=False, tokenizer=None, default_sampling={},
+                       served_model_name=source.name, enforce_eager=False, batch_invariant=False, tokenizer=None,
+                       default_sampling={},
                        generation_eos_token_ids=(), quantization=None, mm_config=None)
 
 

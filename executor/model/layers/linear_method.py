@@ -16,8 +16,8 @@ from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from pagedserve.common import envs
 from pagedserve.executor.model.quant.fp8 import Fp8Weight, fp8_linear
 from pagedserve.executor.model.quant.packing import Packed, PermutedInput
 from pagedserve.kernels.fixed_rows import fixed_rows_linear
@@ -52,8 +52,8 @@ class UnquantizedLinearMethod(LinearMethod):
 
 
 class FixedRowsLinearMethod(LinearMethod):
-    """A dense CPU weight under VLLM_BATCH_INVARIANT=1: every row's bits independent of the rows beside it
-    (kernels/fixed_rows.py, docs/determinism.md)."""
+    """A dense CPU weight under --batch-invariant (VLLM_BATCH_INVARIANT=1): every row's bits independent of the
+    rows beside it (kernels/fixed_rows.py, docs/determinism.md)."""
     name = "fixed_rows"
 
     def apply(self, layer: LinearWeights, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -150,9 +150,21 @@ def dense_linear_method(device: torch.device | str) -> LinearMethod:
     """The method of a dense weight on device."""
     if torch.device(device).type == "cuda" and triton_usable():
         return _skinny_method()
-    if torch.device(device).type == "cpu" and envs.VLLM_BATCH_INVARIANT:
-        return _FIXED_ROWS
     return _UNQUANTIZED
+
+
+def use_batch_invariant_methods(model: nn.Module) -> int:
+    """Every dense CPU layer of `model` onto the fixed-row method (ModelConfig.batch_invariant, set by
+    --batch-invariant): applied to the built model, after its weights took their final forms, so the layers'
+    constructors need not know the setting. Returns how many layers it switched."""
+    switched = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(getattr(module, "method", None), UnquantizedLinearMethod) and \
+                isinstance(weight, torch.Tensor) and weight.device.type == "cpu":
+            module.method = _FIXED_ROWS
+            switched += 1
+    return switched
 
 
 def linear_method_for(weight: Packed | torch.Tensor, device: torch.device | str) -> LinearMethod:

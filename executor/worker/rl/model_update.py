@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from pagedserve.common.config.engine_args import ModelConfig
+from pagedserve.executor.model.layers.linear_method import use_batch_invariant_methods
 from pagedserve.executor.model.model_loader import _DTYPES, _check_complete, open_weights, update_weights_stream
 from pagedserve.executor.model.models.weight_loading import LastName, LoadableModel, NamedTensors, RowsOnly, on_meta
 from pagedserve.executor.model.parallel_state import PPGroup, TPGroup
@@ -103,6 +104,8 @@ class WeightUpdater:
             raise
         device = torch.device(self.config.device)
         self.relinked |= finish_packed(self.model, self.packed_method, device, _DTYPES[self.config.dtype])
+        if self.config.batch_invariant:     # packing picked the layers' methods again
+            use_batch_invariant_methods(self.model)
 
     def take_relinked(self) -> bool:
         """Whether some packed weight got new tensors since the last call (then their addresses changed)."""

@@ -59,3 +59,12 @@ class Probe:
 
     def rank_weights_digest(self) -> str:
         return weights_digest(self.runner.model)
+
+
+class PathProbe(Probe):
+    def batch_invariant_path(self) -> dict[str, Any]:
+        """The kernels this rank's model runs (--batch-invariant picks them): its attention backend and the
+        method of its first dense linear."""
+        qkv = self.runner.model.model.layers[0].self_attn.qkv_proj
+        return {"attention": self.runner.attn_backend.name, "linear": qkv.method.name,
+                "config": self.runner.config.model.batch_invariant}

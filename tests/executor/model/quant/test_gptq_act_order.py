@@ -141,7 +141,8 @@ def _act_order_config(path: str):
     spec = resolve_quantization(None, checkpoint_quant_spec(hf_config), is_gguf=False)
     return ModelConfig(source=source, hf_config=hf_config, dtype="float32", device="cpu",
                        max_model_len=hf_config.max_position_embeddings, seed=0, served_model_name=source.name,
-                       enforce_eager=False, tokenizer=None, default_sampling={}, generation_eos_token_ids=(),
+                       enforce_eager=False, batch_invariant=False, tokenizer=None, default_sampling={},
+                       generation_eos_token_ids=(),
                        quantization=spec, mm_config=None)
 
 
