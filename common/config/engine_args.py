@@ -142,12 +142,10 @@ class EngineArgs:
              "local one; pip install 'pagedserve[ray]'), torchrun: ranks started by torchrun (unset: uni for one "
              "rank, else mp)")
     enforce_eager: bool = setting(False, store_true=True, help="CUDA: no CUDA graphs for decode steps")
-    # vLLM spells the switch as an environment variable only; the flag is pagedserve's (issue 50), one setting.
-    batch_invariant: bool = setting(
-        env="VLLM_BATCH_INVARIANT",
-        help="a row's bits independent of the rows beside it on the CPU paths that cost for it: float linears "
-             "in fixed blocks of 16 rows and every token's attention alone through the C kernel "
-             "(docs/determinism.md); the quantized C step is invariant either way")
+    batch_invariant: bool = setting(      # vLLM has the env var only; the flag is ours, one setting with it
+        env="VLLM_BATCH_INVARIANT", help="a row's bits independent of the rows beside it on the CPU paths that "
+        "cost for it: float linears in fixed blocks of 16 rows, each token's attention alone through the C "
+        "kernel (docs/determinism.md); the quantized C step is invariant either way")
     async_scheduling: bool = setting(
         False, help="schedule the next step while the current one runs (vLLM's --async-scheduling): the "
                     "host's scheduling overlaps the model; a stop found late costs one dropped token")
@@ -376,18 +374,12 @@ class EngineArgs:
             raise ValueError(f"tokenizer must be a local tokenizer folder or a Hugging Face Hub id, "
                              f"got {self.tokenizer!r}")
         check_setting(self.generation_config)
-        check_positive("block_size", self.block_size)
-        check_positive("max_num_seqs", self.max_num_seqs)
-        check_positive("tensor_parallel_size", self.tensor_parallel_size)
-        check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
-        check_positive("data_parallel_size", self.data_parallel_size)
-        for name in ("max_loras", "max_lora_rank"):
+        for name in ("block_size", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size",
+                     "data_parallel_size", "max_loras", "max_lora_rank"):
             check_positive(name, getattr(self, name))
-        if self.max_cpu_loras is not None:
-            check_positive("max_cpu_loras", self.max_cpu_loras)
-        for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override", "max_waiting_requests"):
-            value = getattr(self, name)
-            if value is not None:
+        for name in ("max_cpu_loras", "max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override",
+                     "max_waiting_requests"):       # unset: resolved later
+            if (value := getattr(self, name)) is not None:
                 check_positive(name, value)
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
