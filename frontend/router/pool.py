@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_FLOOR_S = 2.0
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+# The least free KV fraction a score divides by: a full cache scores as a hundredfold load, not infinity, so
+# that among replicas all full the queues still decide.
+KV_FREE_FLOOR = 0.01
 
 
 @dataclass
@@ -34,6 +38,7 @@ class Replica:
     models: list[dict] = field(default_factory=list)    # its /v1/models cards, as it last listed them
     running: float = 0.0                                 # its own gauges, summed over engines, last scraped
     waiting: float = 0.0
+    kv_usage: float = 0.0                                # its fullest engine's vllm:kv_cache_usage_perc (0..1)
     in_flight: int = 0                                   # requests this router has open on it now
     removed: bool = False                                # left the pool's list (discovery no longer lists it)
 
@@ -41,6 +46,14 @@ class Replica:
     def load(self) -> float:
         # The scrape lags; what this router has open on it is a floor it knows now.
         return max(self.running + self.waiting, float(self.in_flight))
+
+    @property
+    def score(self) -> float:
+        """least-load's cost of one more request here, lowest first: its queue, stretched by how full its KV
+        cache is. A replica's free KV bounds what it can run at once; a nearly full one queues or preempts a new
+        request however short its queue looks (the queue gauges count neither the blocks held nor the
+        preemptions to come)."""
+        return (self.load + 1.0) / max(1.0 - self.kv_usage, KV_FREE_FLOOR)
 
     def serves(self, model: str | None) -> bool:
         return model is None or any(card.get("id") == model for card in self.models)
@@ -133,15 +146,19 @@ class ReplicaPool:
             self.mark_down(replica, reason)
 
     async def _scrape(self, replica: Replica, timeout: float) -> None:
-        """Its queue gauges; a replica without them (not a vLLM-shaped server) counts as idle."""
+        """Its queue gauges and KV usage; a replica without them (not a vLLM-shaped server) counts as idle."""
         r = await self.client.get(f"{replica.url}/metrics", headers=replica.headers(), timeout=timeout)
         if r.status_code != 200:
             return
-        values = {RUNNING: 0.0, WAITING: 0.0}
+        values = {RUNNING: 0.0, WAITING: 0.0, KV_USAGE: 0.0}
         try:
             for family in text_string_to_metric_families(r.text):
-                if family.name in values:
-                    values[family.name] = sum(s.value for s in family.samples)
+                if family.name in values and family.samples:
+                    # Queues add up over a replica's data-parallel engines; KV usage is its fullest engine's
+                    # (as the replica's own summary, AsyncEngineClient.last_stats).
+                    merge = max if family.name == KV_USAGE else sum
+                    values[family.name] = merge(s.value for s in family.samples)
         except ValueError:          # not Prometheus text: the replica has no load to read
             return
         replica.running, replica.waiting = values[RUNNING], values[WAITING]
+        replica.kv_usage = min(1.0, max(0.0, values[KV_USAGE]))

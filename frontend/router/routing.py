@@ -90,7 +90,7 @@ class Routing:
     def _round_robin(self, candidates: list[Replica], least_load: bool) -> Replica:
         n = max(r.index for r in candidates) + 1
         ordered = sorted(candidates, key=lambda r: (r.index - self._next) % n)
-        replica = min(ordered, key=lambda r: r.load) if least_load else ordered[0]
+        replica = min(ordered, key=lambda r: r.score) if least_load else ordered[0]
         self._next = replica.index + 1
         return replica
 
