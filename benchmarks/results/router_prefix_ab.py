@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-from concurrent.futures import ThreadPoolExecutor
 
 from pagedserve.frontend.bench.results import append_result, run_metadata
 from pagedserve.tests.helpers.router import Router
@@ -33,14 +32,17 @@ def main() -> None:
     args = p.parse_args()
     if os.path.exists("/tmp/QUIET"):
         raise SystemExit("/tmp/QUIET exists: someone is timing; run later")
-    with ThreadPoolExecutor(3) as pool:
-        replicas = list(pool.map(lambda _: Server("--kv-cache-memory", "0.5", "--max-num-seqs", "4",
-                                                  max_model_len=1024), range(3)))
-    urls = [s.url for s in replicas]
-    # Probes of 5 s, as the test's: a replica deep in a prefill on a loaded CPU answers /health late.
-    routers = {logic: Router(*urls, routing=logic, backend_key=API_KEY, extra=("--health-check-interval", "5"))
-               for logic in LOGICS}
+    replicas: list[Server] = []
+    routers: dict[str, Router] = {}
     try:
+        for _ in range(3):      # one after another: three loading at once on two shared cores took over 3 min
+            replicas.append(Server("--kv-cache-memory", "0.5", "--max-num-seqs", "4", max_model_len=1024,
+                                   startup_s=900))
+        urls = [s.url for s in replicas]
+        # Probes of 5 s, as the test's: a replica deep in a prefill on a loaded CPU answers /health late.
+        for logic in LOGICS:
+            routers[logic] = Router(*urls, routing=logic, backend_key=API_KEY,
+                                    extra=("--health-check-interval", "5"))
         model = replicas[0].client().models.list().data[0].id
         run_conversations(routers["roundrobin"].client(), model, urls, salt="warm-up", conversations=3, turns=1)
         runs: dict[str, list] = {logic: [] for logic in LOGICS}
