@@ -41,9 +41,10 @@ class Replica:
     kv_usage: float = 0.0                                # its fullest engine's vllm:kv_cache_usage_perc (0..1)
     in_flight: int = 0                                   # requests this router has open on it now
     removed: bool = False                                # left the pool's list (discovery no longer lists it)
-    # Whether its cache outlives its absence from the pool: it only timed out (busy: a CPU replica deep in a long
-    # prefill answers /health late), never refused or reset a connection nor answered unhealthy, so it did not
-    # restart. Prefix routing then keeps its record of what the replica holds.
+    # Whether its cache outlives its absence from the pool: the process was there throughout (it only timed out,
+    # or answered unhealthy: a CPU replica deep in a long prefill answers /health late, or 503 when its engine
+    # core's ping takes over 5 s), never refused or reset a connection, so it did not restart. Prefix routing
+    # then keeps its record of what the replica holds.
     cache_kept: bool = False
 
     @property
@@ -110,10 +111,10 @@ class ReplicaPool:
                     cards.setdefault(card.get("id"), card)
         return list(cards.values())
 
-    def mark_down(self, replica: Replica, reason: str, busy: bool = False) -> None:
-        """busy: it only timed out (see Replica.cache_kept); every failure of one absence must be, for it to
-        count as kept."""
-        replica.cache_kept = busy if replica.healthy else replica.cache_kept and busy
+    def mark_down(self, replica: Replica, reason: str, alive: bool = False) -> None:
+        """alive: it timed out or answered, so the process was there (see Replica.cache_kept); every failure of
+        one absence must be, for its cache to count as kept."""
+        replica.cache_kept = alive if replica.healthy else replica.cache_kept and alive
         if replica.healthy:
             logger.warning("replica %s leaves the pool: %s", replica.url, reason)
             replica.healthy = False
@@ -140,10 +141,10 @@ class ReplicaPool:
                 models.raise_for_status()
                 replica.models = list(models.json().get("data", []))
                 await self._scrape(replica, timeout)
-            reason, busy = f"/health answered {health.status_code}", False
+            reason, alive = f"/health answered {health.status_code}", True
         except (httpx.HTTPError, ValueError) as exc:     # unreachable, or answers that are not what they say
             healthy, reason = False, f"{type(exc).__name__}: {exc}"
-            busy = isinstance(exc, httpx.TimeoutException)
+            alive = isinstance(exc, httpx.TimeoutException)
         if replica.removed:           # discovery dropped it while the probe was out
             return
         if healthy and not replica.healthy:
@@ -151,7 +152,7 @@ class ReplicaPool:
             replica.healthy = True
             self.on_change(replica)
         elif not healthy:
-            self.mark_down(replica, reason, busy)
+            self.mark_down(replica, reason, alive)
 
     async def _scrape(self, replica: Replica, timeout: float) -> None:
         """Its queue gauges and KV usage; a replica without them (not a vLLM-shaped server) counts as idle."""

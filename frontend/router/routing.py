@@ -83,7 +83,7 @@ class Routing:
 
     def replica_changed(self, replica: Replica) -> None:
         """A replica joined or left: what it held is gone (a restarted replica's cache starts empty), unless it
-        only timed out (`Replica.cache_kept`: busy, not restarted). A discovered replica's index may be new here."""
+        was there throughout (`Replica.cache_kept`: slow or unhealthy, never unreachable, so not restarted). A discovered replica's index may be new here."""
         self.prefix.add_engines(replica.index + 1)
         if not replica.cache_kept:
             self.prefix.set_available(replica.index, True)      # (which forgets what it held)
