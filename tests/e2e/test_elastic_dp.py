@@ -17,6 +17,9 @@ from pagedserve.tests.helpers.server import SMALL_KV, Server
 pytestmark = pytest.mark.timeout(300)
 
 MAX_TOKENS = 24
+# Four such streams, two on each engine: seconds of decoding even on a quiet machine, past a drain timeout of 1 s
+# (the tiny model's context is 512); the test hangs up on them once it has seen what it needs.
+LONG_TOKENS, LONG_REQUESTS = 480, 4
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +47,21 @@ def _engine_gauge(srv: Server, name: str, engine: int) -> float:
     return sum(float(v) for v in found)
 
 
+def _request(client: openai.OpenAI, model: str, prompt: str, stream: bool, max_tokens: int = MAX_TOKENS) -> None:
+    """One completion, which must make exactly max_tokens tokens (ignore_eos) and end for its length."""
+    kw = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+    if not stream:
+        out = client.completions.create(**kw)
+        assert out.usage.completion_tokens == max_tokens and out.choices[0].finish_reason == "length", out
+        return
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == max_tokens, chunks[-1]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
 class Load:
-    """Four clients sending requests back to back (even ones streamed) until stopped; every request must make
-    exactly MAX_TOKENS tokens (ignore_eos). `failures` holds what went wrong."""
+    """Four clients sending `_request`s back to back (even ones streamed) until stopped; `failures` holds what
+    went wrong."""
 
     def __init__(self, srv: Server, model: str) -> None:
         self.model, self.done, self.failures = model, 0, []
@@ -62,23 +77,12 @@ class Load:
         while not self._stop.is_set():
             n += 1
             try:
-                self._one(self._clients[worker], f"worker {worker} request {n}: tell me about rivers", n % 2 == 0)
+                _request(self._clients[worker], self.model, f"worker {worker} request {n}: about rivers", n % 2 == 0)
                 with self._lock:
                     self.done += 1
             except (openai.APIError, AssertionError) as exc:
                 with self._lock:
                     self.failures.append(f"worker {worker} request {n}: {type(exc).__name__}: {exc}")
-
-    def _one(self, client: openai.OpenAI, prompt: str, stream: bool) -> None:
-        kw = dict(model=self.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                  extra_body={"ignore_eos": True})
-        if not stream:
-            out = client.completions.create(**kw)
-            assert out.usage.completion_tokens == MAX_TOKENS and out.choices[0].finish_reason == "length", out
-            return
-        chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
-        assert chunks[-1].usage.completion_tokens == MAX_TOKENS, chunks[-1]
-        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
     def stop(self) -> None:
         self._stop.set()
@@ -138,6 +142,41 @@ def test_a_second_scale_while_one_runs_is_a_409(server):
     finally:
         grow.join(120)
     assert first[0].status_code == 200, first[0].text
+    assert _size(server) == 2
+
+
+def test_a_shrink_whose_engines_stay_busy_past_the_timeout_is_called_off(server):
+    """A 408; the engines serve on (their streams keep streaming; new requests reach engine 1 again); the clients
+    then hang up, and the later shrink succeeds."""
+    if _size(server) != 2:
+        assert _post(server, "/scale", {"new_data_parallel_size": 2}).status_code == 200
+    model = server.client().models.list().data[0].id
+    hang_up = threading.Event()
+    chunks = [0] * LONG_REQUESTS
+
+    def long_stream(i: int) -> None:
+        body = {"model": model, "prompt": f"long request {i}", "max_tokens": LONG_TOKENS, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", headers=server.auth, json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                chunks[i] += line.startswith("data: {")
+                if hang_up.is_set():
+                    return       # leaving the block closes the connection: the server aborts the request
+    threads = [threading.Thread(target=long_stream, args=(i,)) for i in range(LONG_REQUESTS)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: _engine_gauge(server, "num_requests_running", 1) >= 1, 60, "a request on engine 1")
+        r = _post(server, "/scale", {"new_data_parallel_size": 1, "drain_timeout": 1})
+        assert r.status_code == 408 and "serve on" in r.json()["error"]["message"], r.text
+        assert _size(server) == 2
+        assert [e["state"] for e in httpx.get(f"{server.url}/health", timeout=10).json()["engines"]] == ["ok", "ok"]
+        seen = sum(chunks)
+        wait_for(lambda: sum(chunks) > seen + LONG_REQUESTS, 60, "the streams to go on")
+    finally:
+        hang_up.set()
+        for t in threads:
+            t.join(120)
     assert _post(server, "/scale", {"new_data_parallel_size": 1}).status_code == 200
     assert _size(server) == 1
 
