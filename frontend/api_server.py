@@ -21,6 +21,9 @@ from pagedserve.common.version import __version__
 from pagedserve.frontend.http.admission import Admission
 from pagedserve.frontend.client.async_client import AsyncEngineClient
 from pagedserve.frontend.client.core_client import EngineDeadError
+from pagedserve.frontend.dp.client import DataParallelClient
+from pagedserve.frontend.dp.elastic import ElasticScaler
+from pagedserve.frontend.dp.elastic_routes import add_elastic_routes
 from pagedserve.frontend.http.drain import Drain, DrainMiddleware
 from pagedserve.frontend.rl.dev_routes import add_dev_routes
 from pagedserve.frontend.http.errors import ModelNotFoundError, classify, error_payload
@@ -113,6 +116,8 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
                             prompt_tokens_details=settings.enable_prompt_tokens_details)
     app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
     app.state.drain = drain = Drain(settings.shutdown_timeout)
+    dp = engine.client
+    scaler = ElasticScaler(dp) if isinstance(dp, DataParallelClient) and dp.start is not None else None
     if spans is not None:         # innermost: it sees only requests the guards let through
         app.add_middleware(TraceHeadersMiddleware)
     _add_guards_and_handlers(app, settings, drain)
@@ -145,7 +150,7 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
             await engine.check_health()
         except Exception as exc:
             return error_response(503, f"engine unhealthy: {exc}", "service_unavailable")
-        if engine.num_engines > 1:        # data parallelism: each engine core's state; serving while one does
+        if engine.num_engines > 1 or scaler is not None:   # data parallelism: each engine core's state
             states = engine.engine_states()
             status = "ok" if all(e["state"] == "ok" for e in states) else "degraded"
             return JSONResponse({"status": status, "engines": states})
@@ -161,11 +166,13 @@ def build_app(engine: AsyncEngineClient, settings: ServerArgs, served_model_name
     async def version() -> dict:
         return {"version": __version__}
 
-    if envs.VLLM_SERVER_DEV_MODE or settings.api_key:      # with a key, ApiKeyMiddleware guards it
+    if envs.VLLM_SERVER_DEV_MODE or settings.api_key:      # with a key, ApiKeyMiddleware guards them
         @app.post("/drain")
         async def drain_route() -> Response:
             drain.begin("POST /drain")
             return JSONResponse({"status": "draining", "in_flight": drain.in_flight}, status_code=202)
+
+        add_elastic_routes(app, engine, scaler, metrics)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:

@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 def check_data_parallel_flags(args: EngineArgs, server: ServerArgs) -> None:
     """ValueError naming the flag where the data-parallel layout cannot work."""
     dp, local = args.data_parallel_size, server.data_parallel_size_local
+    if server.enable_elastic_ep and (server.headless or server.engine_address or (local is not None and local < dp)):
+        raise ValueError("--enable-elastic-ep starts and stops engine cores on this node, each on sockets of its "
+                         "own: it cannot be combined with --headless, --engine-address (one core's sockets) or "
+                         "ranks on other nodes (--data-parallel-size-local below --data-parallel-size)")
     if server.data_parallel_backend == "ray":
         for flag, value in (("--headless", server.headless), ("--data-parallel-size-local", local is not None),
                             ("--engine-address", server.engine_address)):
@@ -72,11 +76,12 @@ def start_engines(args: EngineArgs, server: ServerArgs, level: int) -> tuple[lis
         clients += [AsyncMPClient(CoreAddresses(input=inp, output=out, handshake=""), server.engine_token,
                                   heartbeat_timeout_s=args.engine_heartbeat_timeout)
                     for _, (inp, out) in sorted(remote.items())]
-    if len(clients) == 1 and not server.restart_engine_on_failure:
+    if len(clients) == 1 and not (server.restart_engine_on_failure or server.enable_elastic_ep):
         return procs, clients[0]
     info = procs[0].info
     router = PrefixRouter(len(clients), info.block_size, info.num_blocks, server.data_parallel_routing)
-    return procs, DataParallelClient(clients, router, restart={i: start for i in range(local)})
+    return procs, DataParallelClient(clients, router, restart={i: start for i in range(local)},
+                                     start=start if server.enable_elastic_ep else None)
 
 
 def _start_on_ray(args: EngineArgs, server: ServerArgs, level: int) -> tuple[list[CoreHandle], object]:
@@ -90,7 +95,8 @@ def _start_on_ray(args: EngineArgs, server: ServerArgs, level: int) -> tuple[lis
                for p in procs]
     info = procs[0].info
     router = PrefixRouter(len(clients), info.block_size, info.num_blocks, server.data_parallel_routing)
-    return procs, DataParallelClient(clients, router, restart={i: start for i in range(len(procs))})
+    return procs, DataParallelClient(clients, router, restart={i: start for i in range(len(procs))},
+                                     start=start if server.enable_elastic_ep else None)
 
 
 def serve_headless(args: EngineArgs, server: ServerArgs, level: int) -> None:

@@ -71,6 +71,10 @@ class ServerArgs:
     headless: bool = setting(
         False, store_true=True, help="start --data-parallel-size-local engine cores and register them with the "
                                      "head at --data-parallel-address; serve no API here")
+    enable_elastic_ep: bool = setting(
+        False, store_true=True, help="let POST /scale_elastic_ep (or /scale) grow or shrink --data-parallel-size "
+                                     "at run time without dropping requests; the routes need VLLM_SERVER_DEV_MODE=1 "
+                                     "or --api-key. Engines on this node only (not with --headless or remote ranks)")
     restart_engine_on_failure: bool = setting(
         False, store_true=True, help="restart a dead engine core (and its workers), with back-off, instead of "
                                      "failing the server; a crash loop (4 deaths in 300 s) gives up. Data-parallel "

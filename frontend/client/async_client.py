@@ -252,7 +252,8 @@ class AsyncEngineClient:
             while True:
                 outputs = await self.client.get_output()
                 engine = outputs.engine_index
-                if outputs.scheduler_stats is not None:
+                # An engine scaled away may leave a last batch behind it: its stats are gone with it.
+                if outputs.scheduler_stats is not None and engine < self.num_engines:
                     self.engine_stats[engine] = outputs.scheduler_stats
                     self._run_hooks(self.step_hooks, outputs.scheduler_stats, engine)
                 # Chunks keep one huge batch from holding the event loop for long.

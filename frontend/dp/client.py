@@ -10,6 +10,9 @@ An engine that dies does not take the others with it: its requests in flight end
 (weights reloaded, the LoRA adapters added again, after a back-off) in a thread and rejoins; a crash loop
 (MAX_RESTARTS within RESTART_WINDOW_S) leaves it down. The client is dead only when no engine serves or restarts. With one engine this is
 `--restart-engine-on-failure`.
+
+Given `start` (--enable-elastic-ep), the engines are elastic: `add_engine` starts one more, `retire_engines`
+stops the highest-ranked ones once they have drained (frontend/dp/elastic.py decides when).
 """
 from __future__ import annotations
 
@@ -44,12 +47,17 @@ _MERGED_ANSWERS: dict[str, Callable[[list[Any]], Any]] = {
 
 class DataParallelClient:
     def __init__(self, clients: list[AsyncMPClient], router: PrefixRouter,
-                 restart: dict[int, Callable[[], CoreHandle]] | None = None) -> None:
+                 restart: dict[int, Callable[[], CoreHandle]] | None = None,
+                 start: Callable[[], CoreHandle] | None = None) -> None:
         """restart: engine index -> what starts a fresh core for it and waits until it is ready (blocking: it
-        runs in a thread); engines on other nodes have none."""
+        runs in a thread); engines on other nodes have none. start: what starts a new engine's core (elastic
+        scaling), None when the engines are fixed."""
         self.clients = clients
         self.router = router
         self._restart = restart or {}
+        self.start = start
+        self.draining: set[int] = set()               # engines being scaled away: no new requests, no restart
+        self._drain_progress = asyncio.Event()         # set whenever a request leaves an engine
         self._closed = False
         self._down: dict[int, str] = {}               # engine -> why it is out of service
         self._restarting: set[int] = set()
@@ -57,6 +65,7 @@ class DataParallelClient:
         self._engine_of: dict[str, int] = {}
         self._merged: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
         self._tasks: list[asyncio.Task] = []
+        self._pumps: dict[int, asyncio.Task] = {}     # engine -> the task moving its outputs to the merged queue
         # The adapters every engine holds (lora_int_id -> add_lora's arguments), replayed into a restarted core:
         # the frontend still routes requests to them by name.
         self._loras: dict[int, tuple[Any, ...]] = {}
@@ -71,6 +80,11 @@ class DataParallelClient:
         return len(self.clients)
 
     @property
+    def down(self) -> set[int]:
+        """The engines out of service (dead, or restarting)."""
+        return set(self._down)
+
+    @property
     def dead(self) -> str | None:
         if len(self._down) < len(self.clients) or self._restarting:
             return None
@@ -80,7 +94,9 @@ class DataParallelClient:
         def state(i: int) -> str:
             if i in self._restarting:
                 return f"restarting: {self._down[i]}"
-            return f"dead: {self._down[i]}" if i in self._down else "ok"
+            if i in self._down:
+                return f"dead: {self._down[i]}"
+            return "draining" if i in self.draining else "ok"
         return [{"engine": i, "state": state(i)} for i in range(len(self.clients))]
 
     async def add_request(self, request: EngineCoreRequest) -> None:
@@ -126,7 +142,8 @@ class DataParallelClient:
     async def get_output(self) -> EngineCoreOutputs:
         if self._merged is None:
             self._merged = asyncio.Queue()
-            self._tasks = [asyncio.get_running_loop().create_task(self._pump(i)) for i in range(len(self.clients))]
+            for i in range(len(self.clients)):
+                self._start_pump(i)
         item = await self._merged.get()
         if isinstance(item, BaseException):
             self._merged.put_nowait(item)      # every later caller sees it too
@@ -135,6 +152,10 @@ class DataParallelClient:
             if out.finish_reason is not None:
                 self._forget(out.request_id)
         return item
+
+    def _start_pump(self, index: int) -> None:
+        if self._merged is not None:        # else get_output starts every engine's pump when first called
+            self._pumps[index] = asyncio.get_running_loop().create_task(self._pump(index))
 
     async def _pump(self, index: int) -> None:
         assert self._merged is not None
@@ -164,7 +185,7 @@ class DataParallelClient:
             EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error", error=error,
                              error_kind=ENGINE_DIED) for rid in lost]))
         self.clients[index].close()
-        if self._may_restart(index):
+        if index not in self.draining and self._may_restart(index):
             self._restarting.add(index)
             self._tasks.append(asyncio.get_running_loop().create_task(self._restart_engine(index)))
         elif self.dead is not None:
@@ -184,7 +205,7 @@ class DataParallelClient:
 
     async def _restart_engine(self, index: int) -> None:
         assert self._merged is not None
-        old = self.clients[index]
+        old = self.clients[index]      # still this engine's when the new core is up, unless scaling removed it
         # Back-off: 0.5 s before the first restart, doubling with each recent one.
         await asyncio.sleep(0.5 * 2 ** (len(self._restarts.get(index, [])) - 1))
         try:
@@ -206,15 +227,16 @@ class DataParallelClient:
             if self.dead is not None:
                 self._merged.put_nowait(EngineDeadError(self.dead))
             return
-        if self._closed:
-            client.close()
+        if self._closed or index in self.draining or index >= len(self.clients) or self.clients[index] is not old:
+            client.close()       # closed, or scaled away (and maybe grown again as a new engine) meanwhile
+            self._restarting.discard(index)
             return
         self.clients[index] = client
         self._down.pop(index, None)
         self._restarting.discard(index)
         self.router.set_available(index, True)
         logger.info("data-parallel engine %d restarted and serving", index)
-        self._tasks.append(asyncio.get_running_loop().create_task(self._pump(index)))
+        self._start_pump(index)
 
     async def _replay_loras(self, client: AsyncMPClient) -> None:
         # Until none is missing: an adapter added to the serving engines meanwhile reaches this one too.
@@ -234,10 +256,65 @@ class DataParallelClient:
         engine = self._engine_of.pop(request_id, None)
         if engine is not None:
             self.router.finished(engine)
+            self._drain_progress.set()
+
+    # ---------------------------------------------------------------- elastic scaling (frontend/dp/elastic.py)
+
+    def requests_on(self, engines: set[int]) -> int:
+        return sum(1 for engine in self._engine_of.values() if engine in engines)
+
+    async def wait_drain_progress(self) -> None:
+        """Until a request leaves some engine (finished, failed or aborted)."""
+        self._drain_progress.clear()
+        await self._drain_progress.wait()
+
+    async def add_engine(self) -> int:
+        """Start one more engine core (its adapters loaded as the others'), serving once this returns; its
+        index. RuntimeError/TimeoutError from the core's start."""
+        assert self.start is not None
+        proc = await asyncio.to_thread(self.start)
+        client = AsyncMPClient(proc.addresses, proc.token, proc,
+                               heartbeat_timeout_s=self.clients[0].heartbeat_timeout_s)
+        try:
+            await client.call_utility("ping", timeout_s=30.0)      # be seen by its output socket first
+            await self._replay_loras(client)
+        except BaseException:
+            client.close()
+            raise
+        if self._closed:
+            client.close()
+            raise RuntimeError("the client was closed while the engine started")
+        index = len(self.clients)
+        self.clients.append(client)
+        self._restart[index] = self.start
+        self.router.add_engines(index + 1)
+        self._start_pump(index)
+        logger.info("data-parallel engine %d started: %d engines", index, len(self.clients))
+        return index
+
+    async def retire_engines(self, num_engines: int) -> None:
+        """Stop every engine from index `num_engines` on (the caller drained them: none has a request)."""
+        while len(self.clients) > num_engines:
+            index = len(self.clients) - 1
+            if (pump := self._pumps.pop(index, None)) is not None:
+                pump.cancel()
+            client = self.clients.pop()
+            proc = None
+            if index not in self._down:        # a dead one's client, and core, were closed when it died
+                proc, client.proc = client.proc, None
+                client.close()
+            for state in (self._down, self._restart, self._restarts):
+                state.pop(index, None)
+            self._restarting.discard(index)
+            self.draining.discard(index)
+            self.router.remove_engines(index)
+            if proc is not None:           # stopping a core blocks until it exits: not on the event loop
+                await asyncio.to_thread(proc.shutdown)
+            logger.info("data-parallel engine %d stopped: %d engines", index, len(self.clients))
 
     def close(self) -> None:
         self._closed = True
-        for task in self._tasks:
+        for task in [*self._tasks, *self._pumps.values()]:
             task.cancel()
         for index, client in enumerate(self.clients):
             if index not in self._down:

@@ -60,6 +60,11 @@ class PrefixRouter:
             self.available.append(True)
             self._held.append(OrderedDict())
 
+    def remove_engines(self, num_engines: int) -> None:
+        """Shrink to the first `num_engines` engines (elastic scaling stopped the others)."""
+        del self.loads[num_engines:], self.available[num_engines:], self._held[num_engines:]
+        self._next = 0
+
     def set_available(self, engine: int, available: bool) -> None:
         """An engine leaves service (dead) or returns (restarted, its cache empty)."""
         self.available[engine] = available

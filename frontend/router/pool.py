@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_FLOOR_S = 2.0
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+# The least free KV fraction a score divides by: a full cache scores as a hundredfold load, not infinity, so
+# that among replicas all full the queues still decide.
+KV_FREE_FLOOR = 0.01
 
 
 @dataclass
@@ -34,13 +38,27 @@ class Replica:
     models: list[dict] = field(default_factory=list)    # its /v1/models cards, as it last listed them
     running: float = 0.0                                 # its own gauges, summed over engines, last scraped
     waiting: float = 0.0
+    kv_usage: float = 0.0                                # its fullest engine's vllm:kv_cache_usage_perc (0..1)
     in_flight: int = 0                                   # requests this router has open on it now
     removed: bool = False                                # left the pool's list (discovery no longer lists it)
+    # Whether its cache outlives its absence from the pool: the process was there throughout (it only timed out,
+    # or answered unhealthy: a CPU replica deep in a long prefill answers /health late, or 503 when its engine
+    # core's ping takes over 5 s), never refused or reset a connection, so it did not restart. Prefix routing
+    # then keeps its record of what the replica holds.
+    cache_kept: bool = False
 
     @property
     def load(self) -> float:
         # The scrape lags; what this router has open on it is a floor it knows now.
         return max(self.running + self.waiting, float(self.in_flight))
+
+    @property
+    def score(self) -> float:
+        """least-load's cost of one more request here, lowest first: its queue, stretched by how full its KV
+        cache is. A replica's free KV bounds what it can run at once; a nearly full one queues or preempts a new
+        request however short its queue looks (the queue gauges count neither the blocks held nor the
+        preemptions to come)."""
+        return (self.load + 1.0) / max(1.0 - self.kv_usage, KV_FREE_FLOOR)
 
     def serves(self, model: str | None) -> bool:
         return model is None or any(card.get("id") == model for card in self.models)
@@ -93,7 +111,10 @@ class ReplicaPool:
                     cards.setdefault(card.get("id"), card)
         return list(cards.values())
 
-    def mark_down(self, replica: Replica, reason: str) -> None:
+    def mark_down(self, replica: Replica, reason: str, alive: bool = False) -> None:
+        """alive: it timed out or answered, so the process was there (see Replica.cache_kept); every failure of
+        one absence must be, for its cache to count as kept."""
+        replica.cache_kept = alive if replica.healthy else replica.cache_kept and alive
         if replica.healthy:
             logger.warning("replica %s leaves the pool: %s", replica.url, reason)
             replica.healthy = False
@@ -120,9 +141,10 @@ class ReplicaPool:
                 models.raise_for_status()
                 replica.models = list(models.json().get("data", []))
                 await self._scrape(replica, timeout)
-            reason = f"/health answered {health.status_code}"
+            reason, alive = f"/health answered {health.status_code}", True
         except (httpx.HTTPError, ValueError) as exc:     # unreachable, or answers that are not what they say
             healthy, reason = False, f"{type(exc).__name__}: {exc}"
+            alive = isinstance(exc, httpx.TimeoutException)
         if replica.removed:           # discovery dropped it while the probe was out
             return
         if healthy and not replica.healthy:
@@ -130,18 +152,22 @@ class ReplicaPool:
             replica.healthy = True
             self.on_change(replica)
         elif not healthy:
-            self.mark_down(replica, reason)
+            self.mark_down(replica, reason, alive)
 
     async def _scrape(self, replica: Replica, timeout: float) -> None:
-        """Its queue gauges; a replica without them (not a vLLM-shaped server) counts as idle."""
+        """Its queue gauges and KV usage; a replica without them (not a vLLM-shaped server) counts as idle."""
         r = await self.client.get(f"{replica.url}/metrics", headers=replica.headers(), timeout=timeout)
         if r.status_code != 200:
             return
-        values = {RUNNING: 0.0, WAITING: 0.0}
+        values = {RUNNING: 0.0, WAITING: 0.0, KV_USAGE: 0.0}
         try:
             for family in text_string_to_metric_families(r.text):
-                if family.name in values:
-                    values[family.name] = sum(s.value for s in family.samples)
+                if family.name in values and family.samples:
+                    # Queues add up over a replica's data-parallel engines; KV usage is its fullest engine's
+                    # (as the replica's own summary, AsyncEngineClient.last_stats).
+                    merge = max if family.name == KV_USAGE else sum
+                    values[family.name] = merge(s.value for s in family.samples)
         except ValueError:          # not Prometheus text: the replica has no load to read
             return
         replica.running, replica.waiting = values[RUNNING], values[WAITING]
+        replica.kv_usage = min(1.0, max(0.0, values[KV_USAGE]))

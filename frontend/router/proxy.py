@@ -66,7 +66,7 @@ class Proxy:
                 refusals.append(upstream)
                 reason = str(upstream.status_code)
                 if upstream.status_code == 503:     # draining or unhealthy: the probe would say so soon
-                    self.pool.mark_down(replica, "answered 503")
+                    self.pool.mark_down(replica, "answered 503", alive=True)
             else:
                 reason = upstream
             self.metrics.retries.labels(replica.url, reason).inc()

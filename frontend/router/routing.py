@@ -82,15 +82,16 @@ class Routing:
             self.prefix.finished(replica.index)
 
     def replica_changed(self, replica: Replica) -> None:
-        """A replica joined or left: what it held is gone (a restarted replica's cache starts empty). A
-        discovered replica's index may be new here."""
+        """A replica joined or left: what it held is gone (a restarted replica's cache starts empty), unless it
+        was there throughout (`Replica.cache_kept`: slow or unhealthy, never unreachable, so not restarted). A discovered replica's index may be new here."""
         self.prefix.add_engines(replica.index + 1)
-        self.prefix.set_available(replica.index, True)
+        if not replica.cache_kept:
+            self.prefix.set_available(replica.index, True)      # (which forgets what it held)
 
     def _round_robin(self, candidates: list[Replica], least_load: bool) -> Replica:
         n = max(r.index for r in candidates) + 1
         ordered = sorted(candidates, key=lambda r: (r.index - self._next) % n)
-        replica = min(ordered, key=lambda r: r.load) if least_load else ordered[0]
+        replica = min(ordered, key=lambda r: r.score) if least_load else ordered[0]
         self._next = replica.index + 1
         return replica
 

@@ -83,19 +83,38 @@ class Router:
 
 class StaticUpstream:
     """A healthy OpenAI-shaped server listing `model` that answers every POST with `status` (and
-    `Retry-After: retry_after`)."""
+    `Retry-After: retry_after`), and GET /metrics with `self.metrics` (Prometheus text, settable at any time).
+    `posts` and `metrics_reads` count what it was asked."""
 
-    def __init__(self, model: str, status: int, retry_after: int) -> None:
+    def __init__(self, model: str, status: int, retry_after: int, metrics: str = "") -> None:
+        self.metrics = metrics
+        self.posts = 0
+        self.metrics_reads = 0
+        upstream = self
+
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                if self.path == "/metrics":
+                    upstream.metrics_reads += 1
+                    self._answer_text(upstream.metrics)
+                    return
                 body = {"object": "list", "data": [{"id": model, "object": "model"}]} \
                     if self.path == "/v1/models" else {}
                 self._answer(200, body)
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("content-length", 0)))
+                upstream.posts += 1
                 self._answer(status, {"error": {"message": "busy", "type": "rate_limit_error", "code": status}},
                              {"Retry-After": str(retry_after)})
+
+            def _answer_text(self, text: str) -> None:
+                data = text.encode()
+                self.send_response(200)
+                self.send_header("content-type", "text/plain; version=0.0.4")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
 
             def _answer(self, code: int, body: dict, headers: dict[str, str] | None = None) -> None:
                 data = json.dumps(body).encode()
