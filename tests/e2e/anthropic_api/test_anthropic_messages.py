@@ -34,16 +34,6 @@ def server(tool_server) -> Server:
     return tool_server
 
 
-@pytest.fixture(scope="module")
-def client(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(server) -> str:
-    return server.client().models.list().data[0].id
-
-
 def post(server: Server, path: str, headers: dict[str, str] | None = None, **body: Any) -> httpx.Response:
     return httpx.post(server.url + path, json=body, headers=server.auth if headers is None else headers, timeout=120)
 

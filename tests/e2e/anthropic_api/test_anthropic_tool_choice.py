@@ -42,16 +42,6 @@ def server(tiny_serving_model):
     srv.stop_and_check_clean()
 
 
-@pytest.fixture(scope="module")
-def client(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(server) -> str:
-    return server.client().models.list().data[0].id
-
-
 def create(client: anthropic.Anthropic, model: str, **fields: Any) -> Any:
     """A message (of up to 48 tokens unless told) about the weather, with both tools offered."""
     return client.messages.create(**{"model": model, "max_tokens": 48, "messages": QUESTION,

@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from pagedserve.tests.frontend.tracing.otlp_receiver import OtlpReceiver, attributes
+from pagedserve.tests.helpers.processes.otlp_receiver import OtlpReceiver, attributes
 from pagedserve.tests.helpers.processes.server import Server, free_port
 
 pytestmark = pytest.mark.timeout(300)

@@ -4,11 +4,13 @@ over OTLP/HTTP and over gRPC (vLLM's and the SDK's default protocol: no variable
 still queued: the spans are there when it returns, long before the batch processor's own schedule."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from pagedserve.common.params.sampling_params import SamplingParams
 from pagedserve.frontend.offline.llm import LLM
-from pagedserve.tests.frontend.tracing.otlp_receiver import OtlpGrpcReceiver, OtlpReceiver, attributes
+from pagedserve.tests.helpers.processes.otlp_receiver import OtlpGrpcReceiver, OtlpReceiver, attributes
 from pagedserve.tests.helpers.processes.server import free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -35,23 +37,29 @@ def by_id(spans: list) -> dict[str, object]:
     return {attributes(s)["gen_ai.request.id"]: s for s in spans}
 
 
-def test_generate_and_chat_send_a_span_per_request_over_http(tiny_serving_model, monkeypatch, slow_batches):
+@pytest.fixture
+def http_receiver(monkeypatch) -> Iterator[tuple[OtlpReceiver, str]]:
+    """A real OTLP/HTTP receiver and the traces endpoint to give the LLM."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
     port = free_port()
     receiver = OtlpReceiver(port)
     try:
-        with LLM(tiny_serving_model, **ENGINE, otlp_traces_endpoint=f"http://127.0.0.1:{port}/v1/traces",
-                 collect_detailed_traces="all") as llm:
-            params = [SamplingParams(max_tokens=3 + i, temperature=0.5, top_p=0.9, ignore_eos=True) for i in range(3)]
-            outs = llm.generate(["Once upon", "a time there", "was a tiny model"], params, use_tqdm=False)
-            [chat] = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2, ignore_eos=True),
-                              use_tqdm=False)
-            model = llm.info.served_model_name
-            assert not llm.engine.model_times         # every traced request finished: none is left tracked
-            assert receiver.spans == []            # nothing left yet: the batch processor waits
-        spans = by_id(receiver.wait_for(lambda s: True, count=4, timeout_s=0))
+        yield receiver, f"http://127.0.0.1:{port}/v1/traces"
     finally:
         receiver.close()
+
+
+def test_generate_and_chat_send_a_span_per_request_over_http(tiny_serving_model, http_receiver, slow_batches):
+    receiver, endpoint = http_receiver
+    with LLM(tiny_serving_model, **ENGINE, otlp_traces_endpoint=endpoint, collect_detailed_traces="all") as llm:
+        params = [SamplingParams(max_tokens=3 + i, temperature=0.5, top_p=0.9, ignore_eos=True) for i in range(3)]
+        outs = llm.generate(["Once upon", "a time there", "was a tiny model"], params, use_tqdm=False)
+        [chat] = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2, ignore_eos=True),
+                          use_tqdm=False)
+        model = llm.info.served_model_name
+        assert not llm.engine.model_times         # every traced request finished: none is left tracked
+        assert receiver.spans == []            # nothing left yet: the batch processor waits
+    spans = by_id(receiver.wait_for(lambda s: True, count=4, timeout_s=0))
     assert set(spans) == {o.request_id for o in [*outs, chat]}
     for out, p in zip(outs, params):
         span = spans[out.request_id]
@@ -98,18 +106,12 @@ def test_grpc_is_the_default_protocol(tiny_serving_model, monkeypatch, slow_batc
     assert receiver.metadata.get("x-tenant") == "t51"
 
 
-def test_worker_adds_the_execute_time_only(tiny_serving_model, monkeypatch, slow_batches):
+def test_worker_adds_the_execute_time_only(tiny_serving_model, http_receiver, slow_batches):
     """vLLM's values: "worker" times the executor's steps, "model" the forward; both add the events."""
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
-    port = free_port()
-    receiver = OtlpReceiver(port)
-    try:
-        with LLM(tiny_serving_model, **ENGINE, otlp_traces_endpoint=f"http://127.0.0.1:{port}/v1/traces",
-                 collect_detailed_traces="worker") as llm:
-            llm.generate("worker", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
-        [span] = receiver.wait_for(lambda s: True, timeout_s=0)
-    finally:
-        receiver.close()
+    receiver, endpoint = http_receiver
+    with LLM(tiny_serving_model, **ENGINE, otlp_traces_endpoint=endpoint, collect_detailed_traces="worker") as llm:
+        llm.generate("worker", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    [span] = receiver.wait_for(lambda s: True, timeout_s=0)
     a = attributes(span)
     assert a["gen_ai.latency.time_in_model_execute"] > 0 and "gen_ai.latency.time_in_model_forward" not in a
     assert [e.name for e in span.events][:2] == ["QUEUED", "SCHEDULED"]
