@@ -37,7 +37,8 @@ HEAVY: dict[str, float] = {
     "tests/determinism/test_batch_invariant_flag.py": 60,
     # issue 49's elastic scaling and prefix-vs-round-robin modules: 300 s and 250 s beside three other sessions'
     # tests (load 10 on the 2 cores, most of it their servers starting); estimated for a quiet run
-    "tests/e2e/fleet/test_elastic_dp.py": 90, "tests/e2e/fleet/test_fleet_under_load.py": 175, "tests/e2e/fleet/test_router_prefix_vs_roundrobin.py": 75,
+    "tests/e2e/fleet/test_elastic_dp.py": 90, "tests/e2e/fleet/test_fleet_under_load.py": 175,
+    "tests/e2e/openai_api/test_llama_index_client.py": 80, "tests/e2e/fleet/test_router_prefix_vs_roundrobin.py": 75,
 }
 
 
