@@ -29,7 +29,7 @@ from pagedserve.frontend.client.outputs import RequestOutput
 from pagedserve.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.frontend.beam_search.protocol import check_beam_params
 from pagedserve.frontend.openai.protocol_structured import name_field
-from pagedserve.frontend.openai.bodies import SSE_DONE, ResponseBuilder, sse
+from pagedserve.frontend.openai.bodies import SSE_DONE, ResponseBuilder, sse, usage
 from pagedserve.frontend.lora.serving import LoRAModels
 from pagedserve.frontend.parsers.tool_parsers import TOOL_PARSERS
 
@@ -154,12 +154,14 @@ class OpenAIServing:
         leave = self.admission.enter()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            # vLLM's continuous_usage_stats: every chunk also carries its choice's usage so far
+            continuous = include_usage and body.stream_options.continuous_usage_stats
             try:
                 outputs = await self._first_output(body, jobs)
             except BaseException:
                 leave()
                 raise
-            return CountedStreamingResponse(self._stream(jobs, builder, include_usage, outputs), leave,
+            return CountedStreamingResponse(self._stream(jobs, builder, include_usage, outputs, continuous), leave,
                                             media_type="text/event-stream")
         try:
             return await self._whole_response(http, body, self._whole(jobs, builder))
@@ -253,19 +255,26 @@ class OpenAIServing:
         return builder.whole([finals[i] for i in range(len(jobs))])
 
     async def _stream(self, jobs: list[PreparedRequest], builder: ResponseBuilder, include_usage: bool,
-                      outputs: AsyncIterator[tuple[int, RequestOutput]] | None = None) -> AsyncIterator[str]:
-        for chunk in builder.opening_chunks():
-            yield sse(chunk)
+                      outputs: AsyncIterator[tuple[int, RequestOutput]] | None = None,
+                      continuous: bool = False) -> AsyncIterator[str]:
+        for chunk in builder.opening_chunks():        # chat's role chunks: one prompt, nothing made yet
+            yield sse({**chunk, "usage": usage(len(jobs[0].prompt.prompt_token_ids), 0)} if continuous else chunk)
         prompt_tokens = sum(len(j.prompt.prompt_token_ids) for j in jobs)
         completion_tokens = 0
         cached: dict[int, int] = {}         # per prompt: its prefix-cache hit, known from its first output
+        made: dict[tuple[int, int], int] = {}   # per (prompt, choice): its tokens so far (continuous usage)
         try:
             async for i, out in outputs or merge_streams([self.engine.stream(j) for j in jobs]):
                 cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
-                    if (choice := builder.delta_choice(i, c, out)) is not None:
-                        yield sse(builder.chunk([choice]))
+                    made[i, c.index] = made.get((i, c.index), 0) + len(c.token_ids)
+                    if (choice := builder.delta_choice(i, c, out)) is None:
+                        continue
+                    chunk = builder.chunk([choice])
+                    if continuous:
+                        chunk["usage"] = usage(len(jobs[i].prompt.prompt_token_ids), made[i, c.index])
+                    yield sse(chunk)
         except Exception as exc:
             yield sse(error_body(exc))
         else:

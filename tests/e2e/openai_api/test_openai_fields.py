@@ -161,3 +161,31 @@ def test_truncate_prompt_tokens_keeps_the_last_k(server, k):
     # -1 means max_model_len: a prompt shorter than that is untouched.
     full = completion(server, prompt=long_prompt).json()["usage"]["prompt_tokens"]
     assert completion(server, prompt=long_prompt, truncate_prompt_tokens=-1).json()["usage"]["prompt_tokens"] == full
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_each_choices_usage_on_its_chunks(server, route):
+    """vLLM's stream_options.continuous_usage_stats: every chunk with a choice carries that choice's usage so
+    far; the last chunk still carries the whole request's."""
+    import json
+    body = {"model": server.client().models.list().data[0].id, "max_tokens": 6, "n": 2, "temperature": 0.9,
+            "seed": 1, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body |= {"messages": MESSAGES} if "chat" in route else {"prompt": PROMPT}
+    with httpx.stream("POST", server.url + route, json=body, headers=server.auth, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    seen: dict[int, int] = {}
+    prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
+    for chunk in chunks[:-1]:
+        if not chunk["choices"]:
+            continue
+        [choice], u = chunk["choices"], chunk["usage"]
+        made = u["completion_tokens"]
+        assert made >= seen.get(choice["index"], 0) and u["prompt_tokens"] == prompt_tokens
+        assert u["total_tokens"] == prompt_tokens + made
+        seen[choice["index"]] = made
+    assert seen == {0: 6, 1: 6} and chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    plain = {**body, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + route, json=plain, headers=server.auth, timeout=60) as r:
+        lines = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all("usage" not in c or c["usage"] is None for c in lines[:-1]) and lines[-1]["usage"]
