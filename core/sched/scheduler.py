@@ -255,9 +255,7 @@ class Scheduler:
                         or request.num_tokens + pending >= self.config.max_model_len):
             return 0                     # the ids in flight already end it: another step would be thrown away
         num_new = request.num_tokens + pending - request.num_computed_tokens
-        if not self.config.enable_chunked_prefill and num_new > budget:
-            return 0
-        return min(num_new, budget)
+        return 0 if not self.config.enable_chunked_prefill and num_new > budget else min(num_new, budget)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -265,7 +263,9 @@ class Scheduler:
         if self.mm is not None:
             self.mm.release_all(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0  # recompute: prefix caching usually makes this cheap
+        request.num_computed_tokens = 0  # resumes from the prefix cache, and a KV tier's copy (swap), or recomputes
+        if self.connector is not None:
+            self.connector.request_preempted(request)
         request.spec_token_ids = []      # proposed from KV the preemption dropped
         request.note_preempted()
         self.num_preemptions += 1
