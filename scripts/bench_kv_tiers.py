@@ -37,10 +37,10 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(*VOCAB) for _ in range(n)]
 
 
-def _llm(folder: str | None, **kwargs: Any) -> LLM:
+def _llm(folder: str | None, max_model_len: int = 4096, **kwargs: Any) -> LLM:
     tier = {} if folder is None else {"kv_offloading_backend": "disk", "kv_offloading_path": folder,
                                       "kv_offloading_size": 4}
-    llm = LLM(max_model_len=4096, block_size=BS, **tier, **kwargs)
+    llm = LLM(max_model_len=max_model_len, block_size=BS, **tier, **kwargs)
     llm.generate([{"prompt_token_ids": list(range(200, 456))}], ONE, use_tqdm=False)   # warm the kernels
     llm.reset_prefix_cache()
     return llm
@@ -77,11 +77,14 @@ def chat_turns(convs: int, turns: int, seed: int = 0) -> list[list[int]]:
 def bench_chat(args: argparse.Namespace) -> None:
     asked = chat_turns(args.convs, args.turns)
     working_blocks = sum(-(-len(p) // BS) for p in asked[-args.convs:])
-    pool = working_blocks // 4
+    longest = max(map(len, asked)) + BS
+    # A quarter of the working set, but never less than the longest request (the engine refuses a pool that
+    # cannot hold max_model_len): with few conversations that is a little more than a quarter.
+    pool = max(working_blocks // 4, -(-longest // BS) + 1)
     for rep in range(args.repeats):
         for mode in (("none", "disk") if rep % 2 == 0 else ("disk", "none")):
             folder = _fresh(args.folder) if mode == "disk" else None
-            with _llm(folder, num_gpu_blocks_override=pool) as llm:
+            with _llm(folder, max_model_len=longest, num_gpu_blocks_override=pool) as llm:
                 t0 = time.perf_counter()
                 ttfts = [_ttft(llm, p) for p in asked]
                 total = time.perf_counter() - t0
