@@ -225,8 +225,7 @@ class Scheduler:
         return out
 
     def _advance(self, num_scheduled: dict[str, int]) -> list[Request]:
-        """Count this step's tokens as computed (the next schedule() builds on it) and give every request
-        this step samples for a placeholder; returns those requests."""
+        """Count this step's tokens as computed and give each request it samples for a placeholder (returned)."""
         sampling = []
         for rid, n in num_scheduled.items():
             request = self.requests[rid]
@@ -293,7 +292,8 @@ class Scheduler:
                                   and not request.whole_prompt)
             if num_new <= 0:
                 return None
-        new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks, num_hit, self.lookahead)
+        fresh_hit = num_hit - request.num_computed_tokens     # a finished load's tokens already count as computed
+        new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks, fresh_hit, self.lookahead)
         if new_blocks is None:
             return None
         if self.mm is not None:

@@ -25,7 +25,8 @@ TINY_POOL = 12
 
 def _run(model: str, prompts: list[list[int]] = PROMPTS, sp: SamplingParams = SP,
          **kwargs) -> tuple[list[list[int]], SchedulerStats]:
-    with LLM(model, dtype="float32", max_model_len=128, block_size=BS, **kwargs) as llm:
+    kwargs.setdefault("max_model_len", 128)
+    with LLM(model, dtype="float32", block_size=BS, **kwargs) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         stats = msgspec.convert(llm.client.call_utility("get_stats"), SchedulerStats)
     return [list(o.outputs[0].token_ids) for o in outs], stats
@@ -51,6 +52,17 @@ def test_a_preempted_request_swaps_its_blocks_back_in_from_the_tier(tiny_llama_d
     assert kv.swapped_in_tokens >= stats.num_preemptions * BS
     assert kv.swapped_in_tokens % BS == 0 and kv.invalid_blocks == 0
     assert stats.external_prefix_cache_hits >= kv.swapped_in_tokens
+
+
+def test_a_loaded_request_fits_a_pool_just_its_size(tiny_llama_dir, tmp_path):
+    """After its load, a request's loaded tokens are computed, not a prefix hit on top of them: its blocks
+    are counted once. Counted twice it asked for 11 blocks of a pool of 7 and never ran (a livelock)."""
+    prompt = random_prompts(13, [5 * BS + 3], 512)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    reference, _ = _run(tiny_llama_dir, prompt, sp, **_tier(str(tmp_path)))
+    ids, stats = _run(tiny_llama_dir, prompt, sp, max_model_len=6 * BS, num_gpu_blocks_override=7,
+                      **_tier(str(tmp_path)))
+    assert ids == reference and stats.external_prefix_cache_hits == 5 * BS
 
 
 def test_without_a_tier_a_preempted_request_recomputes(tiny_llama_dir, unpreempted):
