@@ -134,6 +134,7 @@ class KVTransferStats(msgspec.Struct, array_like=True, omit_defaults=True):
     store_time_s: float = 0.0
     stores_skipped: int = 0        # blocks not stored: the writer behind, or saving stopped by an I/O error
     evictions: int = 0             # blocks the tier deleted to stay within its size
+    swapped_in_tokens: int = 0     # tokens of preempted requests loaded back on resume, not recomputed
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -271,6 +272,7 @@ class KVBlockTransfer(msgspec.Struct, array_like=True):
     block_id: int
     key: bytes               # the block's chained hash (core/block_hash.py)
     depth: int               # its index in its prefix chain
+    parent: bytes = b""      # the chain's block before it (b"": the first); in the file, so a restart knows it
 
 
 class KVConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -205,7 +205,8 @@ class EngineArgs:
                    "\"/var/kv\", \"size_gib\": 8}} (docs/kv_tiers.md; unset: none)")
     kv_offloading_backend: str | None = setting(
         None, choices=KV_OFFLOADING_BACKENDS, help="a KV tier below the pool, as vLLM's flag: disk (blocks in "
-        "--kv-offloading-path, kept across restarts); shorthand for an OffloadingConnector --kv-transfer-config")
+        "--kv-offloading-path, kept across restarts); native (a host-memory tier: refused, on CPU the pool is "
+        "host memory already; docs/kv_tiers.md); shorthand for an OffloadingConnector --kv-transfer-config")
     kv_offloading_size: float | None = setting(None, help="with --kv-offloading-backend: the tier's GiB (LRU beyond)")
     kv_offloading_path: str | None = setting(None, help="with --kv-offloading-backend disk: a writable folder")
     worker_extension_cls: str | None = setting(

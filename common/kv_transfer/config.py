@@ -13,8 +13,9 @@ from typing import Any
 KV_CONNECTORS = ("OffloadingConnector", "SharedStorageConnector")
 # vLLM's roles: a producer only saves, a consumer only loads, kv_both does both.
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-# The tiers an OffloadingConnector may use (vLLM's --kv-offloading-backend; its "native" host tier is not here).
-KV_OFFLOADING_BACKENDS = ("disk",)
+# The tiers an OffloadingConnector may use (vLLM's --kv-offloading-backend). vLLM's "native" host tier is a
+# choice so that asking for it gets its reason (_refuse_native), not argparse's "invalid choice".
+KV_OFFLOADING_BACKENDS = ("disk", "native")
 _TOP_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
 # kv_connector_extra_config's keys per connector (vLLM's SharedStorageConnector takes shared_storage_path).
 _EXTRA_KEYS = {"OffloadingConnector": ("backend", "path", "size_gib"),
@@ -54,23 +55,26 @@ class KVTransferConfig:
 
 
 def parse_kv_transfer(transfer: dict[str, Any] | None, backend: str | None, size_gib: float | None,
-                      path: str | None) -> KVTransferConfig | None:
+                      path: str | None, device: str = "cpu") -> KVTransferConfig | None:
     """The connector asked for, checked (its folder exists and is writable); ValueError naming the flag. Its
-    namespace is left empty: the caller fills it in once the model is resolved (identity.kv_namespace)."""
+    namespace is left empty: the caller fills it in once the model is resolved (identity.kv_namespace).
+    device: the model's ("cpu", "cuda"), which decides what a host-memory tier would be."""
     if backend is None:
         if size_gib is not None or path is not None:
             raise ValueError("kv_offloading_size / kv_offloading_path: set --kv-offloading-backend too")
-        return None if transfer is None else _from_json(transfer)
+        return None if transfer is None else _from_json(transfer, device)
     if transfer is not None:
         raise ValueError("kv_offloading_backend: give it or --kv-transfer-config, not both (the backend is "
                          "shorthand for an OffloadingConnector)")
     if backend not in KV_OFFLOADING_BACKENDS:
         raise ValueError(f"kv_offloading_backend must be one of {', '.join(KV_OFFLOADING_BACKENDS)}, got {backend!r}")
+    if backend == "native":
+        _refuse_native("--kv-offloading-backend native", device)
     return KVTransferConfig("OffloadingConnector", "kv_both", backend, _check_folder(path, "--kv-offloading-path"),
                             _size_bytes(size_gib, "--kv-offloading-size"), namespace="")
 
 
-def _from_json(transfer: dict[str, Any]) -> KVTransferConfig:
+def _from_json(transfer: dict[str, Any], device: str) -> KVTransferConfig:
     where = "kv_transfer_config"
     if not isinstance(transfer, dict):
         raise ValueError(f"{where} must be a JSON object, got {transfer!r}")
@@ -94,8 +98,22 @@ def _from_json(transfer: dict[str, Any]) -> KVTransferConfig:
     backend = extra.get("backend", "disk")
     if backend not in KV_OFFLOADING_BACKENDS:
         raise ValueError(f"{where}.backend must be one of {', '.join(KV_OFFLOADING_BACKENDS)}, got {backend!r}")
+    if backend == "native":
+        _refuse_native(f"{where}.backend native", device)
     return KVTransferConfig(connector, role, backend, _check_folder(extra.get("path"), f"{where}.path"),
                             _size_bytes(extra.get("size_gib"), f"{where}.size_gib"), namespace="")
+
+
+def _refuse_native(flag: str, device: str) -> None:
+    """vLLM's host-memory tier, decided against on CPU (docs/kv_tiers.md, the host tier): there the pool
+    already is host memory, so the tier would be a second copy of blocks in the same RAM, and a compact form
+    (fp8, int8) would change greedy output. The same RAM given to the pool holds more blocks at no copy cost."""
+    if device == "cpu":
+        raise ValueError(f"{flag}: on CPU the KV cache pool already lives in host memory, so a host tier would "
+                         "only copy blocks within the same RAM; give that memory to the pool instead "
+                         "(a larger --kv-cache-memory), or use --kv-offloading-backend disk")
+    raise ValueError(f"{flag}: the host-memory tier for {device} is not built yet; use --kv-offloading-backend "
+                     "disk (docs/kv_tiers.md)")
 
 
 def _known_keys(obj: dict[str, Any], allowed: tuple[str, ...], where: str) -> None:

@@ -49,7 +49,7 @@ def resolve_kv_transfer(args: Any, model: ModelConfig, draft: ModelConfig | None
     """EngineArgs' connector settings (args: its kv_transfer_config and kv_offloading_* fields) resolved, with
     the namespace of this engine's blocks; None without a connector. ValueError naming the flag."""
     kv = parse_kv_transfer(args.kv_transfer_config, args.kv_offloading_backend, args.kv_offloading_size,
-                           args.kv_offloading_path)
+                           args.kv_offloading_path, model.device)
     if kv is None:
         return None
     check_kv_transfer_engine(parallel.world_size, pooling, cache.enable_prefix_caching)

@@ -72,3 +72,15 @@ def unpack_header(data: bytes) -> dict:
 
 
 HEADER_PREFIX = len(MAGIC) + _LEN.size
+
+
+def read_parent(path: str) -> bytes | None:
+    """The parent key a block file's header names (b"": a chain's first block); None when the header is
+    unreadable or older than the field (the index then knows the block's chain only once a request uses it)."""
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(HEADER_PREFIX)
+            fields = unpack_header(prefix + f.read(header_size(prefix) - HEADER_PREFIX))
+        return bytes.fromhex(fields["parent"])
+    except (OSError, CorruptBlock, KeyError, TypeError, ValueError):
+        return None

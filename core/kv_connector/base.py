@@ -50,3 +50,7 @@ class KVConnectorScheduler(ABC):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """The request ended; (whether its blocks must outlive it until the connector is done with them,
         kv_transfer_params for the client). Saves copy blocks out within their step, so no: (False, None)."""
+
+    def request_preempted(self, request: Request) -> None:
+        """Ours (vLLM's scheduler recomputes a preempted request): the request lost its blocks in the pool and
+        will resume from what the prefix cache and the connector still hold (docs/kv_tiers.md: swap)."""

@@ -36,6 +36,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._loads: dict[str, list[KVBlockTransfer]] = {}  # planned for the next metadata
         self._saved_upto: dict[str, int] = {}               # request -> blocks already stored or handed over
         self._pending: dict[bytes, tuple[Request, int]] = {}   # saves in flight: key -> (request, depth)
+        self._swap_ins: set[str] = set()                    # loads in flight of preempted requests resuming
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.config.can_load or not _can_load(request):
@@ -56,6 +57,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         if n == 0:
             return 0, False
         self._matched[request.request_id] = (start, n)
+        if request.num_preemptions:      # a swap-in: its blocks went to the tier as it ran (docs: swap)
+            self._swap_ins.add(request.request_id)
         self.index.touch_chain(request.block_hashes[:start + n])
         # Loaded before the request's first step (the workers load at the start of the next step), not in it:
         # a block that turns out bad is then simply computed.
@@ -94,16 +97,17 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             for i in range(start, end):
                 key = request.block_hashes[i]
                 if key not in self._pending and not self._stored(key, i):
-                    saves.append(KVBlockTransfer(ids[i], key, i))
+                    saves.append(KVBlockTransfer(ids[i], key, i, request.block_hashes[i - 1] if i else b""))
                     self._pending[key] = (request, i)
             self._saved_upto[rid] = end
         return saves
 
     def _stored(self, key: bytes, depth: int) -> bool:
         """Whether the tier holds the block. On shared storage another instance (a prefill's producer) may
-        have written it, or removed it, since this one last looked: the disk answers, and the index learns."""
+        have written it, or removed it, since this one last looked: the disk answers, and the index learns.
+        A block handed to the writer and not written yet counts: the workers load it from the writer's copy."""
         if not self.config.shared:
-            return key in self.index
+            return key in self.index or key in self._pending
         try:
             size = os.stat(block_path(self.config.namespace_dir, key, depth)).st_size
         except OSError:
@@ -125,7 +129,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         for key, nbytes in output.saved:
             request, depth = self._pending.pop(key, (None, 0))
             if request is not None:
-                self.index.add(key, depth, nbytes)
+                self.index.add(key, depth, nbytes, request.block_hashes[depth - 1] if depth else b"")
                 chains[id(request)] = request
         for request in chains.values():       # the new leaves go before their chain's first blocks
             self.index.touch_chain(request.block_hashes)
@@ -136,6 +140,10 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             self.index.discard(key)
         if output.saves_disabled:
             self.saving = False
+        for rid, n in output.finished_recving.items():
+            if rid in self._swap_ins:
+                self._swap_ins.discard(rid)
+                st.swapped_in_tokens += n * self.block_size
         return {rid: (self._load_start.pop(rid, 0) + n) * self.block_size
                 for rid, n in output.finished_recving.items()}
 
@@ -147,7 +155,13 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         rid = request.request_id
         for table in (self._matched, self._load_start, self._loads, self._saved_upto):
             table.pop(rid, None)
+        self._swap_ins.discard(rid)
         return False, None
+
+    def request_preempted(self, request: Request) -> None:
+        # Its full blocks are in the tier or on their way (saved as each one filled): it resumes by loading
+        # them. Saving starts over from its first block on resume, in case the tier evicted one meanwhile.
+        self._saved_upto.pop(request.request_id, None)
 
 
 def make_scheduler_connector(config: KVTransferConfig | None, block_size: int,

@@ -225,8 +225,7 @@ class Scheduler:
         return out
 
     def _advance(self, num_scheduled: dict[str, int]) -> list[Request]:
-        """Count this step's tokens as computed (the next schedule() builds on it) and give every request
-        this step samples for a placeholder; returns those requests."""
+        """Count this step's tokens as computed and give each request it samples for a placeholder (returned)."""
         sampling = []
         for rid, n in num_scheduled.items():
             request = self.requests[rid]
@@ -255,9 +254,7 @@ class Scheduler:
                         or request.num_tokens + pending >= self.config.max_model_len):
             return 0                     # the ids in flight already end it: another step would be thrown away
         num_new = request.num_tokens + pending - request.num_computed_tokens
-        if not self.config.enable_chunked_prefill and num_new > budget:
-            return 0
-        return min(num_new, budget)
+        return 0 if not self.config.enable_chunked_prefill and num_new > budget else min(num_new, budget)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -265,7 +262,9 @@ class Scheduler:
         if self.mm is not None:
             self.mm.release_all(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0  # recompute: prefix caching usually makes this cheap
+        request.num_computed_tokens = 0  # resumes from the prefix cache, and a KV tier's copy (swap), or recomputes
+        if self.connector is not None:
+            self.connector.request_preempted(request)
         request.spec_token_ids = []      # proposed from KV the preemption dropped
         request.note_preempted()
         self.num_preemptions += 1
@@ -293,7 +292,8 @@ class Scheduler:
                                   and not request.whole_prompt)
             if num_new <= 0:
                 return None
-        new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks, num_hit, self.lookahead)
+        fresh_hit = num_hit - request.num_computed_tokens     # a finished load's tokens already count as computed
+        new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks, fresh_hit, self.lookahead)
         if new_blocks is None:
             return None
         if self.mm is not None:

@@ -26,9 +26,11 @@ class BlockFormat:
     shapes: tuple[tuple[int, ...], ...]   # one [2, kv_heads, block_size, head_dim] per cache (layer)
     nbytes: int                     # the payload: every cache's block, one after the other
 
-    def header(self, key: bytes, depth: int, crc: int) -> bytes:
+    def header(self, key: bytes, depth: int, crc: int, parent: bytes = b"") -> bytes:
+        # parent: not checked on read (the key already chains it); the restart's index learns chains from it
         return pack_header({"namespace": self.namespace, "key": key.hex(), "depth": depth, "dtype": self.dtype,
-                            "shapes": [list(s) for s in self.shapes], "nbytes": self.nbytes, "crc32": crc})
+                            "shapes": [list(s) for s in self.shapes], "nbytes": self.nbytes, "crc32": crc,
+                            "parent": parent.hex()})
 
     def check(self, fields: dict, key: bytes, depth: int) -> int:
         """The payload's checksum from a header that describes this very block; CorruptBlock otherwise."""
@@ -60,14 +62,15 @@ def read_block(path: str, fmt: BlockFormat, key: bytes, depth: int) -> bytearray
     return payload
 
 
-def write_block(path: str, fmt: BlockFormat, key: bytes, depth: int, parts: list[torch.Tensor]) -> int:
+def write_block(path: str, fmt: BlockFormat, key: bytes, depth: int, parts: list[torch.Tensor],
+                parent: bytes = b"") -> int:
     """Write a block (its caches' parts, contiguous CPU tensors) to a temporary file renamed into place:
     a reader sees the whole file or none. Returns the file's bytes."""
     views = [p.view(torch.uint8).numpy() for p in parts]
     crc = 0
     for view in views:
         crc = zlib.crc32(view, crc)
-    header = fmt.header(key, depth, crc)
+    header = fmt.header(key, depth, crc, parent)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
     try:
@@ -88,7 +91,7 @@ def write_block(path: str, fmt: BlockFormat, key: bytes, depth: int, parts: list
 @dataclass
 class SaveBatch:
     """One step's blocks: paths and keys, and each cache's gathered [2, n, ...] copy (device or CPU)."""
-    targets: list[tuple[str, bytes, int]]        # (path, key, depth) of block j
+    targets: list[tuple[str, bytes, int, bytes]]  # (path, key, depth, parent key) of block j
     gathered: list[torch.Tensor]
     event: torch.cuda.Event | None = None        # CUDA: the gather is done once this fires
     nbytes: int = 0
@@ -113,6 +116,9 @@ class BlockWriter:
         self._lock = threading.Lock()
         self._pending = 0
         self._results = WriterResults()
+        # key -> (batch, j): blocks handed over and not yet on disk. A preempted request resuming at once
+        # loads them from here (its swap-in), so it never waits for, nor misses, a write still queued.
+        self._unwritten: dict[bytes, tuple[SaveBatch, int]] = {}
         self.disabled = False
         self._thread = threading.Thread(target=self._run, name="kv-disk-writer", daemon=True)
         self._thread.start()
@@ -120,10 +126,22 @@ class BlockWriter:
     def submit(self, batch: SaveBatch) -> None:
         with self._lock:
             if self.disabled or self._pending + batch.nbytes > self.max_pending:
-                self._results.failed.extend(key for _, key, _ in batch.targets)
+                self._results.failed.extend(t[1] for t in batch.targets)
                 return
             self._pending += batch.nbytes
+            self._unwritten.update((t[1], (batch, j)) for j, t in enumerate(batch.targets))
         self._queue.put(batch)
+
+    def unwritten(self, key: bytes) -> list[torch.Tensor] | None:
+        """A block handed over and not on disk yet: each cache's part of it (read only), or None."""
+        with self._lock:
+            found = self._unwritten.get(key)
+        if found is None:
+            return None
+        batch, j = found
+        if batch.event is not None:
+            batch.event.synchronize()
+        return [g[:, j] for g in batch.gathered]
 
     def write_now(self, batch: SaveBatch) -> None:
         """Write on the caller's thread (shared storage: the step's blocks are on disk before its output
@@ -132,7 +150,7 @@ class BlockWriter:
             self._write(batch)
             return
         with self._lock:
-            self._results.failed.extend(key for _, key, _ in batch.targets)
+            self._results.failed.extend(t[1] for t in batch.targets)
 
     def take_results(self) -> WriterResults:
         with self._lock:
@@ -151,14 +169,15 @@ class BlockWriter:
         if batch.event is not None:
             batch.event.synchronize()
         host = [g.cpu() for g in batch.gathered]
-        for j, (path, key, depth) in enumerate(batch.targets):
+        for j, (path, key, depth, parent) in enumerate(batch.targets):
             if self.disabled:
                 with self._lock:
                     self._results.failed.append(key)
+                    self._forget(key, batch)
                 continue
             t0 = time.perf_counter()
             try:
-                nbytes = write_block(path, self.fmt, key, depth, [h[:, j].contiguous() for h in host])
+                nbytes = write_block(path, self.fmt, key, depth, [h[:, j].contiguous() for h in host], parent)
             except OSError as exc:
                 logger.warning("KV disk tier: cannot write %s (%s): saving stops; requests recompute what the "
                                "tier lacks", path, exc.strerror or exc)
@@ -166,10 +185,17 @@ class BlockWriter:
                     self.disabled = True
                     self._results.disabled = True
                     self._results.failed.append(key)
+                    self._forget(key, batch)
                 continue
-            with self._lock:
+            with self._lock:            # on disk now (renamed into place): a reader finds the file
                 self._results.saved.append((key, nbytes))
                 self._results.seconds += time.perf_counter() - t0
+                self._forget(key, batch)
+
+    def _forget(self, key: bytes, batch: SaveBatch) -> None:
+        # Under the lock. A later batch may hold the same key again (saved twice after an eviction): keep it.
+        if (found := self._unwritten.get(key)) is not None and found[0] is batch:
+            del self._unwritten[key]
 
     def close(self, timeout_s: float) -> None:
         """Let the blocks handed over so far reach the disk (a restart finds them), at most timeout_s."""

@@ -65,6 +65,9 @@ class DiskOffloadingWorker(KVConnectorWorker):
     def _load_chain(self, blocks: list[KVBlockTransfer]) -> int:
         """Blocks loaded, in order, up to the first that fails (the rest of the chain is computed instead)."""
         for n, block in enumerate(blocks):
+            if self._writer is not None and (parts := self._writer.unwritten(block.key)) is not None:
+                self._copy_parts(parts, block.block_id)      # saved, not on disk yet: from the writer's copy
+                continue
             path = block_path(self.dir, block.key, block.depth)
             try:
                 payload = read_block(path, self._fmt, block.key, block.depth)
@@ -95,6 +98,10 @@ class DiskOffloadingWorker(KVConnectorWorker):
             cache[:, block_id].copy_(part)
             offset += size
 
+    def _copy_parts(self, parts: list[torch.Tensor], block_id: int) -> None:
+        for cache, part in zip(self._caches, parts):
+            cache[:, block_id].copy_(part)
+
     def wait_for_layer_load(self, layer_index: int) -> None:
         pass                               # start_load_kv finished every layer before the forward
 
@@ -116,7 +123,7 @@ class DiskOffloadingWorker(KVConnectorWorker):
         if self._gathered[0].device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        targets = [(block_path(self.dir, b.key, b.depth), b.key, b.depth) for b in meta.saves]
+        targets = [(block_path(self.dir, b.key, b.depth), b.key, b.depth, b.parent) for b in meta.saves]
         batch = SaveBatch(targets, self._gathered, event, len(targets) * self._fmt.nbytes)
         if self.config.shared:
             self._writer.write_now(batch)

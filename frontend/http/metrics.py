@@ -152,6 +152,8 @@ _KV_TRANSFER_COUNTERS = (
     ("stores_skipped", "vllm:kv_offload_stores_skipped", "Blocks not stored: the writer was behind, or an I/O "
      "error stopped saving."),
     ("evictions", "vllm:kv_offload_block_eviction", "Blocks the tier deleted to stay within its size."),
+    ("swapped_in_tokens", "pagedserve:kv_offload_swapped_in_tokens", "Tokens of preempted requests loaded back "
+     "from the tier when they resumed, instead of recomputed."),
 )
 # (stats field, direction): bytes and seconds per transfer direction.
 _KV_TRANSFERS = (("store", "{device}_to_DISK"), ("load", "DISK_to_{device}"))

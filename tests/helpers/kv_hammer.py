@@ -40,7 +40,7 @@ def main(folder: str, seed: int, rounds: int) -> dict:
     for _ in range(rounds):
         keys = rng.sample(KEYS, 8)
         gathered = [torch.stack([block_content(k)[c] for k in keys], dim=1) for c in range(NUM_CACHES)]
-        writer.submit(SaveBatch([(block_path(folder, k, 0), k, 0) for k in keys], gathered,
+        writer.submit(SaveBatch([(block_path(folder, k, 0), k, 0, b"") for k in keys], gathered,
                                 nbytes=len(keys) * FMT.nbytes))
         for key in KEYS:                    # while this writer's thread and the twin write the same files
             try:

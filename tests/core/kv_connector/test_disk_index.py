@@ -84,7 +84,7 @@ def test_restart_scans_blocks_and_drops_stale_temporary_files(tmp_path):
     ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"path": "."}}, "size_gib"),
     ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"path": ".", "size_gib": -1}},
      "above 0"),
-    ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"backend": "native"}},
+    ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"backend": "lmcache"}},
      "backend must be one of"),
 ])
 def test_kv_transfer_config_is_checked(transfer, message):
