@@ -14,7 +14,7 @@ from pagedserve.common.config.engine_args import EngineArgs
 from pagedserve.common.kv_transfer.layout import block_path, parse_block_name, read_parent
 from pagedserve.core.block_hash import BlockHasher
 from pagedserve.ipc.messages import SchedulerStats
-from pagedserve.tests.helpers.tiny_models import random_prompts
+from pagedserve.tests.helpers.models.tiny_models import random_prompts
 
 BS = 16
 # Four prompts of 2-3 full blocks, each growing by 40 tokens: 4 x 6 blocks at the end, in a pool of 12.

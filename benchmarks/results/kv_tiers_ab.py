@@ -8,7 +8,7 @@ measured in the same run, A/B alternated. One JSON line per measurement in --res
            tier's load time for the N tokens' blocks (the cost swap pays instead of a prefill of N tokens).
   dd       the tier's own write/read bandwidth (its kv_transfer totals) against dd on the same folder.
 
-  PYTHONPATH=.. python scripts/bench_kv_tiers.py --folder /var/tmp/kvbench --result-file \
+  PYTHONPATH=.. python benchmarks/results/kv_tiers_ab.py --folder /var/tmp/kvbench --result-file \
       benchmarks/results/kv_tiers.jsonl chat restart dd
 """
 from __future__ import annotations
