@@ -88,7 +88,9 @@ class Proxy:
             return "connect"
         except httpx.TimeoutException:
             return "timeout"
-        except httpx.TransportError as exc:     # reset, or closed before a response: a dying replica
+        except (httpx.TransportError, OSError, AttributeError) as exc:     # reset, or closed before a response
+            # A dying replica. AttributeError too: httpcore asks anyio for the peer of a socket the replica's
+            # death closed under it ('NoneType' object has no attribute 'getpeername'), a 500 otherwise.
             self.pool.mark_down(replica, f"{type(exc).__name__}: {exc}")
             return "reset"
 

@@ -38,7 +38,7 @@ WHERE = {
     "async_scheduling": "scheduler.async_scheduling", "tensor_parallel_size": "parallel.tensor_parallel_size",
     "reasoning_parser": "structured_outputs.reasoning_parser",
     "structured_outputs_compile_timeout": "structured_outputs.compile_timeout_s",
-    "seed": "model.seed", "enforce_eager": "model.enforce_eager",
+    "seed": "model.seed", "enforce_eager": "model.enforce_eager", "batch_invariant": "model.batch_invariant",
     "pipeline_parallel_size": "parallel.pipeline_parallel_size",
     "worker_extension_cls": "rl.worker_extension_cls", "enable_sleep_mode": "rl.enable_sleep_mode",
     "requests_while_sleeping": "rl.requests_while_sleeping",
@@ -104,7 +104,7 @@ def test_unset_settings_resolve_to_the_engine_args_defaults(tiny_llama_dir):
     ("num_gpu_blocks_override", 300), ("max_num_seqs", 3), ("max_waiting_requests", None),
     ("scheduling_policy", "priority"), ("enable_chunked_prefill", False), ("async_scheduling", True),
     ("tensor_parallel_size", 2), ("reasoning_parser", "deepseek_r1"), ("structured_outputs_compile_timeout", 2.5),
-    ("seed", 9), ("enforce_eager", True),
+    ("seed", 9), ("enforce_eager", True), ("batch_invariant", True),
     ("worker_extension_cls", "pagedserve.tests.helpers.rl.rl_extension.Probe"), ("enable_sleep_mode", True),
     ("requests_while_sleeping", "wait"),
 ])

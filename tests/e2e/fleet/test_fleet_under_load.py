@@ -102,8 +102,13 @@ def _post(srv: Server, path: str, body: object) -> httpx.Response:
 
 def test_kill_drain_and_scale_under_load_lose_no_request(tiny_serving_model):
     with ThreadPoolExecutor(3) as starting:
-        killed, drained, scaled = starting.map(lambda extra: _start(tiny_serving_model, *extra),
-                                               [(), (), ("--enable-elastic-ep",)])
+        starts = [starting.submit(_start, tiny_serving_model, *extra) for extra in [(), (), ("--enable-elastic-ep",)]]
+    started = [s.result() for s in starts if s.exception() is None]
+    if len(started) < 3:                      # stop the ones that came up before failing on the one that did not
+        for server in started:
+            server.stop()
+        next(s for s in starts if s.exception() is not None).result()
+    killed, drained, scaled = started
     servers = [killed, drained, scaled]
     router = Router(*(s.url for s in servers), backend_key=API_KEY, routing="least-load")
     load = None

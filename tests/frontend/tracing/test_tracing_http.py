@@ -81,7 +81,7 @@ def test_a_span_per_request_joins_the_callers_trace(traced_server, receiver):
     assert a["gen_ai.latency.time_to_first_token"] <= a["gen_ai.latency.e2e"]
     # --collect-detailed-traces all: the model's times, summed over the request's steps in the engine core.
     forward, execute = a["gen_ai.latency.time_in_model_forward"], a["gen_ai.latency.time_in_model_execute"]
-    assert 0 < forward <= execute <= a["gen_ai.latency.time_in_model_inference"] + 1e-3
+    assert 0 < forward <= execute <= a["gen_ai.latency.e2e"]     # the steps it was in lie within its life
     # The span runs from the request's arrival to its last token.
     duration = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
     assert duration == pytest.approx(a["gen_ai.latency.e2e"], abs=1e-3)
