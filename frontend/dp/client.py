@@ -275,6 +275,7 @@ class DataParallelClient:
         proc = await asyncio.to_thread(self.start)
         client = AsyncMPClient(proc.addresses, proc.token, proc,
                                heartbeat_timeout_s=self.clients[0].heartbeat_timeout_s)
+        client.use_mm_cache(self.clients[0].mm_cache_gb)      # its core holds no items yet: a fresh mirror
         try:
             await client.call_utility("ping", timeout_s=30.0)      # be seen by its output socket first
             await self._replay_loras(client)
